@@ -1,0 +1,137 @@
+"""Gradient buckets: the pure assignment function and the flat-buffer Bucket.
+
+[Note: bucket assignment]
+Parameters are packed into buckets by walking them in a given order and
+sealing the open bucket of a (dtype, device) key once its byte size *reaches*
+the current cap, so a bucket may overshoot the cap by one tensor. Each key
+walks its own list of caps; the last cap repeats. The result is ordered by
+where each bucket's first tensor sits in the walk. DDP calls this twice:
+
+- at construction, over definition order, and then reverses the list so the
+  last-defined layers (whose gradients arrive first) land in bucket 0;
+- at the rebuild, over the order in which gradients actually arrived during a
+  backward, with caps [1 MiB, bucket_cap, ...]; no reversal is needed there.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+#: First bucket's cap after a rebuild: small, so the first all-reduce starts early.
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+#: bucket_cap_mb's default.
+DEFAULT_BUCKET_CAP_MB = 25
+MIB = 1024 * 1024
+
+
+def assign_buckets(
+    sizes: Sequence[int],
+    caps: Sequence[int],
+    *,
+    keys: Sequence[Hashable] | None = None,
+    order: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Group tensor indices into buckets by byte size (see [Note: bucket assignment]).
+
+    ``sizes[i]`` is tensor i's size in bytes, ``keys[i]`` its (dtype, device)
+    key (tensors with different keys never share a bucket), ``order`` the walk
+    order (default: index order). ``caps`` must be non-empty; the last repeats.
+
+    >>> assign_buckets([400, 800, 400, 200], [400])
+    [[0], [1], [2], [3]]
+    """
+    if not caps:
+        raise ValueError("assign_buckets needs at least one cap")
+    if any(c <= 0 for c in caps):
+        raise ValueError(f"bucket caps must be positive, got {list(caps)}")
+    n = len(sizes)
+    walk = list(range(n)) if order is None else list(order)
+    if sorted(walk) != list(range(n)):
+        raise ValueError(f"order must be a permutation of range({n}), got {walk}")
+    keys = [None] * n if keys is None else list(keys)
+    if len(keys) != n:
+        raise ValueError(f"got {n} sizes but {len(keys)} keys")
+
+    sealed: list[list[int]] = []
+    open_: dict[Hashable, list[int]] = {}
+    filled: dict[Hashable, int] = {}
+    cap_index: dict[Hashable, int] = {}
+    for i in walk:
+        k = keys[i]
+        open_.setdefault(k, []).append(i)
+        filled[k] = filled.get(k, 0) + sizes[i]
+        ci = cap_index.get(k, 0)
+        if filled[k] >= caps[min(ci, len(caps) - 1)]:
+            sealed.append(open_.pop(k))
+            filled[k] = 0
+            cap_index[k] = ci + 1
+    sealed.extend(b for b in open_.values() if b)
+    position = {idx: pos for pos, idx in enumerate(walk)}
+    sealed.sort(key=lambda b: position[b[0]])
+    return sealed
+
+
+def bucket_key(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    """The key that decides which tensors may share a flat buffer."""
+    return (t.dtype, t.device)
+
+
+class BucketState(enum.Enum):
+    """Where a bucket is in one backward pass."""
+
+    FILLING = "filling"    # waiting for some of its gradients
+    READY = "ready"        # every gradient copied in; waiting for lower buckets to launch
+    LAUNCHED = "launched"  # its collective (or comm hook) is in flight
+
+
+class Bucket:
+    """A flat buffer holding the gradients of several parameters, plus the views into it."""
+
+    def __init__(
+        self,
+        index: int,
+        param_indices: list[int],
+        params: list[torch.Tensor],
+        allocate: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    ) -> None:
+        # Position in launch order; bucket 0 launches first.
+        self.index = index
+        # Global (definition-order) indices of the parameters held here.
+        self.param_indices = param_indices
+        # The parameters themselves, in slot order.
+        self.params = params
+        dtype, device = params[0].dtype, params[0].device
+        self.numels = [p.numel() for p in params]
+        # Element offset of each slot inside the flat buffer.
+        self.offsets: list[int] = []
+        total = 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += n
+        # The flat buffer the collective reduces; may live in shared memory.
+        self.buffer = allocate(total, dtype, device)
+        # Per-slot views shaped like the parameters (and, with
+        # gradient_as_bucket_view, what param.grad becomes).
+        self.views = [
+            self.buffer.narrow(0, off, n).view(p.shape)
+            for off, n, p in zip(self.offsets, self.numels, params)
+        ]
+        # Gradients still missing in this backward.
+        self.pending = len(params)
+        # Lifecycle within one backward.
+        self.state = BucketState.FILLING
+        # Future of the in-flight collective; resolves to the reduced flat tensor.
+        self.future: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.state = BucketState.FILLING
+        self.future = None

@@ -1,0 +1,116 @@
+"""Every user-facing error text of the DDP side, in one place.
+
+Where users search for torch's wording, the first sentence matches it on
+purpose; gradring then adds what torch leaves out: parameter names and ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _names(indices: Sequence[int], names: Sequence[str], limit: int = 20) -> str:
+    shown = [f"{i} ({names[i]})" for i in list(indices)[:limit]]
+    more = len(indices) - len(shown)
+    return ", ".join(shown) + (f", ... and {more} more" if more > 0 else "")
+
+
+def param_count_mismatch(counts: Sequence[int]) -> str:
+    bad = next(r for r, c in enumerate(counts) if c != counts[0])
+    return (
+        f"DDP expects same model across all ranks, but Rank 0 has {counts[0]} params, "
+        f"while rank {bad} has inconsistent {counts[bad]} params."
+    )
+
+
+def param_shape_mismatch(
+    index: int, name: str, what: str, mine: Sequence[int], theirs: Sequence[int], rank: int
+) -> str:
+    return (
+        f"params[{index}] in this process with {what} {list(mine)} appears not to match "
+        f"{what} of the same param in process 0. (gradring: params[{index}] is '{name}' "
+        f"on rank {rank}; process 0 has {what} {list(theirs)}.)"
+    )
+
+
+def unfinished_reduction(
+    per_rank_missing: dict[int, list[int]], names: Sequence[str], *, static_graph: bool
+) -> str:
+    head = (
+        "Expected to have finished reduction in the prior iteration before starting a new "
+        "one. This error indicates that your module has parameters that were not used in "
+        "producing loss. "
+    )
+    if static_graph:
+        head += (
+            "Your training graph has changed in this iteration, e.g., one parameter is used "
+            "in first iteration, but then got unused in the second iteration. this is not "
+            "compatible with static_graph set to True. "
+        )
+    else:
+        head += (
+            "You can enable unused parameter detection by passing the keyword argument "
+            "`find_unused_parameters=True` to `gradring.DistributedDataParallel`, and by "
+            "making sure all `forward` function outputs participate in calculating loss. "
+        )
+    lines = [head.rstrip()]
+    for rank in sorted(per_rank_missing):
+        idx = per_rank_missing[rank]
+        lines.append(
+            f"Parameter indices which did not receive grad for rank {rank}: "
+            f"{' '.join(map(str, idx))}\n"
+            f"  names: {_names(idx, names)}"
+        )
+    return "\n".join(lines)
+
+
+def marked_twice(index: int, name: str) -> str:
+    return (
+        "Expected to mark a variable ready only once. "
+        f"Parameter {index} ('{name}') had its gradient reduced twice in this backward. "
+        "Likely causes: 1) the parameter is used outside the module's `forward` (its "
+        "gradient was produced twice); 2) reentrant backward passes reuse it, e.g. "
+        "`torch.utils.checkpoint` with use_reentrant=True around a module that runs more "
+        "than once (use use_reentrant=False, or static_graph=True if the graph does not "
+        "change between iterations); 3) the same module is wrapped by several DDP "
+        "instances or called several times in one forward while find_unused_parameters=True."
+    )
+
+
+def static_graph_newly_used(index: int, name: str) -> str:
+    return (
+        "Your training graph has changed in this iteration, e.g., one parameter is unused "
+        "in first iteration, but then got used in the second iteration. this is not "
+        f"compatible with static_graph set to True. (gradring: parameter {index} "
+        f"'{name}' received a gradient but was unused in the first iteration.)"
+    )
+
+
+def backward_twice() -> str:
+    return (
+        "gradring DDP: backward() ran a second time after a single forward() while "
+        "gradient synchronization is on. Gradients are reduced once per forward; run "
+        "forward again before the next backward, or accumulate locally inside no_sync()."
+    )
+
+
+def no_trainable_params() -> str:
+    return (
+        "DistributedDataParallel is not needed when a module doesn't have any parameter "
+        "that requires a gradient."
+    )
+
+
+def mixed_devices(devices: Sequence[str]) -> str:
+    return (
+        "gradring DDP needs every parameter on one device, but the module's parameters "
+        f"are on {sorted(set(devices))}. Move the module to a single device first."
+    )
+
+
+def not_initialized() -> str:
+    return (
+        "Default process group has not been initialized, please make sure to call "
+        "init_process_group (or launch under torchrun) before constructing "
+        "gradring.DistributedDataParallel."
+    )

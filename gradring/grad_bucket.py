@@ -1,0 +1,40 @@
+"""The bucket object a communication hook sees (the same surface as torch's GradBucket)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradring.buckets import Bucket
+
+
+class GradBucket:
+    """What ``hook(state, bucket)`` receives: one flat buffer and the views into it.
+
+    ``buffer()`` holds this rank's gradients, *not* divided by the world size:
+    dividing is the hook's job, exactly as with torch's GradBucket.
+    """
+
+    __slots__ = ("_bucket", "_last")
+
+    def __init__(self, bucket: Bucket, *, is_last: bool) -> None:
+        self._bucket = bucket
+        self._last = is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the contents (copied in: the buffer stays in shared memory)."""
+        self._bucket.buffer.copy_(tensor.reshape(-1))

@@ -1,0 +1,53 @@
+"""Walking the autograd graph to find the parameters a forward did not use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Yield every tensor inside a (possibly nested) forward output."""
+    stack = [obj]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, torch.Tensor):
+            yield cur
+        elif isinstance(cur, dict):
+            stack.extend(reversed(list(cur.values())))
+        elif isinstance(cur, (list, tuple)):
+            stack.extend(reversed(cur))
+        elif hasattr(cur, "__dataclass_fields__"):
+            stack.extend(getattr(cur, f) for f in reversed(list(cur.__dataclass_fields__)))
+
+
+def reachable_params(outputs: Iterable[torch.Tensor], param_index: dict[int, int]) -> set[int]:
+    """Indices of parameters whose AccumulateGrad node is reachable from ``outputs``.
+
+    ``param_index`` maps ``id(param)`` to its index. The walk is an explicit
+    stack, so very deep graphs cannot hit Python's recursion limit.
+    """
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for t in outputs:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad and id(t) in param_index:
+            found.add(param_index[id(t)])
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            idx = param_index.get(id(var))
+            if idx is not None:
+                found.add(idx)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return found

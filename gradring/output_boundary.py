@@ -1,0 +1,58 @@
+"""The autograd Function placed around the forward's outputs (SPEC S9).
+
+It is an identity in forward. In backward it does two things:
+- grads of outputs the loss never used arrive as None and are passed on as
+  None, so no zero tensors are materialised for them;
+- in static_graph's first iteration it queues the delayed all-reduce that
+  runs after the whole backward (see Reducer.delay_all_reduce).
+It is applied only when find_unused_parameters is on without static_graph,
+or in static_graph's first iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradring.graph import iter_tensors
+
+
+class _OutputBoundary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, reducer: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.reducer = reducer
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.reducer.on_boundary_backward()
+        return (None, *grads)
+
+
+def wrap_outputs(out: Any, reducer: Any) -> Any:
+    """Route every grad-requiring tensor of ``out`` through the boundary Function."""
+    tensors = [t for t in iter_tensors(out) if t.requires_grad]
+    if not tensors:
+        return out
+    wrapped = _OutputBoundary.apply(reducer, *tensors)
+    mapping = {id(t): w for t, w in zip(tensors, wrapped)}
+    return _replace(out, mapping)
+
+
+def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return mapping.get(id(obj), obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replace(v, mapping)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_replace(v, mapping) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace(v, mapping) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.replace(
+            obj, **{f: _replace(getattr(obj, f), mapping) for f in obj.__dataclass_fields__})
+    return obj

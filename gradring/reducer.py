@@ -1,0 +1,419 @@
+"""The Reducer: per-iteration state machine that averages gradients across ranks.
+
+[Note: one backward, as the reducer sees it]
+1. ``prepare_for_backward`` (after forward) resets pending counts and, with
+   find_unused_parameters, records which parameters the forward never reached.
+2. Each parameter's post-accumulate-grad hook calls ``_on_grad``: its gradient
+   is copied (scaled by 1/world_size) into its slot of a flat bucket, and the
+   bucket's pending count drops. The first hook of a backward also marks the
+   unused parameters ready (their slots are zeroed).
+3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
+   order: a ready bucket waits until every lower bucket has launched, then all
+   ready ones go together. Launching is asynchronous, so bucket k's collective
+   overlaps the backward of earlier layers.
+4. When the last bucket launches, a callback is queued on the autograd engine.
+   At the end of the backward it waits for every future and writes the result
+   into ``param.grad``. When ``loss.backward()`` returns, gradients are reduced.
+If a backward ends with a bucket that never became ready (an unused parameter
+without find_unused_parameters), the callback is never queued, the reduction
+stays unfinished, and the next forward raises, naming the parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradring import errors
+from gradring.buckets import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    Bucket,
+    BucketState,
+    assign_buckets,
+    bucket_key,
+)
+from gradring.communicator import GroupComm
+from gradring.grad_bucket import GradBucket
+from gradring.graph import reachable_params
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+def _queue_engine_callback(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class Reducer:
+    """Owns the buckets and drives their reduction during backward."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        comm: GroupComm,
+        *,
+        bucket_cap_bytes: int,
+        initial_caps: Sequence[int],
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        # Parameters that require grad, in the module's definition order.
+        self.params = list(params)
+        # Their qualified names, for errors that name names.
+        self.names = list(names)
+        # id(param) -> index, for the graph walk.
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        # Collectives over the DDP process group.
+        self.comm = comm
+        # bucket_cap_mb in bytes; caps after the rebuild are [1 MiB, this, ...].
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.find_unused = find_unused_parameters
+        self.grad_as_view = gradient_as_bucket_view
+        # Set by DDP before the first iteration (static_graph=True or _set_static_graph()).
+        self.static_graph = False
+        # Sizes in bytes and (dtype, device) keys, fixed for the module's life.
+        self._sizes = [p.numel() * p.element_size() for p in self.params]
+        self._keys = [bucket_key(p) for p in self.params]
+        groups = assign_buckets(self._sizes, initial_caps, keys=self._keys)
+        groups.reverse()
+        self.buckets: list[Bucket] = []
+        # param index -> (bucket index, slot index)
+        self._locator: list[tuple[int, int]] = []
+        self._install(groups)
+        # What _get_ddp_logging_data reports about the construction-time buckets.
+        self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
+        self.rebuilt_bucket_sizes: list[int] = []
+        self.rebuilt_param_indices: list[list[int]] = []
+        self.has_rebuilt = False
+        # Order in which gradients arrived, recorded once for the rebuild.
+        self._arrival: list[int] = []
+        # Optional communication hook and its state (register_comm_hook).
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+        # Optional per-bucket callback run after a bucket is reduced (fused optimizer).
+        self.post_reduce: Callable[[Bucket], None] | None = None
+        # Division factor for the default path; Join may change it per iteration.
+        self.divide_factor = comm.world_size
+        # --- per-iteration state ---
+        # Hooks count only between prepare_for_backward and finalize.
+        self.expect_hooks = False
+        # True once a backward marked anything ready and until finalize ran.
+        self.require_finalize = False
+        # True between finalize and the next forward: a new backward is a user error.
+        self._finalized_since_forward = False
+        # Whether each parameter was marked ready in this backward.
+        self._ready = [False] * len(self.params)
+        # Next bucket index to launch.
+        self._next_bucket = 0
+        # The first hook of a backward marks unused parameters ready.
+        self._first_hook_done = False
+        # find_unused_parameters: parameters the forward did not reach.
+        self._unused: list[int] = []
+        # find_unused_parameters: 1 where this rank produced a gradient.
+        self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._used_future: Any = None
+        self._warned_nothing_unused = False
+        # static_graph: hook firings per parameter counted in iteration 1.
+        self._static_counts = [0] * len(self.params)
+        self._static_remaining = [0] * len(self.params)
+        self._static_unused: list[int] = []
+        # static_graph: 0 for parameters no rank used in iteration 1 (their .grad stays put).
+        self._static_used: list[int] | None = None
+        # True while delay_all_reduce marks everything ready (it finalizes itself).
+        self._delayed = False
+        # static_graph: the delayed all-reduce is queued once per first backward.
+        self._delay_queued = False
+        # Backward passes that ran with sync on (static_graph's iteration counter).
+        self.num_backward = 0
+        self.num_forward = 0
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
+        ]
+
+    # ------------------------------------------------------------------ buckets
+    def _install(self, groups: list[list[int]]) -> None:
+        old = {i: (self.buckets[b].views[s]) for i, (b, s) in enumerate(self._locator)} \
+            if self.buckets else {}
+        buckets = []
+        locator: list[tuple[int, int]] = [(0, 0)] * len(self.params)
+        for bi, idxs in enumerate(groups):
+            bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], self.comm.empty)
+            for slot, i in enumerate(idxs):
+                locator[i] = (bi, slot)
+            buckets.append(bucket)
+        self.buckets, self._locator = buckets, locator
+        if self.grad_as_view:
+            # Keep accumulated values (e.g. from no_sync) and point .grad at the new views.
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    b, s = locator[i]
+                    view = buckets[b].views[s]
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+                    elif i in old:
+                        pass
+        self._next_bucket = 0
+
+    def rebuild_if_needed(self) -> bool:
+        """At the start of a forward: rebuild buckets in gradient-arrival order, once."""
+        if self.has_rebuilt or self.find_unused and not self.static_graph:
+            return False
+        if len(self._arrival) != len(self.params):
+            return False
+        order = torch.tensor(self._arrival, dtype=torch.int64)
+        # Every rank must bucket identically: rank 0's order wins.
+        self.comm.broadcast_coalesced([order])
+        caps = [DEFAULT_FIRST_BUCKET_BYTES, self.bucket_cap_bytes]
+        groups = assign_buckets(self._sizes, caps, keys=self._keys, order=order.tolist())
+        self._install(groups)
+        self.has_rebuilt = True
+        self.rebuilt_bucket_sizes = [b.nbytes for b in self.buckets]
+        self.rebuilt_param_indices = [list(b.param_indices) for b in self.buckets]
+        self._arrival = []
+        return True
+
+    def _recording_arrival(self) -> bool:
+        if self.has_rebuilt or (self.find_unused and not self.static_graph):
+            return False
+        # static_graph's first backward marks everything ready at once, in index
+        # order; the real arrival order is only seen in the second backward.
+        return not (self.static_graph and self.num_backward <= 1)
+
+    # ---------------------------------------------------------------- iteration
+    def note_unsynced_forward(self) -> None:
+        """A forward under no_sync() or no_grad: its backward (if any) only accumulates."""
+        self._finalized_since_forward = False
+
+    def prepare_for_forward(self) -> None:
+        """Called by a forward that will be followed by a synchronised backward."""
+        if self.require_finalize:
+            self._raise_unfinished()
+        self.num_forward += 1
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | None) -> None:
+        """Reset per-iteration state after a forward; find unused parameters if asked."""
+        self.expect_hooks = True
+        self._finalized_since_forward = False
+        self._ready = [False] * len(self.params)
+        self._first_hook_done = False
+        self._delay_queued = False
+        self._next_bucket = 0
+        for b in self.buckets:
+            b.reset()
+        if self.static_graph:
+            self._static_remaining = list(self._static_counts)
+        if self.find_unused and not self.static_graph:
+            self._local_used.zero_()
+            reached = reachable_params(outputs or [], self._index_of)
+            self._unused = [i for i in range(len(self.params)) if i not in reached]
+            if not self._unused and not self._warned_nothing_unused:
+                self._warned_nothing_unused = True
+                warnings.warn(
+                    "find_unused_parameters=True was specified in DDP constructor, but did "
+                    "not find any unused parameters in the forward pass. This flag results "
+                    "in an extra traversal of the autograd graph every iteration, which can "
+                    "adversely affect performance. If your model indeed never has any unused "
+                    "parameters in the forward pass, consider turning this flag off.",
+                    stacklevel=3,
+                )
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self._on_grad(index)
+        return hook
+
+    def _on_grad(self, i: int) -> None:
+        if not self.expect_hooks:
+            if self._finalized_since_forward:
+                raise RuntimeError(errors.backward_twice())
+            return  # no_sync, or a backward not preceded by a DDP forward
+        if self.static_graph:
+            if self.num_backward == 0:
+                self._static_counts[i] += 1  # iteration 1: count only, reduce at the end
+                return
+            if self._static_counts[i] == 0:
+                raise RuntimeError(errors.static_graph_newly_used(i, self.names[i]))
+            self._static_remaining[i] -= 1
+            if self._static_remaining[i] > 0:
+                return
+        if not self._first_hook_done:
+            self._first_hook_done = True
+            for j in self._unused_for_iteration():
+                self._mark_ready(j)
+        if self.find_unused:
+            self._local_used[i] = 1
+        self._mark_ready(i)
+
+    def _unused_for_iteration(self) -> list[int]:
+        if self.static_graph:
+            return self._static_unused
+        return self._unused if self.find_unused else []
+
+    def _mark_ready(self, i: int) -> None:
+        if self._ready[i]:
+            raise RuntimeError(errors.marked_twice(i, self.names[i]))
+        self._ready[i] = True
+        self.require_finalize = True
+        b, s = self._locator[i]
+        bucket = self.buckets[b]
+        p = self.params[i]
+        view = bucket.views[s]
+        grad = p.grad
+        scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            elif self.grad_as_view and grad.data_ptr() == view.data_ptr():
+                if scale != 1.0:
+                    view.mul_(scale)
+            else:
+                if scale != 1.0:
+                    torch.mul(grad, scale, out=view)
+                else:
+                    view.copy_(grad)
+                if self.grad_as_view:
+                    p.grad = view
+        if self._recording_arrival():
+            self._arrival.append(i)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.state = BucketState.READY
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        buckets = self.buckets
+        while self._next_bucket < len(buckets) and \
+                buckets[self._next_bucket].state is BucketState.READY:
+            self._launch(buckets[self._next_bucket])
+            self._next_bucket += 1
+        if self._next_bucket == len(buckets):
+            if self.find_unused and not self.static_graph:
+                self._used_future = self.comm.all_reduce(self._local_used)
+            if not self._delayed:
+                _queue_engine_callback(self._finalize)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.state = BucketState.LAUNCHED
+        if self.comm_hook is None:
+            bucket.future = self.comm.all_reduce(bucket.buffer)
+        else:
+            gb = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
+            bucket.future = self.comm_hook(self.comm_hook_state, gb)
+
+    def delay_all_reduce(self) -> None:
+        """static_graph, iteration 1: everything was counted; now reduce all buckets at once."""
+        self._static_unused = [i for i, c in enumerate(self._static_counts) if c == 0]
+        used = torch.tensor([int(c > 0) for c in self._static_counts], dtype=torch.int32)
+        self._delayed = True
+        try:
+            for i in range(len(self.params)):
+                self._mark_ready(i)
+        finally:
+            self._delayed = False
+        # Learn once which parameters no rank uses; their .grad is never written.
+        self._used_future = self.comm.all_reduce(used)
+        self._finalize()
+
+    def shadow_backward(self) -> None:
+        """Join: issue this backward's collectives with zero gradients (see [Note: shadowing])."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.future.wait()
+            bucket.reset()
+        if self.find_unused and not self.static_graph:
+            self.comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32)).wait()
+        if self._recording_arrival() and len(self._arrival) != len(self.params):
+            # Rebuild in step with the others; rank 0's order is what counts.
+            self._arrival = list(range(len(self.params)))
+        self.num_backward += 1
+
+    # ----------------------------------------------------------------- finalize
+    def _finalize(self) -> None:
+        used: list[int] | None = self._static_used
+        if self._used_future is not None:
+            # Launched after every bucket, so waiting here waits for all of them.
+            used_t = self._used_future.wait()
+            used = (used_t[0] if isinstance(used_t, (list, tuple)) else used_t).tolist()
+            self._used_future = None
+            if self.static_graph:
+                self._static_used = used
+        with torch.no_grad():
+            for bucket in self.buckets:
+                # Bucket by bucket: the later ones may still be in flight meanwhile.
+                value = bucket.future.wait()
+                if isinstance(value, (list, tuple)):
+                    value = value[0]
+                if value is not bucket.buffer:
+                    bucket.buffer.copy_(value.reshape(-1))
+                self._write_grads(bucket, used)
+                if self.post_reduce is not None:
+                    self.post_reduce(bucket)
+        self.expect_hooks = False
+        self.require_finalize = False
+        self._finalized_since_forward = True
+        self.num_backward += 1
+
+    def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
+        for slot, i in enumerate(bucket.param_indices):
+            if used is not None and used[i] == 0:
+                continue  # unused on every rank: leave .grad untouched
+            p = self.params[i]
+            view = bucket.views[slot]
+            if self.grad_as_view:
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+    def static_first_backward(self) -> bool:
+        return self.static_graph and self.num_backward == 0
+
+    def on_boundary_backward(self) -> None:
+        """The output boundary's backward ran: in static_graph's first
+        iteration, queue the delayed all-reduce for the end of this backward."""
+        if self.static_first_backward() and not self._delay_queued:
+            self._delay_queued = True
+            _queue_engine_callback(self.delay_all_reduce)
+
+    # -------------------------------------------------------------------- errors
+    def _raise_unfinished(self) -> None:
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        per_rank = {self.comm.rank: missing}
+        per_rank.update(self._peer_missing(missing))
+        # Drain what was launched, so no collective is left dangling.
+        for b in self.buckets:
+            if b.future is not None:
+                try:
+                    b.future.wait()
+                except Exception:  # noqa: BLE001 - the unfinished reduction is the error
+                    pass
+        self.require_finalize = False
+        self.expect_hooks = False
+        raise RuntimeError(
+            errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph)
+        )
+
+    def _peer_missing(self, missing: list[int]) -> dict[int, list[int]]:
+        """Swap the missing-gradient lists with the other ranks through the store.
+
+        The store, not a collective: ranks in this state may disagree about
+        which collectives they issued, and a collective here could pair with
+        the wrong one. Ranks that do not answer quickly are simply left out.
+        """
+        from gradring._store import exchange_lists  # local: only on the error path
+
+        return exchange_lists(self.comm, f"unused/{self.num_forward}", missing)
+
+    def remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
