@@ -168,19 +168,19 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------ construction
     def _verify_same_model(self, params: list[torch.Tensor]) -> None:
+        """Every rank checks every rank against rank 0, so all of them raise together."""
         meta = [(tuple(p.shape), tuple(p.stride())) for p in params]
-        everyone = self._comm.all_gather_object(meta)
-        counts = [len(m) for m in everyone]
+        everyone = self._comm.all_gather_object((meta, self._param_names))
+        counts = [len(m) for m, _ in everyone]
         if any(c != counts[0] for c in counts):
             raise RuntimeError(errors.param_count_mismatch(counts))
-        mine, ref = everyone[self._comm.rank], everyone[0]
-        for i, ((shape, stride), (rshape, rstride)) in enumerate(zip(mine, ref)):
-            if shape != rshape:
-                raise RuntimeError(errors.param_shape_mismatch(
-                    i, self._param_names[i], "sizes", shape, rshape, self._comm.rank))
-            if stride != rstride:
-                raise RuntimeError(errors.param_shape_mismatch(
-                    i, self._param_names[i], "strides", stride, rstride, self._comm.rank))
+        ref = everyone[0][0]
+        for rank, (theirs, names) in enumerate(everyone):
+            for i, ((shape, stride), (rshape, rstride)) in enumerate(zip(theirs, ref)):
+                for what, mine, want in (("sizes", shape, rshape), ("strides", stride, rstride)):
+                    if mine != want:
+                        raise RuntimeError(errors.param_shape_mismatch(
+                            i, names[i], what, mine, want, rank))
 
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (see SPEC S7)."""

@@ -14,17 +14,19 @@ class GradBucket:
     dividing is the hook's job, exactly as with torch's GradBucket.
     """
 
-    __slots__ = ("_bucket", "_last")
+    __slots__ = ("_bucket", "_last", "_buffer")
 
     def __init__(self, bucket: Bucket, *, is_last: bool) -> None:
         self._bucket = bucket
         self._last = is_last
+        # What buffer() returns: the bucket's flat buffer until a hook replaces it.
+        self._buffer = bucket.buffer
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        return self._bucket.buffer
+        return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
         return list(self._bucket.views)
@@ -36,5 +38,7 @@ class GradBucket:
         return self._last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the contents (copied in: the buffer stays in shared memory)."""
-        self._bucket.buffer.copy_(tensor.reshape(-1))
+        """Make ``buffer()`` return ``tensor`` for the rest of this hook call (e.g. an
+        fp16 copy). The reducer copies whatever the hook's future returns back into
+        the bucket's own buffer, converting the dtype."""
+        self._buffer = tensor

@@ -38,6 +38,7 @@ from gradring.buckets import (
 from gradring.communicator import GroupComm
 from gradring.grad_bucket import GradBucket
 from gradring.graph import reachable_params
+from gradring.trace import Trace
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
@@ -95,6 +96,8 @@ class Reducer:
         self.comm_hook_state: Any = None
         # Optional per-bucket callback run after a bucket is reduced (fused optimizer).
         self.post_reduce: Callable[[Bucket], None] | None = None
+        # Ring buffer of timestamped events (overlap statistics, timelines).
+        self.trace = Trace()
         # Division factor for the default path; Join may change it per iteration.
         self.divide_factor = comm.world_size
         # --- per-iteration state ---
@@ -243,6 +246,7 @@ class Reducer:
                 return
         if not self._first_hook_done:
             self._first_hook_done = True
+            self.trace.mark("backward_start")
             for j in self._unused_for_iteration():
                 self._mark_ready(j)
         if self.find_unused:
@@ -283,6 +287,7 @@ class Reducer:
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.state = BucketState.READY
+            self.trace.mark("ready", b)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -299,11 +304,15 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.state = BucketState.LAUNCHED
+        index, trace = bucket.index, self.trace
+        trace.mark("launch", index)
         if self.comm_hook is None:
             bucket.future = self.comm.all_reduce(bucket.buffer)
         else:
-            gb = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
+            gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
             bucket.future = self.comm_hook(self.comm_hook_state, gb)
+        it = trace.iteration  # the callback may run after finalize moved on
+        bucket.future.add_done_callback(lambda _f: trace.mark("comm_done", index, it))
 
     def delay_all_reduce(self) -> None:
         """static_graph, iteration 1: everything was counted; now reduce all buckets at once."""
@@ -336,6 +345,7 @@ class Reducer:
 
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
+        self.trace.mark("backward_end")
         used: list[int] | None = self._static_used
         if self._used_future is not None:
             # Launched after every bucket, so waiting here waits for all of them.
@@ -355,6 +365,8 @@ class Reducer:
                 self._write_grads(bucket, used)
                 if self.post_reduce is not None:
                     self.post_reduce(bucket)
+                self.trace.mark("written", bucket.index)
+        self.trace.iteration += 1
         self.expect_hooks = False
         self.require_finalize = False
         self._finalized_since_forward = True

@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -49,6 +50,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn: Any) -> None
         timeout=timedelta(seconds=PG_TIMEOUT_S),
     )
     conn.send(("ready", os.getpid()))
+    seq = 0
     while True:
         try:
             msg = conn.recv()
@@ -62,6 +64,12 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn: Any) -> None
             for part in qualname.split("."):
                 obj = getattr(obj, part)
             result = obj(rank, world_size, *args, **kwargs)
+            # Every rank must leave the test with its collectives in step.
+            seq += 1
+            check = torch.tensor([float(seq)], dtype=torch.float64)
+            dist.all_reduce(check)
+            if check.item() != seq * world_size:
+                raise RuntimeError("ranks left the test with collectives out of step")
             conn.send(("ok", result))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
             conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

@@ -1,8 +1,7 @@
 """gradring DDP against its oracles: one process on the global batch, and torch's DDP."""
 
-import pytest
-
 import oracle
+import pytest
 
 TOL = 1e-9  # float64 models: summation order is the only difference
 

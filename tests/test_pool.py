@@ -1,7 +1,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from rankpool import RankFailure
 
 

@@ -1,0 +1,160 @@
+"""DDP step time: gradring vs torch DDP, side by side in one run.
+
+    python benchmarks/ddp_step.py                 # world 2, all models
+    python benchmarks/ddp_step.py --nproc 2 --steps 10 --rounds 5 --models mlp64
+
+Each rank runs, round after round, the same model under three set-ups:
+``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
+the process group, and gradring's DDP. Rounds interleave the set-ups so that
+machine noise hits all of them alike; figures are medians over rounds.
+Overhead = DDP ms/step - pair ms/step. One intra-op thread per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+MODELS = {
+    # name: (builder, per-rank input maker)
+    "mlp64": ("mlp", 64),
+    "mlp8": ("mlp", 8),
+    "transformer": ("transformer", 16),
+}
+
+
+def build(kind: str) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(12):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        return nn.Sequential(*layers), lambda b: torch.randn(b, 1024)
+    enc = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True), 4,
+        enable_nested_tensor=False)
+    return enc, lambda b: torch.randn(b, 128, 256)
+
+
+def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> float:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
+    """(bytes of .grad storage not inside a bucket, bytes of bucket buffers)."""
+    buffers = [b.buffer for b in ddp.reducer.buckets]
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
+    outside = 0
+    for p in ddp.module.parameters():
+        if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
+            outside += p.grad.numel() * p.grad.element_size()
+    return outside, sum(hi - lo for lo, hi in spans)
+
+
+def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> None:
+    import gradring
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    results: dict[str, dict[str, list[float]]] = {}
+    for name in args.models:
+        kind, batch = MODELS[name]
+        base, make_x = build(kind)
+        x = make_x(batch)
+        setups = {
+            "pair": copy.deepcopy(base),
+            "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
+            "gradring": gradring.DistributedDataParallel(copy.deepcopy(base)),
+            "gradring_view": gradring.DistributedDataParallel(
+                copy.deepcopy(base), gradient_as_bucket_view=True),
+        }
+        for m in setups.values():
+            time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
+        res: dict[str, list[float]] = {k: [] for k in setups}
+        for _ in range(args.rounds):
+            for key, m in setups.items():
+                dist.barrier()
+                res[key].append(time_steps(m, x, args.steps))
+        results[name] = res
+        if rank == 0:
+            results[name]["_mem"] = [float(v) for v in
+                                     grad_bytes_outside_buckets(setups["gradring"])
+                                     + grad_bytes_outside_buckets(setups["gradring_view"])]
+    if rank == 0:
+        out_q.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
+    lines = [f"DDP step time, world {world}, CPU, 1 thread/rank (median ms/step over rounds)",
+             f"{'model':<12}{'pair':>8}{'torch':>8}{'gradring':>10}{'g/torch':>9}"
+             f"{'ovh torch':>11}{'ovh gradring':>14}{'ovh ratio':>11}{'view':>8}"]
+    for name, res in results.items():
+        med = {k: statistics.median(v) for k, v in res.items() if not k.startswith("_")}
+        ot, og = med["torch"] - med["pair"], med["gradring"] - med["pair"]
+        ratio = og / ot if ot > 0 else float("nan")
+        lines.append(
+            f"{name:<12}{med['pair']:>8.1f}{med['torch']:>8.1f}{med['gradring']:>10.1f}"
+            f"{med['gradring'] / med['torch']:>9.2f}{ot:>11.1f}{og:>14.1f}{ratio:>11.2f}"
+            f"{med['gradring_view']:>8.1f}")
+    for name, res in results.items():
+        if "_mem" in res:
+            out_plain, buck_plain, out_view, buck_view = res["_mem"]
+            mib = 2.0**20
+            lines.append(
+                f"{name}: gradient memory without bucket view "
+                f"{(out_plain + buck_plain) / mib:.1f} MiB (grads {out_plain / mib:.1f} + "
+                f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
+                f"{(out_view + buck_view) / mib:.1f} MiB")
+    return "\n".join(lines)
+
+
+def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
+        rounds: int = 5) -> str:
+    args = argparse.Namespace(models=models or list(MODELS), steps=steps, rounds=rounds)
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=worker, args=(r, nproc, os.path.join(tmp, "store"), args, q))
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        results = q.get()
+        for p in procs:
+            p.join()
+    return report(results, nproc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    print(run(a.nproc, a.models, a.steps, a.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

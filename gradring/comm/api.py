@@ -1,0 +1,219 @@
+"""The functional API, mirroring ``torch.distributed``'s signatures and semantics.
+
+CPU tensors run on gradring's own algorithms and transports (see the package
+docstring); CUDA tensors, reductions gradring does not implement (e.g.
+``PRODUCT``, bitwise ops), dtypes it does not reduce (e.g. complex) and
+``GRADRING_ALGO=native`` go to the process group's native collective, with
+torch's own return values.
+
+``src`` of :func:`broadcast` is a *global* rank, like torch's; ``group_src``
+gives a group rank instead. A rank outside ``group`` gets ``None`` back and
+nothing happens, as in torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradring.comm import engine, ops, select
+from gradring.comm.context import GroupContext, Plan, context
+from gradring.comm.engine import Job, Work
+from gradring.comm.transport import Kind
+
+ReduceOp = dist.ReduceOp
+
+
+def _is_native(*tensors: torch.Tensor) -> bool:
+    return any(t.device.type != "cpu" for t in tensors) or select.overrides().algo == "native"
+
+
+def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
+    """gradring's Op for ``op`` on ``dtype``, or None when the process group must do it."""
+    try:
+        mine = ops.as_op(op)
+    except ValueError:
+        return None
+    return mine if dtype in ops.REDUCE_DTYPES else None
+
+
+def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tensor,
+           op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor]) -> Work | None:
+    plan = Plan(kind, output, inp, op, root, ctx.next_seq(), select.overrides())
+    run = functools.partial(ctx.run, plan)
+    if async_op:
+        fut: torch.futures.Future = torch.futures.Future()
+        ctx.engine.submit(Job(run, fut, value))
+        return Work(fut, ctx.engine)
+    ctx.engine.run_now(run)
+    return None
+
+
+def _done(async_op: bool, value: list[torch.Tensor]) -> Work | None:
+    return engine.completed(value) if async_op else None
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across ``group`` in place (SUM, AVG, MAX, MIN).
+
+    With ``async_op=True`` returns a :class:`Work`; ``get_future()`` resolves
+    to ``[tensor]``. AVG on integer tensors truncates towards zero. CUDA
+    tensors use the process group's native all_reduce.
+    """
+    mine = _reduction(op, tensor.dtype)
+    if mine is None or _is_native(tensor):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    ctx = context(group)
+    if ctx is None:
+        return None
+    if ctx.world_size == 1 or tensor.numel() == 0:
+        return _done(async_op, [tensor])
+    return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor])
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Copy global rank ``src``'s ``tensor`` (or group rank ``group_src``'s) to every rank.
+
+    CUDA tensors use the process group's native broadcast.
+    """
+    if _is_native(tensor):
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op,
+                              group_src=group_src)
+    ctx = context(group)
+    if ctx is None:
+        return None
+    root = _group_rank(ctx, src, group_src)
+    if ctx.world_size == 1 or tensor.numel() == 0:
+        return _done(async_op, [tensor])
+    return _issue(ctx, Kind.BROADCAST, tensor, tensor, ops.SUM, root, async_op, [tensor])
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: Any = None, async_op: bool = False) -> Work | None:
+    """Concatenate every rank's ``input_tensor`` into ``output_tensor`` in rank order.
+
+    ``output_tensor`` holds ``world_size`` times as many elements (any shape).
+    CUDA tensors use the process group's native all_gather_into_tensor.
+    """
+    if _is_native(output_tensor, input_tensor):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+    ctx = context(group)
+    if ctx is None:
+        return None
+    _check_sizes("all_gather_into_tensor", ctx, big=output_tensor, small=input_tensor,
+                 big_name="output", small_name="input")
+    if ctx.world_size == 1:
+        if output_tensor.numel():
+            output_tensor.view(-1).copy_(input_tensor.reshape(-1))
+        return _done(async_op, [output_tensor])
+    if input_tensor.numel() == 0:
+        return _done(async_op, [output_tensor])
+    return _issue(ctx, Kind.ALL_GATHER, output_tensor, input_tensor, ops.SUM, 0, async_op,
+                  [output_tensor])
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
+                          op: Any = ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False) -> Work | None:
+    """Reduce every rank's ``input`` and give rank ``r`` the ``r``-th chunk in ``output``.
+
+    ``input`` holds ``world_size`` times as many elements as ``output``. CUDA
+    tensors use the process group's native reduce_scatter_tensor.
+    """
+    mine = _reduction(op, input.dtype)
+    if mine is None or _is_native(output, input):
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    ctx = context(group)
+    if ctx is None:
+        return None
+    _check_sizes("reduce_scatter_tensor", ctx, big=input, small=output,
+                 big_name="input", small_name="output")
+    if ctx.world_size == 1:
+        if output.numel():
+            output.view(-1).copy_(input.reshape(-1))
+        return _done(async_op, [output])
+    if output.numel() == 0:
+        return _done(async_op, [output])
+    return _issue(ctx, Kind.REDUCE_SCATTER, output, input, mine, 0, async_op, [output])
+
+
+def barrier(group: Any = None, async_op: bool = False,
+            device_ids: Sequence[int] | None = None) -> Work | None:
+    """Return only once every rank of ``group`` has entered the barrier."""
+    if select.overrides().algo == "native" or device_ids is not None:
+        return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+    ctx = context(group)
+    if ctx is None:
+        return None
+    if ctx.world_size == 1:
+        return _done(async_op, [])
+    dummy = torch.empty(0, dtype=torch.uint8)
+    return _issue(ctx, Kind.BARRIER, dummy, dummy, ops.SUM, 0, async_op, [])
+
+
+def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None,
+          device: Any = None) -> torch.Tensor:
+    """An uninitialised tensor in the transport's own memory: collectives on it
+    (or on any contiguous view of it) skip the staging copy.
+
+    On one host this is a shared-memory segment peers read directly; elsewhere
+    (other hosts, CUDA, world size 1) it is an ordinary ``torch.empty``. The
+    first call on a group may connect the transport, which is collective: every
+    rank must make it.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    plain = lambda: torch.empty(shape, dtype=dtype, device=dev)
+    env = select.overrides()
+    if dev.type != "cpu" or env.algo == "native" or env.transport == "torch":
+        return plain()
+    ctx = context(group)
+    if ctx is None or ctx.world_size == 1:
+        return plain()
+    transport = ctx.shm()
+    numel = math.prod(shape)
+    if transport is None or numel == 0:
+        return plain()
+    return transport.empty(numel, dtype).view(shape)
+
+
+def in_transport_memory(tensor: torch.Tensor, group: Any = None) -> bool:
+    """True if collectives on ``tensor`` are zero-copy (it lives in ``comm.empty`` memory)."""
+    ctx = context(group)
+    transport = ctx.shm() if ctx is not None and ctx.world_size > 1 else None
+    return (transport is not None and tensor.is_contiguous()
+            and transport.locate(tensor) is not None)
+
+
+def _group_rank(ctx: GroupContext, src: int | None, group_src: int | None) -> int:
+    if (src is None) == (group_src is None):
+        raise ValueError("broadcast needs exactly one of src (global rank) and group_src")
+    if group_src is not None:
+        root = group_src
+    elif ctx.group is dist.distributed_c10d._get_default_group():
+        root = src  # type: ignore[assignment]
+    else:
+        root = dist.get_group_rank(ctx.group, src)  # type: ignore[arg-type]
+    if not 0 <= root < ctx.world_size:
+        raise ValueError(f"broadcast source {root} is not a rank of a group of "
+                         f"size {ctx.world_size}")
+    return root
+
+
+def _check_sizes(name: str, ctx: GroupContext, *, big: torch.Tensor, small: torch.Tensor,
+                 big_name: str, small_name: str) -> None:
+    if big.dtype != small.dtype:
+        raise TypeError(f"{name}: {big_name} dtype {big.dtype} != {small_name} dtype "
+                        f"{small.dtype}")
+    if big.numel() != ctx.world_size * small.numel():
+        raise ValueError(f"{name}: {big_name} has {big.numel()} elements, expected "
+                         f"world_size({ctx.world_size}) * {small_name}({small.numel()}) = "
+                         f"{ctx.world_size * small.numel()}")

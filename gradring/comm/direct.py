@@ -1,0 +1,145 @@
+"""Collectives for transports whose ranks read each other's memory (shm, threads).
+
+[Note: direct algorithms]
+Every rank *exposes* one buffer and *exchanges* descriptors (one barrier);
+afterwards it reads peers' buffers in place. No bytes are sent: the only
+traffic is the memory traffic of the reduction itself, which is what bounds
+an intra-host all-reduce (MEASUREMENTS.md).
+
+- ``all_reduce_twoshot`` (large messages) = reduce-scatter + all-gather by
+  direct reads: rank ``r`` reduces chunk ``r`` of every rank's buffer into its
+  own exposed buffer, a barrier, then copies every other chunk from its
+  owner. With buffers from ``comm.empty`` each rank moves the minimum memory
+  traffic, ``(3W-1)/W`` buffer sizes (W=2: read 2 and write 1 half, copy 1 half).
+- ``all_reduce_oneshot`` (small messages) = one barrier: every rank reduces
+  the whole buffer from all ranks' staging copies, in rank order so every rank
+  computes identical bits.
+
+Staged versus zero-copy: a user tensor is copied into one of two alternating
+staging buffers before the exchange; a tensor from ``comm.empty`` is exposed
+as is. Staging buffers need no barrier at the end -- a rank reuses set ``k%2``
+only after the barrier of collective ``k+1``, which every peer reaches after
+it finished reading collective ``k``. Exposed *user* memory does: the caller
+may overwrite it as soon as we return, so when any rank exposed zero-copy
+memory, all ranks end with a barrier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradring.comm import ops
+from gradring.comm.ops import Op
+from gradring.comm.transport import CollectiveInfo, DirectTransport
+
+
+def _staged_copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+    """Copy ``src`` into ``dst`` except ``[lo, hi)`` (the part this rank reads itself)."""
+    if lo > 0:
+        ops.copy(dst[:lo], src[:lo])
+    if hi < src.numel():
+        ops.copy(dst[hi:], src[hi:])
+
+
+def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
+                       op: Op) -> None:
+    """Reduce-scatter then all-gather through direct reads; see [Note: direct algorithms].
+
+    [Note: whole chunks, not pipelined blocks]
+    Cutting chunks into blocks, with a signal per block so that peers copy a
+    block while it is still in the shared cache, measured 1.4-1.9x *slower*
+    here (4 and 25 MiB, world 2): reading lines another core has just dirtied
+    costs more than reading them back from DRAM. So each phase runs over the
+    whole chunk, with one barrier between them.
+    """
+    w, r = t.world_size, t.rank
+    bounds = ops.chunk_bounds(flat.numel(), w)
+    lo, hi = bounds[r]
+    mine, zero_copy = t.expose(flat)
+    if not zero_copy:
+        _staged_copy_except(mine, flat, lo, hi)
+    ex = t.exchange(info, mine, zero_copy=zero_copy)
+    views: list[torch.Tensor] = ex.views  # type: ignore[assignment] # all ranks exposed
+    others = [p for p in range(w) if p != r]
+    # Reduce chunk r, own data first so the output may alias it (every chunk
+    # has one reducer, so all ranks still end with the same bits).
+    srcs = [flat[lo:hi]] + [views[p][lo:hi] for p in others]
+    dst = mine[lo:hi]
+    ops.reduce_into(dst, srcs, op)
+    ops.finish(dst, op, w)
+    t.arrive()
+    if not zero_copy:
+        ops.copy(flat[lo:hi], dst)  # overlaps the peers' arrival
+    t.wait_arrivals()
+    for p in others:
+        plo, phi = bounds[p]
+        ops.copy(flat[plo:phi], views[p][plo:phi])
+    if ex.zero_copy:
+        t.barrier()
+
+
+def all_reduce_oneshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
+                       op: Op) -> None:
+    """Every rank reduces everything from staged copies: one barrier, for small messages."""
+    mine, _ = t.expose(flat, force_staging=True)
+    ops.copy(mine, flat)
+    ex = t.exchange(info, mine, zero_copy=False)
+    ops.reduce_into(flat, [v for v in ex.views if v is not None], op)
+    ops.finish(flat, op, t.world_size)
+
+
+def broadcast(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor, src: int) -> None:
+    """Group rank ``src`` exposes its buffer; everybody else copies it."""
+    exposed = None
+    zero_copy = False
+    if t.rank == src:
+        exposed, zero_copy = t.expose(flat)
+        if not zero_copy:
+            ops.copy(exposed, flat)
+    ex = t.exchange(info, exposed, zero_copy=zero_copy)
+    if t.rank != src:
+        view = ex.views[src]
+        assert view is not None
+        ops.copy(flat, view)
+    if ex.zero_copy:
+        t.barrier()
+
+
+def all_gather(t: DirectTransport, info: CollectiveInfo, out: torch.Tensor,
+               inp: torch.Tensor) -> None:
+    """``out`` = every rank's ``inp`` in rank order, each copied from its owner."""
+    m = inp.numel()
+    exposed, zero_copy = t.expose(inp)
+    if not zero_copy:
+        ops.copy(exposed, inp)
+    ex = t.exchange(info, exposed, zero_copy=zero_copy)
+    for p, view in enumerate(ex.views):
+        dst = out[p * m:(p + 1) * m]
+        src = inp if p == t.rank else view
+        assert src is not None
+        if dst.data_ptr() != src.data_ptr():
+            ops.copy(dst, src)
+    if ex.zero_copy:
+        t.barrier()
+
+
+def reduce_scatter(t: DirectTransport, info: CollectiveInfo, out: torch.Tensor,
+                   inp: torch.Tensor, op: Op) -> None:
+    """``out`` = chunk ``rank`` of the reduction, read directly from every rank's ``inp``."""
+    w, r, m = t.world_size, t.rank, out.numel()
+    lo, hi = r * m, (r + 1) * m
+    exposed, zero_copy = t.expose(inp)
+    if not zero_copy:
+        _staged_copy_except(exposed, inp, lo, hi)
+    ex = t.exchange(info, exposed, zero_copy=zero_copy)
+    order = [r] + [p for p in range(w) if p != r]
+    srcs = [inp[lo:hi]] + [ex.views[p][lo:hi] for p in order[1:]]  # type: ignore[index]
+    ops.reduce_into(out, srcs, op)
+    ops.finish(out, op, w)
+    if ex.zero_copy:
+        t.barrier()
+
+
+def barrier(t: DirectTransport, info: CollectiveInfo) -> None:
+    """One shared-memory barrier (with the descriptor check that names stragglers)."""
+    t.exchange(info, None, zero_copy=False)

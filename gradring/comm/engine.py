@@ -1,0 +1,197 @@
+"""The async engine: collectives of one group run in issue order, off the caller's thread.
+
+[Note: one engine per group]
+Each process group gets one engine. ``async_op=True`` queues the collective
+and returns a :class:`Work` at once; the engine thread runs jobs strictly in
+issue order (so every rank pairs its collectives the same way) and completes
+each job's ``torch.futures.Future`` with ``set_result`` or ``set_exception``,
+so a failure always reaches ``wait()`` / the future, never dies in a thread.
+Future callbacks (``then``) run on the engine thread, as they run on the
+backend's thread in torch.
+
+A synchronous call runs on the caller's thread when the engine is idle (no
+thread hand-off: that is most of the latency of a small collective), and
+otherwise queues behind the pending jobs and waits.
+
+Engines of different groups are independent, so collectives of two groups
+cannot block each other. The thread starts with the first asynchronous job
+and blocks in the kernel while idle; collectives release the GIL while they
+wait (futex and numpy/torch kernels release it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+
+
+class Job(NamedTuple):
+    """One queued collective."""
+
+    run: Callable[[], None]  # performs the collective; raises on failure
+    future: torch.futures.Future  # completed with ``value`` or the exception
+    value: list[torch.Tensor]  # what the future resolves to (torch: ``[tensor]``)
+
+
+class Work:
+    """Handle of one issued collective, with the methods of torch's ``Work``."""
+
+    def __init__(self, future: torch.futures.Future, engine: Engine | None = None) -> None:
+        # Completed by the engine; what get_future() returns.
+        self._future = future
+        # The engine running it, so waiting from its own thread can help instead of deadlock.
+        self._engine = engine
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until done; re-raise the collective's exception. Returns True."""
+        if not self._future.done() and self._engine is not None:
+            self._engine.help_until(self._future)
+        if timeout is not None and not self._future.done():
+            secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            done = threading.Event()
+            self._future.add_done_callback(lambda _: done.set())
+            if not done.wait(secs):
+                raise RuntimeError(f"gradring: Work.wait timed out after {secs:g}s")
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        try:
+            self._future.wait()
+        except BaseException as exc:  # noqa: BLE001 - this is the query
+            return exc
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._future.wait()
+
+    def __repr__(self) -> str:
+        return f"<gradring Work {'done' if self.is_completed() else 'pending'}>"
+
+
+def completed(value: list[torch.Tensor]) -> Work:
+    """A Work that is already done (world size 1, empty collectives)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return Work(fut)
+
+
+class Engine:
+    """Runs one group's jobs in issue order; see [Note: one engine per group]."""
+
+    def __init__(self, name: str) -> None:
+        # Thread name, to find it in stack dumps.
+        self._name = name
+        # Guards the queue and the busy flag; signalled whenever either changes.
+        self._cond = threading.Condition()
+        # Jobs issued and not yet started, oldest first.
+        self._queue: deque[Job] = deque()
+        # True while a job runs (on the engine thread or inline on a caller's).
+        self._busy = False
+        # The background thread, started by the first queued job.
+        self._thread: threading.Thread | None = None
+        # Set by shutdown(): the thread exits once the queue is empty.
+        self._closing = False
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError(f"gradring: engine {self._name} is shut down")
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def run_now(self, run: Callable[[], None]) -> None:
+        """Run ``run`` on this thread after every job issued before it."""
+        if threading.current_thread() is self._thread:
+            fut: torch.futures.Future = torch.futures.Future()
+            self.submit(Job(run, fut, []))
+            self.help_until(fut)
+            fut.wait()
+            return
+        with self._cond:
+            while self._busy or self._queue:
+                self._cond.wait()
+            self._busy = True
+        try:
+            run()
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def help_until(self, fut: torch.futures.Future) -> None:
+        """On the engine thread itself (a callback waiting on a later job), run
+        queued jobs here until ``fut`` is done, instead of deadlocking."""
+        if threading.current_thread() is not self._thread:
+            return
+        while not fut.done():
+            with self._cond:
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            self._execute(job)
+
+    def _execute(self, job: Job) -> None:
+        try:
+            job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the future
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(job.value)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                self._execute(job)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + int(self._busy)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let queued jobs finish (up to ``timeout``), then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        deadline = time.monotonic() + 0.1
+        with self._cond:
+            leftover = list(self._queue)
+            self._queue.clear()
+        for job in leftover:
+            job.future.set_exception(RuntimeError(f"gradring: {self._name} shut down"))
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -1,0 +1,80 @@
+"""Linux futexes on shared mappings, through ctypes (which releases the GIL).
+
+[Note: spin, then block]
+A waiter first spins briefly in Python (a few tens of µs: a peer that is
+running arrives in ~1 µs), then sleeps in ``FUTEX_WAIT`` in short slices so
+that it can check deadlines and peer liveness. MEASUREMENTS.md: pure spinning
+collapses when the peer has been descheduled; blocking in the kernel gives the
+core to it. Writers bump a 32-bit word with ``FUTEX_WAKE_OP`` (``*w += 1``
+and wake all waiters, atomically, in one system call), so several writers may
+share one word (a doorbell) and no wake-up is lost: a waiter passes the value
+it saw, and the kernel refuses to sleep if the word has moved since.
+
+Shared-memory ordering relies on x86-64 (TSO): plain stores become visible
+in program order, so "write data, then bump the word" needs no fence. The
+shm transport is therefore only selected on x86-64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import sys
+
+#: True where this module works (and the shm transport may be chosen).
+AVAILABLE = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT = 0
+_FUTEX_WAKE_OP = 5
+_FUTEX_OP_ADD = 1
+_FUTEX_OP_CMP_EQ = 0
+#: FUTEX_WAKE_OP's encoded operation: ``*uaddr2 += 1`` (then compare with 0, unused).
+_ADD_ONE = (_FUTEX_OP_ADD << 28) | (_FUTEX_OP_CMP_EQ << 24) | (1 << 12) | 0
+_WAKE_ALL = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+if AVAILABLE:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _syscall = _libc.syscall
+    _syscall.restype = ctypes.c_long
+    _sched_yield = _libc.sched_yield
+
+
+def add_and_wake(addr: int) -> None:
+    """Atomically ``*(uint32*)addr += 1`` and wake every waiter on it."""
+    rc = _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE_OP, _WAKE_ALL,
+                  ctypes.c_void_p(0), ctypes.c_void_p(addr), _ADD_ONE)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"futex(FUTEX_WAKE_OP) failed: {os.strerror(err)}")
+
+
+def wait(addr: int, seen: int, timeout_s: float) -> bool:
+    """Sleep while ``*(uint32*)addr == seen``, at most ``timeout_s``.
+
+    Returns False on timeout, True otherwise (woken, value moved, signal).
+    """
+    secs = int(timeout_s)
+    ts = _Timespec(secs, int((timeout_s - secs) * 1e9))
+    rc = _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(seen),
+                  ctypes.byref(ts), ctypes.c_void_p(0), 0)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.ETIMEDOUT:
+        return False
+    if err in (errno.EAGAIN, errno.EINTR):
+        return True
+    raise OSError(err, f"futex(FUTEX_WAIT) failed: {os.strerror(err)}")
+
+
+def yield_cpu() -> None:
+    """``sched_yield`` without holding the GIL."""
+    _sched_yield()

@@ -1,0 +1,194 @@
+"""Named shared-memory segments under /dev/shm: naming, mapping, cleanup.
+
+[Note: segment names and leaks]
+A segment is ``/dev/shm/gradring-<pid>-<pidns>-<job>-<transport>-<n>``:
+the owner's pid and pid-namespace inode (so a later process can tell whether
+the owner still lives), the job token agreed through the store (two jobs on
+one host never collide), a per-process transport counter and a per-transport
+segment counter. Owners unlink their segments on close and at interpreter
+exit; control segments are unlinked as soon as every peer has mapped them.
+After a ``kill -9`` the names that remain are removed by the next process
+that starts a shm transport: :func:`remove_stale_segments` deletes every
+``gradring-*`` segment of this pid namespace whose owner is dead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+SHM_DIR = "/dev/shm"
+PREFIX = "gradring-"
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def segment_base(pid: int, ns: int, job: str, transport: int) -> str:
+    """Common prefix of one transport's segments; segment ``n`` is ``<base>-<n>``."""
+    return f"{PREFIX}{pid}-{ns}-{job}-{transport}"
+
+
+def owner_of(name: str) -> tuple[int, int] | None:
+    """``(pid, pidns)`` encoded in a segment name, or None for foreign names."""
+    if not name.startswith(PREFIX):
+        return None
+    parts = name[len(PREFIX):].split("-")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink every gradring segment of this pid namespace whose owner is dead."""
+    ns = pid_namespace()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        owner = owner_of(name)
+        if owner is None or owner[1] != ns or pid_alive(owner[0]):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass  # someone else removed it first
+    return removed
+
+
+def unlink_quietly(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
+
+
+class Segment:
+    """One mapped segment: its bytes as a tensor, its 32-bit words, its address."""
+
+    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool) -> None:
+        # /dev/shm name (without directory), to unlink and to show in errors.
+        self.name = name
+        # The mapping; everything below is a view of it.
+        self.mm = mm
+        # Size in bytes.
+        self.size = len(mm)
+        # Whether this process created it (and so unlinks it).
+        self.owner = owner
+        # Byte view for data (typed views are slices of it, then .view(dtype)).
+        self.bytes: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8)
+        # The same bytes for numpy.copyto (memcpy) in the mailboxes.
+        self.array: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8)
+        # 32-bit word view for counters, read from Python without numpy overhead.
+        self.words = memoryview(mm).cast("I")
+        # Keeps the mapping's base address valid for futex calls.
+        self._pin = ctypes.c_char.from_buffer(mm)
+        # Base address of the mapping in this process.
+        self.address = ctypes.addressof(self._pin)
+        # False once unlinked (or never owned).
+        self._linked = owner
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            unlink_quietly(name)
+            raise
+        os.close(fd)
+        return cls(name, mm, owner=True)
+
+    @classmethod
+    def open(cls, name: str) -> Segment:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return cls(name, mm, owner=False)
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat typed tensor over ``[offset, offset + nbytes)``."""
+        assert self.bytes is not None
+        return self.bytes[offset:offset + nbytes].view(dtype)
+
+    def unlink(self) -> None:
+        if self._linked:
+            self._linked = False
+            unlink_quietly(self.name)
+
+    def close(self) -> None:
+        """Unlink (if owned) and unmap; a mapping still viewed by tensors is left to GC."""
+        self.unlink()
+        self.words.release()
+        self.bytes = None
+        self.array = None
+        del self._pin
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a tensor on it: the GC unmaps it later
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, {self.size} bytes)"
+
+
+def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
+    """Create a segment for ``comm.empty``: returns its byte tensor and the mmap.
+
+    The tensor keeps the mapping alive; nothing else here holds it, so it is
+    unmapped when the caller's last view goes.
+    """
+    size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(name)
+        raise
+    os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm

@@ -1,0 +1,629 @@
+"""Shared-memory transport for ranks on one host (the default for CPU tensors there).
+
+Each rank owns a *control segment* that every peer maps:
+
+====================  ===================================================
+offset                contents
+====================  ===================================================
+0                     header: magic, pid, rank, world size, cookie
+64                    barrier word: number of barriers this rank reached
+128                   doorbell: bumped by peers whenever a mailbox moved
+192                   status: seq and kind of the collective in flight
+256, 320              two descriptor slots (alternating per exchange)
+448                   retired-segment ring (segments peers may unmap)
+640 + 192·d           mailbox header towards rank d: sent, acked, lengths
+page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
+====================  ===================================================
+
+Words written by one rank only (barrier, sent, acked) are plain stores;
+words several ranks bump (the doorbell) use the kernel's atomic add, see
+[Note: spin, then block] in ``futex.py``. Data buffers -- staging buffers and
+``comm.empty`` tensors -- live in further segments that peers map lazily by
+name, see [Note: segment names and leaks] in ``segments.py``.
+
+Point-to-point messages (for ring and tree) go through the mailboxes: a
+sender copies fragments into slots, the receiver copies (or reduces) them out.
+The direct algorithms (``direct.py``) skip all that and read exposed buffers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import itertools
+import json
+import mmap
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradring.comm import futex, ops, segments
+from gradring.comm.ops import Op
+from gradring.comm.segments import Segment
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange, Kind
+
+_MAGIC = 0x31676E6972647267  # "grdring1"
+_HEADER = struct.Struct("<QIIIIQ")  # magic, pid, rank, world, reserved, cookie
+_BARRIER_WORD = 64 // 4
+_DOORBELL_WORD = 128 // 4
+_STATUS = struct.Struct("<QI")  # seq, kind
+_STATUS_OFF = 192
+_DESC = struct.Struct("<QIIQIIQ")  # seq, kind, flags, nbytes, dtype, segno, offset
+_DESC_OFF = 256
+_RETIRED_WORD = 448 // 4  # count, then the ring
+_RETIRED_RING = 30
+_CHAN_OFF = 640
+_CHAN_STRIDE = 192  # sent, acked and lengths on separate cache lines
+
+_HAS_BUFFER, _ZERO_COPY = 1, 2
+_MASK, _HALF = 0xFFFFFFFF, 0x80000000
+
+#: Mailbox geometry: slots per (sender, receiver) pair and bytes per slot.
+SLOTS = 4
+SLOT_BYTES = 256 * 1024
+#: Busy polls before yielding, then how long to poll with sched_yield before
+#: sleeping in the kernel; see [Note: spin, then block].
+SPIN_ITERS = 64
+YIELD_S = float(os.environ.get("GRADRING_SHM_YIELD_US", "1000")) * 1e-6
+#: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
+SLICE_S = 0.05
+
+_DTYPE_CODES = {d: i + 1 for i, d in enumerate(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))}
+
+_transport_counter = itertools.count()
+_cleaned = False
+_live: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
+
+
+class _Send:
+    __slots__ = ("data", "dst", "off", "done")
+
+    def __init__(self, data: np.ndarray, dst: int) -> None:
+        self.data = data  # bytes to send
+        self.dst = dst  # receiving rank
+        self.off = 0  # bytes already placed in slots
+        self.done = not len(data)  # empty messages complete at once
+
+
+class _Recv:
+    __slots__ = ("buf", "data", "src", "op", "off", "done")
+
+    def __init__(self, buf: torch.Tensor, src: int, op: Op | None) -> None:
+        self.buf = buf  # typed destination (used when reducing)
+        self.data = buf.view(torch.uint8).numpy() if buf.numel() else np.empty(0, np.uint8)
+        self.src = src  # sending rank
+        self.op = op  # None: overwrite; else buf = buf (op) incoming
+        self.off = 0  # bytes already consumed
+        self.done = not len(self.data)
+
+
+def _retire(name: str, segno: int, retired: deque[int]) -> None:
+    """Finalizer of a ``comm.empty`` mapping: free the name, tell peers to unmap."""
+    segments.unlink_quietly(name)
+    retired.append(segno)
+
+
+class ShmTransport:
+    """One rank's end of a shared-memory group. Built by :func:`connect`."""
+
+    name = "shm"
+
+    def __init__(self, *, rank: int, world_size: int, base: str, ctl: Segment,
+                 peer_ctls: list[Segment | None], peer_bases: list[str], pids: list[int],
+                 timeout: float) -> None:
+        # This rank and the group size (group ranks, not global ones).
+        self.rank = rank
+        self.world_size = world_size
+        # Name prefix of every segment this rank creates ("<base>-<segno>").
+        self._base = base
+        # This rank's control segment (layout in the module docstring).
+        self._ctl = ctl
+        # Every rank's control segment, this rank's own included.
+        self._ctls = [ctl if p == rank else peer_ctls[p] for p in range(world_size)]
+        # Their 32-bit word views, indexed [rank][word] in the hot loops.
+        self._words = [c.words for c in self._ctls]  # type: ignore[union-attr]
+        # Name prefixes of the peers' segments, to map their buffers by segno.
+        self._peer_bases = peer_bases
+        # Process ids, to tell a dead peer from a slow one.
+        self._pids = pids
+        # Seconds a collective may wait for its peers.
+        self._timeout = timeout
+        # Number of barriers this rank has arrived at (mirrors its barrier word).
+        self._epoch = 0
+        # Exchanges so far: picks the descriptor slot and staging set.
+        self._exchanges = 0
+        # Next segment number (0 is the control segment).
+        self._segnos = itertools.count(1)
+        # Two staging segments, used alternately (see [Note: direct algorithms]).
+        self._staging: list[Segment | None] = [None, None]
+        # Own data memory, sorted by address: (start, end, segno, weakref to mapping).
+        self._regions: list[tuple[int, int, int, Any]] = []
+        # Finalizers of comm.empty segments, to unlink them at close.
+        self._finalizers: list[weakref.finalize] = []
+        # Segment numbers of freed comm.empty mappings, to announce to peers.
+        self._retired: deque[int] = deque()
+        # Count of retirements announced in the control segment so far.
+        self._retired_count = 0
+        # Peers' data segments mapped here: [rank] -> {segno: Segment}.
+        self._peer_segs: list[dict[int, Segment]] = [{} for _ in range(world_size)]
+        # Which segno each peer last used for each staging set, to unmap old ones.
+        self._peer_staging: list[list[int]] = [[0, 0] for _ in range(world_size)]
+        # Retirements seen per peer.
+        self._peer_retired = [0] * world_size
+        # Typed views of buffers, reused while sizes repeat: (rank, segno, offset,
+        # nbytes, dtype) -> tensor. Cleared before any segment is unmapped.
+        self._views: dict[tuple[int, int, int, int, torch.dtype], torch.Tensor] = {}
+        # Where the buffer passed to expose() lives: (segno, offset), until exchange.
+        self._exposed: tuple[int, int] | None = None
+        # Pending mailbox transfers per peer, in posting order.
+        self._sendq: dict[int, deque[_Send]] = {p: deque() for p in range(world_size)}
+        self._recvq: dict[int, deque[_Recv]] = {p: deque() for p in range(world_size)}
+        # Byte offset of the first mailbox slot in every control segment.
+        self._slot_base = _slots_offset(world_size)
+        # Collective in flight (for errors) and when it must be done.
+        self._info: CollectiveInfo | None = None
+        self._deadline = 0.0
+        # Set after a failure: counters are out of step, every later call fails.
+        self._broken: str | None = None
+        # Guards allocation state touched from the caller's thread (empty()).
+        self._lock = threading.Lock()
+        # Bytes copied into staging so far (tests check comm.empty avoids it).
+        self.staged_bytes = 0
+        _live.add(self)
+
+    # -- lifecycle and errors ----------------------------------------------------
+    def start(self, info: CollectiveInfo) -> None:
+        if self._broken is not None:
+            raise CollectiveError(
+                f"gradring {info.describe()}: the shared-memory transport is unusable "
+                f"after an earlier failure ({self._broken})")
+        self._info = info
+        self._deadline = time.monotonic() + self._timeout
+        _STATUS.pack_into(self._ctl.mm, _STATUS_OFF, info.seq, int(info.kind))
+
+    def close(self) -> None:
+        """Unlink every own segment and unmap everything (idempotent)."""
+        if self._ctl is None:
+            return
+        for fin in self._finalizers:
+            fin()
+        self._finalizers = []
+        self._views.clear()
+        for seg in self._staging:
+            if seg is not None:
+                seg.close()
+        self._staging = [None, None]
+        for segs in self._peer_segs:
+            for seg in segs.values():
+                seg.close()
+            segs.clear()
+        self._words = []
+        for seg in self._ctls:
+            if seg is not None:
+                seg.close()
+        self._ctls = []
+        self._ctl = None  # type: ignore[assignment]
+        self._regions = []
+        self._broken = self._broken or "closed"
+        _live.discard(self)
+
+    def _fail(self, what: str, waiting_for: Sequence[int]) -> CollectiveError:
+        info = self._info.describe() if self._info else "collective"
+        notes = []
+        for p in waiting_for:
+            if not segments.pid_alive(self._pids[p]):
+                notes.append(f"rank {p} (pid {self._pids[p]}) has exited")
+            elif self._ctls:
+                seq, kind = _STATUS.unpack_from(self._ctls[p].mm, _STATUS_OFF)
+                label = Kind(kind).label if kind else "nothing yet"
+                notes.append(f"rank {p} (pid {self._pids[p]}) last started {label} #{seq}")
+        msg = (f"gradring {info} failed on rank {self.rank}: ranks {sorted(waiting_for)} "
+               f"did not arrive ({what}); " + "; ".join(notes))
+        self._broken = msg
+        return CollectiveError(msg)
+
+    def _check_alive(self, what: str, waiting_for: Sequence[int]) -> None:
+        dead = [p for p in range(self.world_size)
+                if p != self.rank and not segments.pid_alive(self._pids[p])]
+        if dead:
+            raise self._fail(what, sorted(set(dead) | set(waiting_for)))
+
+    def _block(self, p: int, word: int, until: Any, what: str,
+               waiting_for: Sequence[int]) -> None:
+        """Wait until ``until(value of rank p's word)``: spin, yield, then sleep in
+        the kernel with a deadline; see [Note: spin, then block] in ``futex.py``."""
+        words = self._words[p]
+        for _ in range(SPIN_ITERS):
+            if until(words[word]):
+                return
+        clock = time.perf_counter
+        yield_end = clock() + YIELD_S
+        while clock() < yield_end:
+            os.sched_yield()
+            if until(words[word]):
+                return
+        addr = self._ctls[p].address + 4 * word
+        while True:
+            seen = words[word]
+            if until(seen):
+                return
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self._check_alive(what, waiting_for)
+                raise self._fail(f"{what}, timed out after {self._timeout:g}s", waiting_for)
+            if not futex.wait(addr, seen, min(SLICE_S, left)):
+                self._check_alive(what, waiting_for)
+
+    # -- barrier -------------------------------------------------------------------
+    def arrive(self) -> None:
+        self._epoch += 1
+        futex.add_and_wake(self._ctl.address + 4 * _BARRIER_WORD)
+
+    def wait_arrivals(self, what: str = "at a barrier inside the collective") -> None:
+        target = self._epoch
+        reached = lambda v: ((v - target) & _MASK) < _HALF
+        for p in range(self.world_size):
+            if p != self.rank and not reached(self._words[p][_BARRIER_WORD]):
+                late = [q for q in range(self.world_size)
+                        if q != self.rank and not reached(self._words[q][_BARRIER_WORD])]
+                self._block(p, _BARRIER_WORD, reached, what, late)
+
+    def barrier(self) -> None:
+        self.arrive()
+        self.wait_arrivals()
+
+    # -- memory ----------------------------------------------------------------------
+    def _register(self, start: int, nbytes: int, segno: int, mapping: Any) -> None:
+        self._regions = [r for r in self._regions if r[3]() is not None]
+        bisect.insort(self._regions, (start, start + nbytes, segno, weakref.ref(mapping)))
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """``(segno, offset)`` if ``t``'s bytes lie in this rank's shared memory."""
+        nbytes = t.numel() * t.element_size()
+        if not nbytes:
+            return None
+        ptr = t.data_ptr()
+        regions = self._regions
+        i = bisect.bisect_right(regions, (ptr, _MASK << 32)) - 1
+        if i >= 0:
+            start, end, segno, ref = regions[i]
+            if ptr + nbytes <= end and ref() is not None:
+                return segno, ptr - start
+        return None
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor in a fresh segment of this rank: zero-copy for collectives."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(numel, dtype=dtype)
+        with self._lock:
+            segno = next(self._segnos)
+            name = f"{self._base}-{segno}"
+            raw, mm = segments.user_segment(name, nbytes)
+            self._finalizers.append(weakref.finalize(mm, _retire, name, segno, self._retired))
+            self._register(raw.data_ptr(), len(mm), segno, mm)
+        return raw.view(dtype)
+
+    def expose(self, flat: torch.Tensor, *,
+               force_staging: bool = False) -> tuple[torch.Tensor, bool]:
+        nbytes = flat.numel() * flat.element_size()
+        if not force_staging:
+            loc = self.locate(flat)
+            if loc is not None:
+                self._exposed = loc
+                return flat, True
+        k = self._exchanges & 1
+        seg = self._staging[k]
+        if seg is None or seg.size < nbytes:
+            seg = self._grow_staging(k, nbytes)
+        segno = self._segno_of(seg)
+        self._exposed = (segno, 0)
+        self.staged_bytes += nbytes
+        return self._view(self.rank, seg, segno, 0, nbytes, flat.dtype), False
+
+    def _view(self, p: int, seg: Segment, segno: int, offset: int, nbytes: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        key = (p, segno, offset, nbytes, dtype)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            view = self._views[key] = seg.view(offset, nbytes, dtype)
+        return view
+
+    def _segno_of(self, seg: Segment) -> int:
+        return int(seg.name.rsplit("-", 1)[1])
+
+    def _grow_staging(self, k: int, nbytes: int) -> Segment:
+        old = self._staging[k]
+        size = max(nbytes, 64 * 1024, 2 * old.size if old else 0)
+        with self._lock:
+            seg = Segment.create(f"{self._base}-{next(self._segnos)}", size)
+            self._register(seg.address, seg.size, self._segno_of(seg), seg.mm)
+        self._staging[k] = seg
+        self._views.clear()
+        if old is not None:
+            # Safe: peers finished the collective that used it (module note).
+            old.close()
+        return seg
+
+    def _peer_segment(self, p: int, segno: int) -> Segment:
+        seg = self._peer_segs[p].get(segno)
+        if seg is None:
+            name = f"{self._peer_bases[p]}-{segno}"
+            try:
+                seg = Segment.open(name)
+            except OSError as exc:
+                self._check_alive(f"mapping {name}", [p])
+                raise self._fail(f"cannot map its segment {name}: {exc}", [p]) from exc
+            self._peer_segs[p][segno] = seg
+        return seg
+
+    def _forget_peer_segment(self, p: int, segno: int) -> None:
+        seg = self._peer_segs[p].pop(segno, None)
+        if seg is not None:
+            self._views.clear()
+            seg.close()
+
+    # -- exchange ----------------------------------------------------------------------
+    def _announce_retired(self) -> None:
+        words = self._ctl.words
+        while self._retired:
+            segno = self._retired.popleft()
+            words[_RETIRED_WORD + 1 + self._retired_count % _RETIRED_RING] = segno
+            self._retired_count += 1
+            words[_RETIRED_WORD] = self._retired_count & _MASK
+
+    def _collect_retired(self, p: int) -> None:
+        words = self._words[p]
+        count = words[_RETIRED_WORD]
+        seen = self._peer_retired[p]
+        if count == seen:
+            return
+        for i in range(max(seen, count - _RETIRED_RING), count):
+            self._forget_peer_segment(p, words[_RETIRED_WORD + 1 + i % _RETIRED_RING])
+        self._peer_retired[p] = count
+
+    def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
+                 zero_copy: bool) -> Exchange:
+        slot = self._exchanges & 1
+        self._exchanges += 1
+        if self._retired:
+            self._announce_retired()
+        nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
+        flags, segno, offset = 0, 0, 0
+        if exposed is not None:
+            loc = self._exposed or self.locate(exposed)
+            assert loc is not None, "exchange() of a buffer expose() did not return"
+            segno, offset = loc
+            flags = _HAS_BUFFER | (_ZERO_COPY if zero_copy else 0)
+        self._exposed = None
+        desc_off = _DESC_OFF + 64 * slot
+        _DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), flags, nbytes,
+                        dcode, segno, offset)
+        self.arrive()
+        self.wait_arrivals("at the start of the collective")
+        views: list[torch.Tensor | None] = []
+        any_zero_copy = zero_copy
+        for p in range(self.world_size):
+            if p == self.rank:
+                views.append(exposed)
+                continue
+            seq, kind, pflags, pbytes, pcode, psegno, poff = _DESC.unpack_from(
+                self._ctls[p].mm, desc_off)
+            if (seq, kind, pbytes, pcode) != (info.seq, int(info.kind), nbytes, dcode):
+                got = f"{Kind(kind).label if kind else '?'} #{seq} ({pbytes} bytes)"
+                raise self._fail(f"it is in {got} instead: ranks issued different "
+                                 f"collectives", [p])
+            if self._peer_retired[p] != self._words[p][_RETIRED_WORD]:
+                self._collect_retired(p)
+            if not pflags & _HAS_BUFFER:
+                views.append(None)
+                continue
+            if not pflags & _ZERO_COPY:
+                old = self._peer_staging[p][slot]
+                if old != psegno:  # the peer grew this staging set: drop the old map
+                    self._forget_peer_segment(p, old)
+                    self._peer_staging[p][slot] = psegno
+            else:
+                any_zero_copy = True
+            views.append(self._view(p, self._peer_segment(p, psegno), psegno, poff, pbytes,
+                                    info.dtype))
+        return Exchange(views, any_zero_copy)
+
+    # -- point to point (mailboxes) ----------------------------------------------------
+    def _chan_word(self, dst: int, which: int) -> int:
+        """Word index in the *sender's* control segment: 0 sent, 16 acked, 32+k length k."""
+        return (_CHAN_OFF + _CHAN_STRIDE * dst) // 4 + which
+
+    def _slot(self, dst: int, k: int) -> int:
+        """Byte offset, in the sender's control segment, of slot ``k`` towards ``dst``."""
+        return self._slot_base + (dst * SLOTS + k) * SLOT_BYTES
+
+    def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        req = _Send(buf.view(torch.uint8).numpy() if buf.numel() else np.empty(0, np.uint8), dst)
+        if not req.done:
+            self._sendq[dst].append(req)
+        return req
+
+    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
+        req = _Recv(buf, src, op)
+        if not req.done:
+            self._recvq[src].append(req)
+        return req
+
+    def _push(self, req: _Send) -> bool:
+        words, dst = self._words[self.rank], req.dst
+        sent_w, acked_w = self._chan_word(dst, 0), self._chan_word(dst, 16)
+        sent = words[sent_w]
+        moved = False
+        mm_np = self._ctl.array
+        while req.off < len(req.data) and ((sent - words[acked_w]) & _MASK) < SLOTS:
+            k = sent % SLOTS
+            frag = min(SLOT_BYTES, len(req.data) - req.off)
+            at = self._slot(dst, k)
+            np.copyto(mm_np[at:at + frag], req.data[req.off:req.off + frag])
+            words[self._chan_word(dst, 32 + k)] = frag
+            sent = (sent + 1) & _MASK
+            words[sent_w] = sent
+            req.off += frag
+            moved = True
+        if moved:
+            futex.add_and_wake(self._ctls[dst].address + 4 * _DOORBELL_WORD)
+        req.done = req.off >= len(req.data)
+        return moved
+
+    def _pull(self, req: _Recv) -> bool:
+        src = req.src
+        words = self._words[src]
+        sent_w, acked_w = self._chan_word(self.rank, 0), self._chan_word(self.rank, 16)
+        acked = words[acked_w]
+        moved = False
+        while req.off < len(req.data) and words[sent_w] != acked:
+            k = acked % SLOTS
+            frag = words[self._chan_word(self.rank, 32 + k)]
+            want = min(SLOT_BYTES, len(req.data) - req.off)
+            if frag != want:
+                raise self._fail(f"message size mismatch: got a {frag}-byte fragment, "
+                                 f"expected {want}", [src])
+            at = self._slot(self.rank, k)
+            if req.op is None:
+                np.copyto(req.data[req.off:req.off + frag], self._ctls[src].array[at:at + frag])
+            else:
+                size = req.buf.element_size()
+                dst = req.buf[req.off // size:(req.off + frag) // size]
+                ops.combine(dst, dst, self._ctls[src].view(at, frag, req.buf.dtype), req.op)
+            acked = (acked + 1) & _MASK
+            words[acked_w] = acked
+            req.off += frag
+            moved = True
+        if moved:
+            futex.add_and_wake(self._ctls[src].address + 4 * _DOORBELL_WORD)
+        req.done = req.off >= len(req.data)
+        return moved
+
+    def _progress(self) -> bool:
+        moved = False
+        for queues, step in ((self._sendq, self._push), (self._recvq, self._pull)):
+            for q in queues.values():
+                while q:
+                    moved |= step(q[0])
+                    if not q[0].done:
+                        break
+                    q.popleft()
+        return moved
+
+    def wait_all(self, reqs: Sequence[Any]) -> None:
+        me = self.rank
+        while True:
+            bell = self._words[me][_DOORBELL_WORD]
+            moved = self._progress()
+            if all(r.done for r in reqs):
+                return
+            if moved:
+                continue
+            peers = sorted({getattr(r, "dst", getattr(r, "src", -1)) for r in reqs if not r.done})
+            self._block(me, _DOORBELL_WORD, lambda v, b=bell: v != b,
+                        "point-to-point messages", peers)
+
+
+def _slots_offset(world_size: int) -> int:
+    end = _CHAN_OFF + _CHAN_STRIDE * world_size
+    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def control_size(world_size: int) -> int:
+    return _slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
+
+
+def _gather(store: Any, prefix: str, world_size: int, timeout: float) -> list[Any]:
+    keys = [f"{prefix}{p}" for p in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def _cleanup_once() -> None:
+    global _cleaned
+    if not _cleaned:
+        _cleaned = True
+        segments.remove_stale_segments()
+
+
+def host_identity() -> dict[str, Any]:
+    """What must be equal on every rank for shared memory to be shared."""
+    return {"host": socket.gethostname(), "boot": segments.boot_id(),
+            "pidns": segments.pid_namespace(), "futex": futex.AVAILABLE}
+
+
+def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
+        ShmTransport | None, str]:
+    """Rendezvous through ``store`` (a store private to the group); collective.
+
+    Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
+    share a host (every rank reaches the same verdict, from the same data).
+    """
+    n = store.add("gradring/shm/arrivals", 1)
+    key = f"gradring/shm/{(n - 1) // world_size}/"  # one generation per group instance
+    me = dict(host_identity(), pid=os.getpid(), token=secrets.token_hex(4))
+    store.set(f"{key}info/{rank}", json.dumps(me))
+    infos = _gather(store, f"{key}info/", world_size, timeout)
+    ident = host_identity()
+    others = [p for p, i in enumerate(infos) if {k: i[k] for k in ident} != ident]
+    if not futex.AVAILABLE:
+        return None, "shared-memory futexes need Linux on x86-64"
+    if others:
+        return None, f"ranks {others} run on another host, boot or pid namespace"
+    _cleanup_once()
+    base = segments.segment_base(os.getpid(), ident["pidns"], infos[0]["token"],
+                                 next(_transport_counter))
+    ctl = Segment.create(f"{base}-0", control_size(world_size))
+    cookie = secrets.randbits(63)
+    _HEADER.pack_into(ctl.mm, 0, _MAGIC, os.getpid(), rank, world_size, 0, cookie)
+    store.set(f"{key}ctl/{rank}", json.dumps({"base": base, "cookie": cookie}))
+    ctls = _gather(store, f"{key}ctl/", world_size, timeout)
+    peers: list[Segment | None] = [None] * world_size
+    problem = ""
+    for p, c in enumerate(ctls):
+        if p == rank:
+            continue
+        try:
+            seg = Segment.open(f"{c['base']}-0")
+            peers[p] = seg
+            magic, pid, prank, pworld, _, pcookie = _HEADER.unpack_from(seg.mm, 0)
+            if (magic, pid, prank, pworld, pcookie) != (
+                    _MAGIC, infos[p]["pid"], p, world_size, c["cookie"]):
+                problem = f"rank {p}'s control segment is not what it announced"
+        except OSError as exc:
+            problem = f"cannot map rank {p}'s control segment: {exc}"
+    store.set(f"{key}ok/{rank}", json.dumps(problem))
+    verdicts = _gather(store, f"{key}ok/", world_size, timeout)
+    ctl.unlink()  # every peer has mapped it (or given up): no name left to leak
+    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
+    if bad:
+        for seg in peers:
+            if seg is not None:
+                seg.close()
+        ctl.close()
+        return None, "; ".join(bad)
+    return ShmTransport(rank=rank, world_size=world_size, base=base, ctl=ctl,
+                        peer_ctls=peers, peer_bases=[c["base"] for c in ctls],
+                        pids=[i["pid"] for i in infos], timeout=timeout), ""
+
+
+@atexit.register
+def _close_all() -> None:
+    for t in list(_live):
+        t.close()

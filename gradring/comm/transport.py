@@ -1,0 +1,126 @@
+"""The small interfaces algorithms are written against, and the types they share.
+
+[Note: algorithms versus transports]
+An algorithm (``ring``, ``tree``, ``naive``, ``direct``) never knows how bytes
+move. Ring, tree and naive only use the point-to-point :class:`Transport`
+(``isend`` / ``irecv`` / ``wait_all``); every transport offers it. ``direct``
+is the shared-memory specialisation: it uses :class:`DirectTransport`, whose
+ranks can read each other's buffers once they have been *exposed* and
+*exchanged*; the shm and threaded transports offer it. So every algorithm
+runs on the threaded transport in unit tests, and ring/tree also run on shm
+and over torch.distributed.
+
+[Note: requests progress in wait_all]
+``isend``/``irecv`` only describe a transfer; a transport may move the bytes
+at once (threads, gloo's own threads) or only inside ``wait_all`` (shm, which
+has no helper thread). Algorithms therefore post every request of a step
+before waiting on any of them, which keeps bounded mailboxes deadlock-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from gradring.comm.ops import Op
+
+
+class Kind(enum.IntEnum):
+    """Which collective is in flight (also written into shared descriptors)."""
+
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    ALL_GATHER = 3
+    REDUCE_SCATTER = 4
+    BARRIER = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class CollectiveInfo(NamedTuple):
+    """What one collective is, for deadlines and error messages."""
+
+    seq: int  # per-group issue number, identical on every rank
+    kind: Kind
+    nbytes: int  # bytes of this rank's input tensor
+    dtype: torch.dtype
+    algo: str  # e.g. "direct/twoshot", "ring", "tree"
+    group: str  # the process group's name
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"{self.kind.label} #{self.seq} ({self.nbytes} bytes, {dtype}, "
+                f"algo {self.algo}, group {self.group})")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, timed out or issued something else."""
+
+
+class Exchange(NamedTuple):
+    """Result of :meth:`DirectTransport.exchange`."""
+
+    views: list[torch.Tensor | None]  # rank p's exposed buffer, or None if p exposed none
+    zero_copy: bool  # some rank exposed user memory: nobody may return before all are done
+
+
+class Transport(Protocol):
+    """Point-to-point primitives; see [Note: algorithms versus transports]."""
+
+    name: str
+    rank: int
+    world_size: int
+
+    def start(self, info: CollectiveInfo) -> None:
+        """Begin a collective: arm its deadline and remember it for error messages."""
+
+    def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        """Post sending flat ``buf`` to ``dst``; ``buf`` must stay untouched until waited."""
+
+    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
+        """Post receiving into ``buf`` from ``src``; with ``op``, ``buf = buf (op) incoming``."""
+
+    def wait_all(self, reqs: Sequence[Any]) -> None:
+        """Complete the given requests (and progress any other pending ones)."""
+
+    def close(self) -> None:
+        """Release every resource; the transport is unusable afterwards."""
+
+
+class DirectTransport(Transport, Protocol):
+    """Ranks can read each other's exposed memory (shared memory, threads)."""
+
+    def expose(self, flat: torch.Tensor, *,
+               force_staging: bool = False) -> tuple[torch.Tensor, bool]:
+        """Return ``(buffer, zero_copy)``: a tensor like ``flat`` that peers can read.
+
+        It is ``flat`` itself when ``flat`` already lives in transport memory
+        (``zero_copy``), else -- or with ``force_staging`` -- one of two
+        alternating staging buffers whose contents the caller fills. Call at
+        most once per collective, before ``exchange``.
+        """
+
+    def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
+                 zero_copy: bool) -> Exchange:
+        """Publish ``exposed``, wait for every rank to arrive, return all ranks' buffers.
+
+        Raises :class:`CollectiveError` if a peer is in a different collective.
+        """
+
+    def arrive(self) -> None:
+        """Announce that this rank reached the next barrier, without waiting."""
+
+    def wait_arrivals(self) -> None:
+        """Wait until every rank has arrived at the barrier announced last."""
+
+    def barrier(self) -> None:
+        """``arrive()`` then ``wait_arrivals()``."""
+
+
+def has_direct_access(transport: Transport) -> bool:
+    return hasattr(transport, "exchange")

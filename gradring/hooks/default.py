@@ -1,0 +1,132 @@
+"""The reference hook and the 16-bit compression hooks.
+
+Each hook here does one round: the bucket's flat buffer (this rank's gradients,
+not yet divided by the world size) is scaled by 1/N and SUM all-reduced,
+either as it is (``allreduce_hook``) or cast to 16 bits first (the ``*_compress_*``
+hooks, half the bytes on the wire).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradring.hooks._collectives import (
+    GradBucket,
+    HookResult,
+    all_reduce,
+    mean_all_reduce,
+    offsets_in,
+    world_size_of,
+)
+
+Future = torch.futures.Future
+CommHook = Callable[[Any, Any], Future]
+
+__all__ = ["allreduce_hook", "bf16_compress_hook", "bf16_compress_wrapper",
+           "fp16_compress_hook", "fp16_compress_wrapper"]
+
+
+def allreduce_hook(process_group: Any, bucket: GradBucket) -> HookResult:
+    """Average the bucket by a plain all-reduce: the same result as registering no hook.
+
+    Sends the buffer as it is: ``numel * 4`` bytes per fp32 bucket.
+    """
+    return mean_all_reduce(bucket.buffer(), process_group, label="allreduce")
+
+
+def _compress_hook(dtype: torch.dtype, label: str, process_group: Any, bucket: Any) -> Future:
+    full = bucket.buffer()
+    world = world_size_of(process_group)
+    # Scale while still in full precision: a large gradient divided after the
+    # cast could already have overflowed float16.
+    small = full.mul(1.0 / world).to(dtype) if world != 1 else full.to(dtype, copy=True)
+    _, fut = all_reduce(small, process_group, label=label)
+
+    def copy_back(f: Future) -> torch.Tensor:
+        return full.copy_(f.value())
+
+    return fut.then(copy_back)
+
+
+def fp16_compress_hook(process_group: Any, bucket: GradBucket) -> HookResult:
+    """All-reduce the bucket in float16 and copy the mean back into the bucket's dtype."""
+    return _compress_hook(torch.float16, "fp16", process_group, bucket)
+
+
+def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> HookResult:
+    """All-reduce the bucket in bfloat16 (works on CPU too) and copy the mean back."""
+    return _compress_hook(torch.bfloat16, "bf16", process_group, bucket)
+
+
+class _CastBucket:
+    """A bucket whose buffer is a low-precision copy of another bucket's.
+
+    Handed to the inner hook of a compress wrapper. It does not depend on how
+    the real bucket implements ``set_buffer`` (gradring's copies into its
+    shared-memory buffer, which would silently undo a cast).
+    """
+
+    __slots__ = ("_outer", "_buffer", "_shapes", "_offsets")
+
+    def __init__(self, outer: Any, dtype: torch.dtype) -> None:
+        # The real bucket: index, parameters and is_last are forwarded to it.
+        self._outer = outer
+        full = outer.buffer()
+        # The low-precision copy the inner hook reads and may overwrite.
+        self._buffer = full.to(dtype, copy=True)
+        grads = outer.gradients()
+        # Where each gradient sits in the flat buffer, to rebuild views of the copy.
+        self._shapes = [g.shape for g in grads]
+        self._offsets = offsets_in(full, grads)
+
+    def index(self) -> int:
+        return self._outer.index()
+
+    def is_last(self) -> bool:
+        return self._outer.is_last()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._outer.parameters()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer = tensor.reshape(-1)
+
+    def gradients(self) -> list[torch.Tensor]:
+        b = self._buffer
+        return [b[o:o + s.numel()].view(s) for o, s in zip(self._offsets, self._shapes)]
+
+
+def _cast_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
+    def wrapped(state: Any, bucket: GradBucket) -> HookResult:
+        full = bucket.buffer()
+        low = _CastBucket(bucket, dtype)
+        fut = hook(state, low)
+
+        def cast_back(f: Future) -> torch.Tensor:
+            value = f.value()
+            value = value[0] if isinstance(value, (list, tuple)) else value
+            return full.copy_(value.reshape(-1))
+
+        return fut.then(cast_back)
+
+    wrapped.__name__ = f"{getattr(hook, '__name__', 'hook')}_in_{str(dtype).split('.')[-1]}"
+    wrapped.__qualname__ = wrapped.__name__
+    return wrapped
+
+
+def fp16_compress_wrapper(hook: CommHook) -> CommHook:
+    """Run ``hook`` on a float16 copy of the bucket; copy its result back.
+
+    ``fp16_compress_wrapper(allreduce_hook)`` behaves like ``fp16_compress_hook``
+    except that it divides after the cast.
+    """
+    return _cast_wrapper(torch.float16, hook)
+
+
+def bf16_compress_wrapper(hook: CommHook) -> CommHook:
+    """Run ``hook`` on a bfloat16 copy of the bucket; copy its result back."""
+    return _cast_wrapper(torch.bfloat16, hook)

@@ -1,0 +1,305 @@
+"""Every algorithm against the naive oracle, on the threaded transport (no processes).
+
+The grid follows Gloo's tests: world size × element count × dtype × op, with
+integer-valued data so that every summation order gives the same exact
+result, then a random fuzz with changing sizes (the hazard MEASUREMENTS.md
+reports for reused buffer sets).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gradring.comm import direct, naive, ops, ring, tree
+from gradring.comm.ops import Op
+from gradring.comm.threaded import ThreadedWorld, run_ranks
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLDS = (1, 2, 3, 4)
+COUNTS = (0, 1, 4, 100, 1000, 10007)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+OPS = tuple(Op(n) for n in ("SUM", "AVG", "MAX", "MIN"))
+
+
+def rank_data(rank: int, count: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Small integers in [-5, 5]: sums of up to 4 ranks are exact even in bf16."""
+    i = torch.arange(count, dtype=torch.int64)
+    return ((i * 7 + rank * 13 + salt * 5) % 11 - 5).to(dtype)
+
+
+def info(seq: int, kind: Kind, t: torch.Tensor) -> CollectiveInfo:
+    return CollectiveInfo(seq, kind, t.numel() * t.element_size(), t.dtype, "test", "threads")
+
+
+def begin(t, seq: int, kind: Kind, flat: torch.Tensor) -> CollectiveInfo:
+    i = info(seq, kind, flat)
+    t.start(i)
+    return i
+
+
+def _all_reduce_with(algo: str, t, seq: int, flat: torch.Tensor, op: Op) -> None:
+    t.start(info(seq, Kind.ALL_REDUCE, flat))
+    if algo == "ring":
+        ring.all_reduce(t, flat, op)
+    elif algo == "tree":
+        tree.all_reduce(t, flat, op)
+    elif algo == "naive":
+        naive.all_reduce(t, flat, op)
+    elif algo.startswith("twoshot"):
+        direct.all_reduce_twoshot(t, info(seq, Kind.ALL_REDUCE, flat), flat, op)
+    else:
+        direct.all_reduce_oneshot(t, info(seq, Kind.ALL_REDUCE, flat), flat, op)
+
+
+def _sweep_all_reduce(t, algo: str, zero_copy: bool) -> list[torch.Tensor]:
+    out = []
+    seq = 0
+    for count in COUNTS:
+        for dtype in DTYPES:
+            for op in OPS:
+                src = rank_data(t.rank, count, dtype)
+                flat = t.world.empty(count, dtype) if zero_copy else torch.empty(count, dtype=dtype)
+                flat.copy_(src)
+                _all_reduce_with(algo, t, seq, flat, op)
+                seq += 1
+                out.append(flat.clone())
+    return out
+
+
+ALL_REDUCE_ALGOS = [("ring", False), ("tree", False), ("naive", False), ("twoshot", False),
+                    ("twoshot", True), ("oneshot", False), ("oneshot", True)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("algo,zero_copy", ALL_REDUCE_ALGOS,
+                         ids=[f"{a}{'-zerocopy' if z else ''}" for a, z in ALL_REDUCE_ALGOS])
+def test_all_reduce_grid(world: int, algo: str, zero_copy: bool) -> None:
+    results = run_ranks(world, _sweep_all_reduce, algo, zero_copy)
+    k = 0
+    for count in COUNTS:
+        for dtype in DTYPES:
+            for op in OPS:
+                expected = naive.oracle_all_reduce(
+                    [rank_data(r, count, dtype) for r in range(world)], op)
+                for r in range(world):
+                    got = results[r][k]
+                    assert got.dtype == dtype and got.shape == expected.shape
+                    assert torch.equal(got, expected), (algo, world, count, dtype, op, r)
+                k += 1
+
+
+def _sweep_other(t, algo: str) -> list[torch.Tensor]:
+    w, r = t.world_size, t.rank
+    out = []
+    seq = 0
+    for count in (0, 1, 5, 1000):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for op in OPS:
+                # reduce-scatter: input of w*count elements, output count
+                inp = rank_data(r, w * count, dtype)
+                keep = inp.clone()
+                res = torch.full((count,), 99, dtype=dtype)
+                i = begin(t, seq, Kind.REDUCE_SCATTER, inp)
+                if algo == "ring":
+                    ring.reduce_scatter(t, res, inp, op)
+                else:
+                    direct.reduce_scatter(t, i, res, inp, op)
+                seq += 1
+                assert torch.equal(inp, keep), "reduce_scatter modified its input"
+                out.append(res)
+            gathered = torch.empty(w * count, dtype=dtype)
+            mine = rank_data(r, count, dtype, salt=1)
+            i = begin(t, seq, Kind.ALL_GATHER, mine)
+            if algo == "ring":
+                ring.all_gather(t, gathered, mine)
+            else:
+                direct.all_gather(t, i, gathered, mine)
+            seq += 1
+            out.append(gathered)
+            for src in range(w):
+                b = rank_data(r, count, dtype, salt=2 + src)
+                i = begin(t, seq, Kind.BROADCAST, b)
+                if algo == "ring":
+                    tree.broadcast(t, b, src)
+                else:
+                    direct.broadcast(t, i, b, src)
+                seq += 1
+                out.append(b)
+    i = begin(t, seq, Kind.BARRIER, torch.empty(0, dtype=torch.uint8))
+    if algo == "ring":
+        tree.barrier(t)
+    else:
+        direct.barrier(t, i)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("algo", ["ring", "direct"])
+def test_other_collectives_grid(world: int, algo: str) -> None:
+    results = run_ranks(world, _sweep_other, algo)
+    k = 0
+    for count in (0, 1, 5, 1000):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for op in OPS:
+                parts = naive.oracle_reduce_scatter(
+                    [rank_data(r, world * count, dtype) for r in range(world)], op)
+                for r in range(world):
+                    assert torch.equal(results[r][k], parts[r]), ("rs", algo, count, dtype, op)
+                k += 1
+            gathered = naive.oracle_all_gather(
+                [rank_data(r, count, dtype, salt=1) for r in range(world)])
+            for r in range(world):
+                assert torch.equal(results[r][k], gathered), ("ag", algo, count, dtype)
+            k += 1
+            for src in range(world):
+                want = rank_data(src, count, dtype, salt=2 + src)
+                for r in range(world):
+                    assert torch.equal(results[r][k], want), ("bcast", algo, count, dtype, src)
+                k += 1
+
+
+def test_in_place_variants() -> None:
+    """all_gather with the input inside the output; reduce_scatter with the output
+    inside the input (the patterns FSDP-style callers use)."""
+
+    def body(t, algo):
+        w, r, m = t.world_size, t.rank, 37
+        buf = torch.zeros(w * m)
+        buf[r * m:(r + 1) * m] = rank_data(r, m, torch.float32)
+        begin(t, 0, Kind.ALL_GATHER, buf[:m])
+        if algo == "ring":
+            ring.all_gather(t, buf, buf[r * m:(r + 1) * m])
+        else:
+            direct.all_gather(t, info(0, Kind.ALL_GATHER, buf[:m]), buf, buf[r * m:(r + 1) * m])
+        rs = rank_data(r, w * m, torch.float32)
+        out = rs[r * m:(r + 1) * m]
+        begin(t, 1, Kind.REDUCE_SCATTER, rs)
+        if algo == "ring":
+            ring.reduce_scatter(t, out, rs, ops.SUM)
+        else:
+            direct.reduce_scatter(t, info(1, Kind.REDUCE_SCATTER, rs), out, rs, ops.SUM)
+        return buf, out.clone()
+
+    for algo in ("ring", "direct"):
+        for w in (2, 3):
+            res = run_ranks(w, body, algo)
+            gathered = torch.cat([rank_data(r, 37, torch.float32) for r in range(w)])
+            total = naive.oracle_all_reduce(
+                [rank_data(r, w * 37, torch.float32) for r in range(w)], ops.SUM)
+            for r in range(w):
+                assert torch.equal(res[r][0], gathered)
+                assert torch.equal(res[r][1], total[r * 37:(r + 1) * 37])
+
+
+def test_random_floats_identical_on_every_rank() -> None:
+    """With inexact floats the algorithms may round differently from the oracle,
+    but all ranks must agree bit for bit (DDP replicas must not drift)."""
+
+    def body(t, algo):
+        g = torch.Generator().manual_seed(t.rank)
+        x = torch.randn(4099, generator=g)
+        _all_reduce_with(algo, t, 0, x, ops.SUM)
+        return x
+
+    for algo in ("ring", "tree", "twoshot", "oneshot"):
+        for w in (3, 4):
+            res = run_ranks(w, body, algo)
+            expected = naive.oracle_all_reduce(
+                [torch.randn(4099, generator=torch.Generator().manual_seed(r)) for r in range(w)],
+                ops.SUM)
+            for r in range(w):
+                assert torch.equal(res[r], res[0]), (algo, w)
+            torch.testing.assert_close(res[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def _fuzz(t, seed: int, steps: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)  # same stream on every rank: same collective sequence
+    out = []
+    for seq in range(steps):
+        algo = rng.choice(["ring", "tree", "twoshot", "oneshot", "twoshot-zc"])
+        count = rng.choice([0, 1, 3, rng.randrange(1, 50), rng.randrange(50, 30000)])
+        dtype = rng.choice(DTYPES)
+        op = rng.choice(OPS)
+        salt = rng.randrange(1000)
+        src = rank_data(t.rank, count, dtype, salt)
+        zero_copy = algo.endswith("-zc")
+        flat = t.world.empty(count, dtype) if zero_copy else torch.empty(count, dtype=dtype)
+        flat.copy_(src)
+        _all_reduce_with(algo, t, seq, flat, op)
+        out.append(flat)
+    return out
+
+
+@pytest.mark.parametrize("world", (2, 3, 4))
+def test_fuzz_changing_sizes(world: int) -> None:
+    seed, steps = 1234 + world, 150
+    results = run_ranks(world, _fuzz, seed, steps)
+    rng = random.Random(seed)
+    for k in range(steps):
+        rng.choice(["ring", "tree", "twoshot", "oneshot", "twoshot-zc"])
+        count = rng.choice([0, 1, 3, rng.randrange(1, 50), rng.randrange(50, 30000)])
+        dtype = rng.choice(DTYPES)
+        op = rng.choice(OPS)
+        salt = rng.randrange(1000)
+        expected = naive.oracle_all_reduce(
+            [rank_data(r, count, dtype, salt) for r in range(world)], op)
+        for r in range(world):
+            assert torch.equal(results[r][k], expected), (k, count, dtype, op)
+
+
+def test_tree_shapes() -> None:
+    for w in range(1, 17):
+        for k in (0, 1):
+            links = [tree.double_tree(r, w)[k] for r in range(w)]
+            roots = [r for r in range(w) if links[r].parent < 0]
+            assert len(roots) == 1
+            for r in range(w):
+                assert len(links[r].children) <= 2
+                for c in links[r].children:
+                    assert links[c].parent == r
+            # every rank reaches the root
+            for r in range(w):
+                seen, x = 0, r
+                while links[x].parent >= 0:
+                    x = links[x].parent
+                    seen += 1
+                    assert seen <= w
+                assert x == roots[0]
+
+
+def test_chunk_bounds_cover_everything() -> None:
+    for n in (0, 1, 4, 7, 100, 10007):
+        for w in range(1, 9):
+            b = ops.chunk_bounds(n, w)
+            assert b[0][0] == 0 and b[-1][1] == n
+            assert all(b[i][1] == b[i + 1][0] for i in range(w - 1))
+            sizes = [hi - lo for lo, hi in b]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_mismatched_collectives_raise() -> None:
+    def body(t):
+        kind = Kind.ALL_REDUCE if t.rank == 0 else Kind.BROADCAST
+        i = CollectiveInfo(0, kind, 40, torch.float32, "test", "threads")
+        t.start(i)
+        direct.barrier(t, i)
+
+    with pytest.raises(CollectiveError, match="different collective"):
+        run_ranks(2, body)
+
+
+def test_missing_peer_times_out() -> None:
+    def body(t):
+        if t.rank == 1:
+            return
+        t.start(CollectiveInfo(3, Kind.ALL_REDUCE, 4, torch.float32, "ring", "threads"))
+        ring.all_reduce(t, torch.ones(4), ops.SUM)
+
+    world = ThreadedWorld(2, timeout=0.3)
+    with pytest.raises(CollectiveError, match=r"all_reduce #3.*rank 1 did not send"):
+        run_ranks(2, body, world=world)

@@ -1,0 +1,311 @@
+"""DDP behaviour beyond the numbers: buckets, overlap, init sync, bad input, API surface."""
+
+import io
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradring
+
+# ---------------------------------------------------------------- rank bodies
+
+
+def _linear12():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])
+
+
+def _reference_buckets(rank, world_size, find_unused):
+    ddp = gradring.DistributedDataParallel(_linear12(), find_unused_parameters=find_unused)
+    seen = []
+    x = torch.randn(2, 1024)
+    for _ in range(3):
+        ddp(x).sum().backward()
+        data = ddp._get_ddp_logging_data()
+        seen.append((data["bucket_sizes"], data["rebuilt_bucket_sizes"],
+                     data["rebuilt_per_bucket_param_indices"], data["has_rebuilt_buckets"]))
+    return seen
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: an artificially slow early layer."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class _SlowEarly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.early = nn.Linear(64, 512)
+        self.late = nn.Linear(512, 512)  # 1 MiB: fills the first rebuilt bucket alone
+
+    def forward(self, x):
+        return self.late(_SlowBackward.apply(self.early(x), 0.3))
+
+
+def _overlap(rank, world_size):
+    ddp = gradring.DistributedDataParallel(_SlowEarly(), bucket_cap_mb=0.001)
+    x = torch.randn(4, 64)
+    for _ in range(3):  # iteration 1 uses one bucket; the rebuild splits it
+        ddp(x).sum().backward()
+    trace = ddp.reducer.trace
+    it = trace.iteration - 1
+    late_bucket = ddp.reducer._locator[2][0]  # late.weight
+    done = trace.first(it, "comm_done", late_bucket)
+    end = trace.first(it, "backward_end")
+    return {"late_bucket": late_bucket, "nbuckets": len(ddp.reducer.buckets),
+            "slack": end - done}
+
+
+def _init_sync(rank, world_size):
+    torch.manual_seed(rank)  # every rank starts different
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(float(rank))
+    ddp = gradring.DistributedDataParallel(model)
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]
+                     + [model[1].running_mean])
+    out = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(out, flat)
+    return all(torch.equal(out[0], o) for o in out) and model[1].running_mean[0].item() == 0.0
+
+
+def _buffers_each_forward(rank, world_size):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ddp = gradring.DistributedDataParallel(model)
+    x = torch.randn(8, 4) + rank
+    ddp(x).sum().backward()
+    # Each rank's BN now has local statistics; the next forward broadcasts rank 0's.
+    before = model[1].running_mean.clone()
+    ddp.eval()
+    ddp(x)
+    after = model[1].running_mean.clone()
+    everyone = [torch.empty_like(after) for _ in range(world_size)]
+    dist.all_gather(everyone, after)
+    return all(torch.equal(everyone[0], e) for e in everyone), torch.equal(before, after)
+
+
+def _param_count_mismatch(rank, world_size):
+    layers = [nn.Linear(2, 2)] + ([nn.Linear(2, 2)] if rank == 0 else [])
+    try:
+        gradring.DistributedDataParallel(nn.Sequential(*layers))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _shape_mismatch(rank, world_size):
+    try:
+        gradring.DistributedDataParallel(nn.Linear(3, 2 + rank))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _backward_twice(rank, world_size):
+    ddp = gradring.DistributedDataParallel(nn.Linear(3, 3))
+    loss = ddp(torch.randn(2, 3)).sum()
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _no_grad_and_eval_leave_reducer_alone(rank, world_size):
+    torch.manual_seed(0)
+    ddp = gradring.DistributedDataParallel(nn.Linear(3, 3))
+    with torch.no_grad():
+        ddp(torch.randn(2, 3))
+        ddp(torch.randn(2, 3))
+    ddp.eval()
+    ddp(torch.randn(2, 3))  # grad enabled, eval mode: prepares but never backwards
+    ddp.train()
+    x = torch.full((2, 3), float(rank))
+    ddp(x).sum().backward()
+    g = ddp.module.weight.grad.clone()
+    expected = torch.full((3, 3), 2.0 * sum(range(world_size)) / world_size)
+    return torch.allclose(g, expected)
+
+
+def _subgroup(rank, world_size):
+    sub = dist.new_group([0, 1])
+    if rank > 1:
+        return None
+    torch.manual_seed(rank)
+    ddp = gradring.DistributedDataParallel(nn.Linear(2, 1, bias=False), process_group=sub)
+    ddp(torch.full((1, 2), float(rank + 1))).sum().backward()
+    return ddp.module.weight.grad.tolist()
+
+
+def _state_dict_and_pickle(rank, world_size):
+    ddp = gradring.DistributedDataParallel(nn.Linear(3, 2))
+    keys = sorted(ddp.state_dict())
+    ddp.load_state_dict(ddp.state_dict())
+    buf = io.BytesIO()
+    torch.save(ddp, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    same = torch.equal(back.module.weight, ddp.module.weight)
+    return keys, same
+
+
+def _bucket_view(rank, world_size):
+    ddp = gradring.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
+                                           gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    buffers = [b.buffer for b in ddp.reducer.buckets]
+
+    def inside(t):
+        return any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
+                   for b in buffers)
+    all_views = all(inside(p.grad) for p in ddp.module.parameters())
+    try:
+        ddp.module[0].weight.grad.detach_()
+        detach_msg = "no error"
+    except RuntimeError as e:
+        detach_msg = str(e)
+    return all_views, detach_msg
+
+
+def _logging_keys(rank, world_size):
+    ddp = gradring.DistributedDataParallel(nn.Linear(3, 2), bucket_cap_mb=5)
+    return ddp._get_ddp_logging_data()
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_reference_bucket_numbers_default_mode(pools):
+    seen = pools.run(2, _reference_buckets, False)[0]
+    (sizes1, rebuilt1, _, has1), (sizes2, rebuilt2, idx2, has2), _ = seen
+    assert sizes1 == [50380800] and rebuilt1 == [] and not has1
+    # After the 2nd forward (seen after its backward): rebuilt in arrival order.
+    assert has2 and rebuilt2 == [4198400, 29388800, 16793600]
+    assert idx2 == [[23, 22], list(range(21, 7, -1)), list(range(7, -1, -1))]
+
+
+def test_reference_bucket_numbers_find_unused(pools):
+    seen = pools.run(2, _reference_buckets, True)[0]
+    for sizes, rebuilt, _, has in seen:
+        assert sizes == [16797696, 29388800, 4194304]
+        assert rebuilt == [] and not has
+
+
+def test_overlap_is_real(pools):
+    # The late layer's bucket finishes its all-reduce while the slow early
+    # layer is still in backward: the collective overlapped computation.
+    for r in pools.run(2, _overlap):
+        assert r["nbuckets"] >= 2 and r["late_bucket"] == 0
+        assert r["slack"] > 0.1, r
+
+
+def test_init_sync_broadcasts_rank0_params_and_buffers(pools):
+    assert pools.run(3, _init_sync) == [True, True, True]
+
+
+def test_buffers_broadcast_before_forward(pools):
+    for same_everywhere, _ in pools.run(2, _buffers_each_forward):
+        assert same_everywhere
+
+
+def test_param_count_mismatch_error(pools):
+    msgs = pools.run(2, _param_count_mismatch)
+    for m in msgs:
+        assert "DDP expects same model across all ranks, but Rank 0 has 4 params, " \
+               "while rank 1 has inconsistent 2 params." in m
+
+
+def test_param_shape_mismatch_error(pools):
+    msg = pools.run(2, _shape_mismatch)[1]
+    assert "params[0] in this process with sizes [3, 3] appears not to match sizes of the " \
+           "same param in process 0." in msg
+    assert "'weight'" in msg
+
+
+def test_backward_twice_is_an_error(pools):
+    for m in pools.run(2, _backward_twice):
+        assert "backward() ran a second time" in m
+
+
+def test_no_grad_and_eval_forward(pools):
+    assert pools.run(2, _no_grad_and_eval_leave_reducer_alone) == [True, True]
+
+
+def test_subgroup(pools):
+    res = pools.run(3, _subgroup)
+    assert res[2] is None
+    assert res[0] == res[1] == [[1.5, 1.5]]
+
+
+def test_state_dict_and_torch_save(pools):
+    for keys, same in pools.run(2, _state_dict_and_pickle):
+        assert keys == ["module.bias", "module.weight"] and same
+
+
+def test_gradient_as_bucket_view_shares_storage(pools):
+    for all_views, detach_msg in pools.run(2, _bucket_view):
+        assert all_views
+        assert "view" in detach_msg.lower()
+
+
+def test_logging_data_keys(pools):
+    data = pools.run(2, _logging_keys)[0]
+    for key in ("bucket_sizes", "rebuilt_bucket_sizes", "rebuilt_per_bucket_param_indices",
+                "has_rebuilt_buckets", "world_size", "bucket_cap_bytes",
+                "find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+        assert key in data
+    assert data["world_size"] == 2 and data["bucket_cap_bytes"] == 5 * 1024 * 1024
+
+
+def test_errors_without_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        gradring.DistributedDataParallel(nn.Linear(2, 2))
+
+
+def _bad_args(rank, world_size):
+    out = {}
+    cases = {
+        "frozen": lambda: gradring.DistributedDataParallel(nn.Linear(2, 2).requires_grad_(False)),
+        "device_ids": lambda: gradring.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1]),
+        "mixed": lambda: gradring.DistributedDataParallel(
+            nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2, device="meta")})),
+        "unsupported": lambda: gradring.DistributedDataParallel(
+            nn.Linear(2, 2), skip_all_reduce_unused_params=True),
+        "cap": lambda: gradring.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_bad_arguments(pools):
+    out = pools.run(2, _bad_args)[0]
+    assert out["frozen"].startswith("RuntimeError") and "requires a gradient" in out["frozen"]
+    assert out["device_ids"] == ("ValueError: device_ids can only be None or contain a single "
+                                 "element.")
+    assert out["mixed"].startswith("ValueError") and "meta" in out["mixed"]
+    assert out["unsupported"].startswith("NotImplementedError")
+    assert "skip_all_reduce_unused_params" in out["unsupported"]
+    assert out["cap"].startswith("ValueError")
