@@ -206,9 +206,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self.reducer.rebuild_if_needed()
             else:
                 self.reducer.note_unsynced_forward()
-            if self.require_forward_param_sync and self.broadcast_buffers \
-                    and self._module_buffers:
-                self._comm.broadcast_coalesced(self._module_buffers)
+            self._sync_buffers(active=True)
             if self.device_ids:
                 inputs = _move_to(inputs, self.device_ids[0])
                 kwargs = _move_to(kwargs, self.device_ids[0])
@@ -286,11 +284,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         should_sync = global_flag(self._comm, False, self.device)
         if should_sync:
             self.reducer.rebuild_if_needed()
-        if self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers:
-            self._comm.broadcast_coalesced(self._module_buffers)
+        self._sync_buffers(active=False)
         self.require_forward_param_sync = should_sync
         if should_sync:
             self.reducer.shadow_backward()
+
+    def _sync_buffers(self, *, active: bool) -> None:
+        """Broadcast buffers before a forward. Under Join the source is the highest
+        rank still training (as torch does); otherwise rank 0."""
+        if not (self.require_forward_param_sync and self.broadcast_buffers
+                and self._module_buffers):
+            return
+        src = 0
+        if self._join_config.enable:
+            src = last_joiner_rank(self._comm, active, self.device)
+        self._comm.broadcast_coalesced(self._module_buffers, src=src)
 
     def sync_final_model(self, *, is_last_joiner: bool) -> None:
         """After everyone joined: the last joiner's parameters and buffers win."""

@@ -185,7 +185,7 @@ class Reducer:
             return False
         # static_graph's first backward marks everything ready at once, in index
         # order; the real arrival order is only seen in the second backward.
-        return not (self.static_graph and self.num_backward <= 1)
+        return not (self.static_graph and self.num_backward == 0)
 
     # ---------------------------------------------------------------- iteration
     def note_unsynced_forward(self) -> None:
@@ -249,7 +249,9 @@ class Reducer:
             self.trace.mark("backward_start")
             for j in self._unused_for_iteration():
                 self._mark_ready(j)
-        if self.find_unused:
+        if self.find_unused and self.params[i].grad is not None:
+            # A hook can fire with no gradient (its output was not used in the
+            # loss); such a parameter is not "used" and its .grad stays put.
             self._local_used[i] = 1
         self._mark_ready(i)
 
