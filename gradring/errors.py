@@ -34,7 +34,8 @@ def param_shape_mismatch(
 
 
 def unfinished_reduction(
-    per_rank_missing: dict[int, list[int]], names: Sequence[str], *, static_graph: bool
+    per_rank_missing: dict[int, list[int]], names: Sequence[str], *, static_graph: bool,
+    world_size: int = 0,
 ) -> str:
     head = (
         "Expected to have finished reduction in the prior iteration before starting a new "
@@ -61,6 +62,16 @@ def unfinished_reduction(
             f"{' '.join(map(str, idx))}\n"
             f"  names: {_names(idx, names)}"
         )
+    silent = [r for r in range(world_size) if r not in per_rank_missing]
+    if silent:
+        lines.append(
+            f"Ranks {silent} did not report an unfinished reduction: they most likely "
+            "produced gradients for every parameter and are waiting in a collective for this "
+            "rank, i.e. the ranks disagree on which parameters were used."
+        )
+    distinct = {tuple(v) for v in per_rank_missing.values()}
+    if len(distinct) > 1:
+        lines.append("The ranks above disagree on which parameters were used.")
     return "\n".join(lines)
 
 
@@ -113,4 +124,12 @@ def not_initialized() -> str:
         "Default process group has not been initialized, please make sure to call "
         "init_process_group (or launch under torchrun) before constructing "
         "gradring.DistributedDataParallel."
+    )
+
+
+def bucket_context(index: int, nbytes: int, param_indices: Sequence[int],
+                   names: Sequence[str], iteration: int) -> str:
+    return (
+        f"gradring DDP: this was the all-reduce of bucket {index} ({nbytes} bytes) in "
+        f"iteration {iteration}, holding parameters {_names(param_indices, names, limit=12)}."
     )

@@ -359,7 +359,7 @@ class Reducer:
         with torch.no_grad():
             for bucket in self.buckets:
                 # Bucket by bucket: the later ones may still be in flight meanwhile.
-                value = bucket.future.wait()
+                value = self._wait_bucket(bucket)
                 if isinstance(value, (list, tuple)):
                     value = value[0]
                 if value is not bucket.buffer:
@@ -373,6 +373,17 @@ class Reducer:
         self.require_finalize = False
         self._finalized_since_forward = True
         self.num_backward += 1
+
+    def _wait_bucket(self, bucket: Bucket) -> Any:
+        """Wait for a bucket's collective; a failure names the bucket and its parameters."""
+        try:
+            return bucket.future.wait()
+        except Exception as exc:
+            self.expect_hooks = False
+            self.require_finalize = False
+            where = errors.bucket_context(bucket.index, bucket.nbytes, bucket.param_indices,
+                                          self.names, self.num_backward + 1)
+            raise RuntimeError(f"{exc}\n{where}") from exc
 
     def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
         for slot, i in enumerate(bucket.param_indices):
@@ -413,7 +424,8 @@ class Reducer:
         self.require_finalize = False
         self.expect_hooks = False
         raise RuntimeError(
-            errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph)
+            errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
+                                        world_size=self.comm.world_size)
         )
 
     def _peer_missing(self, missing: list[int]) -> dict[int, list[int]]:

@@ -309,3 +309,29 @@ def test_bad_arguments(pools):
     assert out["unsupported"].startswith("NotImplementedError")
     assert "skip_all_reduce_unused_params" in out["unsupported"]
     assert out["cap"].startswith("ValueError")
+
+
+def _failing_hook(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_exception(RuntimeError("collective exploded"))
+    return fut
+
+
+def _collective_failure_names_bucket(rank, world_size):
+    torch.manual_seed(0)
+    ddp = gradring.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    ddp.register_comm_hook(None, _failing_hook)
+    try:
+        ddp(torch.randn(2, 3)).sum().backward()
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        msg = "no error"
+    # the DDP object stays usable for a clean next iteration once the hook behaves
+    return msg
+
+
+def test_collective_failure_names_bucket_and_params(pools):
+    for msg in pools.run(2, _collective_failure_names_bucket):
+        assert "collective exploded" in msg
+        assert "bucket 0" in msg and "1.weight" in msg and "0.bias" in msg
