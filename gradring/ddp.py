@@ -339,6 +339,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             "iteration": r.num_backward,
         }
 
+    def overlap_stats(self, last_n: int = 10) -> dict[str, Any]:
+        """Backward/communication overlap of the last ``last_n`` iterations (docs/overlap.md)."""
+        from gradring.overlap import ddp_overlap_stats
+
+        return ddp_overlap_stats(self, last_n=last_n)
+
     # ---------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
 
 from gradring import errors
 from gradring.buckets import (
@@ -308,11 +309,12 @@ class Reducer:
         bucket.state = BucketState.LAUNCHED
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
-        if self.comm_hook is None:
-            bucket.future = self.comm.all_reduce(bucket.buffer)
-        else:
-            gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
-            bucket.future = self.comm_hook(self.comm_hook_state, gb)
+        with record_function(f"gradring::bucket_all_reduce#{index}"):
+            if self.comm_hook is None:
+                bucket.future = self.comm.all_reduce(bucket.buffer)
+            else:
+                gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
+                bucket.future = self.comm_hook(self.comm_hook_state, gb)
         it = trace.iteration  # the callback may run after finalize moved on
         bucket.future.add_done_callback(lambda _f: trace.mark("comm_done", index, it))
 
@@ -359,12 +361,14 @@ class Reducer:
         with torch.no_grad():
             for bucket in self.buckets:
                 # Bucket by bucket: the later ones may still be in flight meanwhile.
-                value = self._wait_bucket(bucket)
+                with record_function(f"gradring::bucket_wait#{bucket.index}"):
+                    value = self._wait_bucket(bucket)
                 if isinstance(value, (list, tuple)):
                     value = value[0]
-                if value is not bucket.buffer:
-                    bucket.buffer.copy_(value.reshape(-1))
-                self._write_grads(bucket, used)
+                with record_function(f"gradring::bucket_write_grads#{bucket.index}"):
+                    if value is not bucket.buffer:
+                        bucket.buffer.copy_(value.reshape(-1))
+                    self._write_grads(bucket, used)
                 if self.post_reduce is not None:
                     self.post_reduce(bucket)
                 self.trace.mark("written", bucket.index)

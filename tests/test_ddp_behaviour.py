@@ -335,3 +335,15 @@ def test_collective_failure_names_bucket_and_params(pools):
     for msg in pools.run(2, _collective_failure_names_bucket):
         assert "collective exploded" in msg
         assert "bucket 0" in msg and "1.weight" in msg and "0.bias" in msg
+
+
+def _profiler_spans(rank, world_size):
+    ddp = gradring.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ddp(torch.randn(2, 4)).sum().backward()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("gradring::")})
+
+
+def test_profiler_shows_bucket_spans(pools):
+    names = pools.run(2, _profiler_spans)[0]
+    assert "gradring::bucket_all_reduce#0" in names and "gradring::bucket_wait#0" in names
