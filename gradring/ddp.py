@@ -252,7 +252,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.comm_hook = hook
         self.reducer.comm_hook_state = state
 
-    def _register_fused_optim(self, optim_cls: type, *args: Any, **kwargs: Any) -> None:
+    def _register_fused_optim(self, optim_cls: type, *args: Any, **kwargs: Any) -> Any:
+        """Step each parameter as soon as its bucket is reduced; returns the fused optimizer."""
         from gradring.fused_optim import attach_fused_optimizer
 
         if self._fused_optim is not None:
@@ -261,6 +262,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("_register_fused_optim cannot be combined with a communication "
                                "hook (register_comm_hook).")
         self._fused_optim = attach_fused_optimizer(self.reducer, optim_cls, *args, **kwargs)
+        return self._fused_optim
 
     # ------------------------------------------------------------------- join
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:

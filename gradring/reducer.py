@@ -358,25 +358,27 @@ class Reducer:
             self._used_future = None
             if self.static_graph:
                 self._static_used = used
-        with torch.no_grad():
-            for bucket in self.buckets:
-                # Bucket by bucket: the later ones may still be in flight meanwhile.
-                with record_function(f"gradring::bucket_wait#{bucket.index}"):
-                    value = self._wait_bucket(bucket)
-                if isinstance(value, (list, tuple)):
-                    value = value[0]
-                with record_function(f"gradring::bucket_write_grads#{bucket.index}"):
-                    if value is not bucket.buffer:
-                        bucket.buffer.copy_(value.reshape(-1))
-                    self._write_grads(bucket, used)
-                if self.post_reduce is not None:
-                    self.post_reduce(bucket)
-                self.trace.mark("written", bucket.index)
-        self.trace.iteration += 1
-        self.expect_hooks = False
-        self.require_finalize = False
-        self._finalized_since_forward = True
-        self.num_backward += 1
+        try:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    # Bucket by bucket: the later ones may still be in flight meanwhile.
+                    with record_function(f"gradring::bucket_wait#{bucket.index}"):
+                        value = self._wait_bucket(bucket)
+                    if isinstance(value, (list, tuple)):
+                        value = value[0]
+                    with record_function(f"gradring::bucket_write_grads#{bucket.index}"):
+                        if value is not bucket.buffer:
+                            bucket.buffer.copy_(value.reshape(-1))
+                        self._write_grads(bucket, used)
+                    if self.post_reduce is not None:
+                        self.post_reduce(bucket)
+                    self.trace.mark("written", bucket.index)
+        finally:
+            self.trace.iteration += 1
+            self.expect_hooks = False
+            self.require_finalize = False
+            self._finalized_since_forward = True
+            self.num_backward += 1
 
     def _wait_bucket(self, bucket: Bucket) -> Any:
         """Wait for a bucket's collective; a failure names the bucket and its parameters."""

@@ -377,7 +377,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> HookResult:
             at += v.numel()
         for g in groups:
             orthonormalize_(g.p, state.orthogonalization_epsilon)
-            torch.bmm(g.stack.transpose(1, 2), g.p, out=g.q)
+            # Q = M^T P computed as (P^T M)^T: the same numbers, and far faster on
+            # CPU than a batched matmul over a transposed (strided) M.
+            g.q.copy_(torch.bmm(g.p.transpose(1, 2), g.stack).transpose(1, 2))
         return all_reduce(q_mem, group, label="powerSGD")[1]
 
     def decompress(_: Any) -> torch.Tensor:
