@@ -1,8 +1,9 @@
 """All-reduce benchmark, nccl-tests style: gradring against gloo, side by side in one run.
 
-    python benchmarks/allreduce.py                        # world 2, ~40 s
+    python benchmarks/allreduce.py                        # world 2, ~25 s
     python benchmarks/allreduce.py --nproc 4 --sizes 4,1M,25M --reps 7
     python benchmarks/allreduce.py --variants shm-empty,gloo
+    python benchmarks/allreduce.py --crossover          # where select.py switches
 
 It starts ``--nproc`` rank processes itself (gloo process group over a
 FileStore, one intra-op thread each), and for every size times, in
@@ -75,8 +76,8 @@ def parse_size(text: str) -> int:
 
 
 def _iters(size: int) -> int:
-    """Calls per timed batch: enough to amortise timer noise, few for big sizes."""
-    return max(3, min(200, (16 << 20) // max(size, 1)))
+    """Calls per timed batch: ~64 MiB of payload, at least 3, at most 200."""
+    return max(3, min(200, (64 << 20) // max(size, 1)))
 
 
 def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: int,
@@ -156,27 +157,84 @@ def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: i
     dist.destroy_process_group()
 
 
-def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5,
-        variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600) -> Result:
-    """Run the benchmark in ``nproc`` fresh processes; return medians."""
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+def _crossover_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: int,
+                    queue: Any) -> None:
+    """Time each candidate of select.py's two switches at every size."""
+    import torch
+    import torch.distributed as dist
+
+    from gradring import comm
+    from gradring.comm import select
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, nproc), rank=rank,
+                            world_size=nproc, timeout=timedelta(seconds=120))
+    out: dict[tuple[int, str], list[float]] = {}
+    for size in sizes:
+        t = torch.zeros(max(1, size // 4))
+        for name in ("oneshot", "twoshot", "tree", "ring"):
+            if name in ("tree", "ring"):
+                os.environ.update(GRADRING_TRANSPORT="torch", GRADRING_ALGO=name)
+            else:
+                os.environ.pop("GRADRING_TRANSPORT", None)
+                os.environ.pop("GRADRING_ALGO", None)
+                select.ONESHOT_MAX_BYTES = 1 << 60 if name == "oneshot" else -1
+            iters = max(3, min(100, (1 << 20) // max(size, 1)))
+            for _ in range(reps):
+                comm.all_reduce(t)
+                comm.all_reduce(t)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    comm.all_reduce(t)
+                out.setdefault((size, name), []).append((time.perf_counter() - t0) / iters)
+    keys = sorted(out)
+    mat = torch.tensor([out[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(mat, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put({k: statistics.median(mat[i].tolist()) for i, k in enumerate(keys)})
+    comm.shutdown()
+    dist.destroy_process_group()
+
+
+def _launch(target: Any, nproc: int, args: tuple, timeout: float) -> Any:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gradring-bench-") as tmp:
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, nproc, os.path.join(tmp, "store"), list(sizes), reps,
-                                   list(variants), queue)) for r in range(nproc)]
+        procs = [ctx.Process(target=target, daemon=True,
+                             args=(r, nproc, os.path.join(tmp, "store"), *args, queue))
+                 for r in range(nproc)]
         for p in procs:
             p.start()
         try:
-            times, rates = queue.get(timeout=timeout)
+            return queue.get(timeout=timeout)
         finally:
             for p in procs:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
+
+
+def crossover(nproc: int = 2, sizes: tuple[int, ...] = (4, 4096, 65536, 262144, 1 << 20),
+              reps: int = 3, timeout: float = 600) -> str:
+    """Table of the candidates behind select.py's thresholds (median µs per call)."""
+    res = _launch(_crossover_main, nproc, (list(sizes), reps), timeout)
+    lines = [f"# crossovers, world {nproc}: time per all_reduce (us), user tensors",
+             f"# {'size':>9} {'oneshot':>9} {'twoshot':>9} {'tree':>9} {'ring':>9}"]
+    for size in sizes:
+        cells = " ".join(f"{res[(size, n)] * 1e6:9.1f}"
+                         for n in ("oneshot", "twoshot", "tree", "ring"))
+        lines.append(f"  {_fmt_size(size):>9} {cells}")
+    return "\n".join(lines)
+
+
+def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
+        variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600) -> Result:
+    """Run the benchmark in ``nproc`` fresh processes; return medians."""
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    times, rates = _launch(_rank_main, nproc, (list(sizes), reps, list(variants)), timeout)
     busfactor = 2 * (nproc - 1) / nproc
     rows = []
     for (size, variant), samples in sorted(times.items(), key=lambda kv: (
@@ -225,10 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                         help="comma-separated byte sizes, suffixes K/M/G allowed")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--crossover", action="store_true",
+                        help="time the candidates behind select.py's thresholds instead")
     args = parser.parse_args(argv)
+    if args.crossover:
+        print(crossover(args.nproc, reps=args.reps))
+        return 0
     res = run(args.nproc, tuple(parse_size(s) for s in args.sizes.split(",")), args.reps,
               tuple(v.strip() for v in args.variants.split(",")))
     print(format_table(res))

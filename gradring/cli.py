@@ -8,7 +8,9 @@ import sys
 
 COMMANDS = {
     "demo": ("gradring.demo", "train digits on N local processes and check the result"),
-    "bench": (None, "benchmarks: `gradring bench allreduce|ddp [args]`"),
+    "bench": (None, "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
+    "timeline": ("gradring.timeline", "draw a merged Chrome trace as a Gantt chart (PNG)"),
+    "tune": ("gradring.tune", "pick bucket_cap_mb by measuring, then check it by running DDP"),
 }
 
 

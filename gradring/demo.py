@@ -1,16 +1,23 @@
 """``gradring demo``: train a real classifier on N local processes and check it.
 
+    gradring demo                                   # 2 processes, 3 epochs
+    gradring demo --small                           # CI: 1 epoch of 10 batches
+    gradring demo --timeline run.png --trace run.json --nproc 3
+
 scikit-learn's handwritten digits (1,797 8x8 images, shipped inside the
 package, no download) train an MLP under gradring's DDP. At the end the demo
 retrains the same model in one process on the same global batches and checks
 that the parameters agree, then prints how much communication the backward
-left exposed.
+left exposed, and draws a timeline of the last iterations from the ranks'
+merged trace (see docs/overlap.md for how to read both).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -47,10 +54,11 @@ def make_model() -> nn.Module:
                          nn.Linear(256, 10))
 
 
-def global_batches(n: int, batch: int, epoch: int) -> list[torch.Tensor]:
+def global_batches(n: int, batch: int, epoch: int,
+                   max_batches: int | None = None) -> list[torch.Tensor]:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(EPOCH_SEED + epoch))
     usable = n - n % batch
-    return list(perm[:usable].split(batch))
+    return list(perm[:usable].split(batch))[:max_batches]
 
 
 def _bar(done: int, total: int, width: int = 30) -> str:
@@ -58,8 +66,10 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * k + "." * (width - k) + f"] {done}/{total}"
 
 
-def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float) -> dict[str, Any]:
+def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
+               max_batches: int | None = None, trace_dir: str | None = None) -> dict[str, Any]:
     import gradring
+    from gradring.overlap import ddp_overlap_stats, export_chrome_trace
 
     xtr, ytr, xte, yte = load_digits_tensors()
     model = gradring.DistributedDataParallel(make_model(), bucket_cap_mb=0.1)
@@ -67,7 +77,7 @@ def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float) -> 
     accs = []
     step_times: list[float] = []
     for epoch in range(epochs):
-        batches = global_batches(len(ytr), per_rank * world, epoch)
+        batches = global_batches(len(ytr), per_rank * world, epoch, max_batches)
         for i, idx in enumerate(batches):
             mine = idx[rank * per_rank:(rank + 1) * per_rank]
             t0 = time.perf_counter()
@@ -83,25 +93,67 @@ def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float) -> 
         accs.append(acc)
         if rank == 0:
             print(f"  test accuracy {acc:.3f}", flush=True)
-    stats = model.overlap_stats() if hasattr(model, "overlap_stats") else None
+    stats = model.overlap_stats() if hasattr(model, "overlap_stats") \
+        else ddp_overlap_stats(model)
+    trace = None
+    if trace_dir is not None:
+        trace = export_chrome_trace(model, os.path.join(trace_dir, f"rank{rank}.json"))
     return {
         "params": [p.detach().clone() for p in model.module.parameters()],
         "accs": accs,
         "step_ms": 1e3 * sorted(step_times)[len(step_times) // 2],
         "overlap": stats,
+        "trace": trace,
     }
 
 
-def train_single(world: int, epochs: int, per_rank: int, lr: float) -> list[torch.Tensor]:
+def train_single(world: int, epochs: int, per_rank: int, lr: float,
+                 max_batches: int | None = None) -> list[torch.Tensor]:
     xtr, ytr, _, _ = load_digits_tensors()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     for epoch in range(epochs):
-        for idx in global_batches(len(ytr), per_rank * world, epoch):
+        for idx in global_batches(len(ytr), per_rank * world, epoch, max_batches):
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
             opt.step()
     return [p.detach() for p in model.parameters()]
+
+
+def _overlap_summary(result: dict[str, Any]) -> list[str]:
+    from gradring.overlap import format_table
+
+    ov, step = result["overlap"], result["step_ms"]
+    if not ov or not ov.get("iterations"):
+        return []
+    return [
+        f"overlap: exposed communication {ov['exposed_ms']:.2f} ms/step of {step:.2f} ms "
+        f"({ov['exposed_ms'] / step:.1%})",
+        f"  rank 0, median of the last {ov['iterations']} steps: backward "
+        f"{ov['backward_ms']:.2f} ms, all-reduce in flight {ov['comm_ms']:.2f} ms, "
+        f"{ov['overlap_ratio']:.0%} of it during the backward; backward() ran "
+        f"{ov['tail_ms']:.2f} ms past autograd (waiting + copying into .grad)",
+        *("  " + line for line in format_table(ov).splitlines()),
+    ]
+
+
+def _draw(results: list[dict[str, Any]], image: str | None, trace_out: str | None,
+          tmp: str) -> list[str]:
+    """Merge the ranks' traces (kept at ``trace_out`` if given) and draw ``image`` from them."""
+    from gradring.overlap import merge_traces
+
+    merged = merge_traces([r["trace"] for r in results],
+                          trace_out or os.path.join(tmp, "merged.json"))
+    lines = [f"merged trace (open in ui.perfetto.dev): {merged}"] if trace_out else []
+    if not image:
+        return lines
+    try:
+        from gradring.timeline import draw_timeline
+
+        draw_timeline(merged, image, last=3, title="gradring demo: last 3 steps")
+    except ImportError:  # matplotlib is in the [demo] extra; keep the demo runnable
+        return [*lines, "timeline skipped: matplotlib is not installed"]
+    return [*lines, f"timeline of the last 3 steps: {image}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,28 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--small", action="store_true",
+                    help="a quick run for CI: 1 epoch of 10 batches")
+    ap.add_argument("--timeline", default="gradring-demo-timeline.png", metavar="PNG",
+                    help="where to draw the timeline ('' to skip; default %(default)s)")
+    ap.add_argument("--trace", default=None, metavar="JSON",
+                    help="also keep the merged Chrome trace here")
     a = ap.parse_args(argv)
     from gradring.launch import run_local
 
+    epochs, max_batches = (1, 10) if a.small else (a.epochs, None)
     torch.set_num_threads(1)
     print(f"gradring demo: {a.nproc} processes, digits MLP, per-rank batch {a.batch}",
           flush=True)
-    t0 = time.perf_counter()
-    results = run_local(train_rank, a.nproc, a.epochs, a.batch, a.lr)
-    wall = time.perf_counter() - t0
-    ref = train_single(a.nproc, a.epochs, a.batch, a.lr)
-    worst = max((p - q).abs().max().item() for p, q in zip(results[0]["params"], ref))
-    same_everywhere = all(
-        all(torch.equal(p, q) for p, q in zip(results[0]["params"], r["params"]))
-        for r in results)
-    print(f"trained in {wall:.1f}s; final test accuracy {results[0]['accs'][-1]:.3f}")
-    print(f"replicas identical on all ranks: {same_everywhere}")
-    ok = worst < 1e-4
-    print(f"matches one process on the global batches: {ok} (max |diff| {worst:.2e})")
-    ov = results[0]["overlap"]
-    if ov:
-        print(f"overlap: exposed communication {ov['exposed_ms']:.2f} ms/step of "
-              f"{results[0]['step_ms']:.2f} ms ({ov['exposed_ms'] / results[0]['step_ms']:.1%})")
+    with tempfile.TemporaryDirectory(prefix="gradring-demo-") as tmp:
+        t0 = time.perf_counter()
+        results = run_local(train_rank, a.nproc, epochs, a.batch, a.lr, max_batches, tmp)
+        wall = time.perf_counter() - t0
+        ref = train_single(a.nproc, epochs, a.batch, a.lr, max_batches)
+        worst = max((p - q).abs().max().item() for p, q in zip(results[0]["params"], ref))
+        same_everywhere = all(
+            all(torch.equal(p, q) for p, q in zip(results[0]["params"], r["params"]))
+            for r in results)
+        print(f"trained in {wall:.1f}s; final test accuracy {results[0]['accs'][-1]:.3f}")
+        print(f"replicas identical on all ranks: {same_everywhere}")
+        ok = worst < 1e-4
+        print(f"matches one process on the global batches: {ok} (max |diff| {worst:.2e})")
+        for line in _overlap_summary(results[0]):
+            print(line)
+        if a.timeline or a.trace:
+            for line in _draw(results, a.timeline, a.trace, tmp):
+                print(line)
     return 0 if ok and same_everywhere else 1
 
 

@@ -303,3 +303,62 @@ def test_missing_peer_times_out() -> None:
     world = ThreadedWorld(2, timeout=0.3)
     with pytest.raises(CollectiveError, match=r"all_reduce #3.*rank 1 did not send"):
         run_ranks(2, body, world=world)
+
+
+def test_selection_thresholds_and_overrides(monkeypatch) -> None:
+    from gradring.comm import select
+
+    big, small = 64 << 20, 4
+    assert select.choose(Kind.ALL_REDUCE, small, 2, "shm", None).algo == "direct/oneshot"
+    assert select.choose(Kind.ALL_REDUCE, big, 2, "shm", None).algo == "direct/twoshot"
+    assert select.oneshot_max_bytes(4) < select.oneshot_max_bytes(2)
+    assert select.choose(Kind.ALL_REDUCE, small, 2, "torch", None).algo == "tree"
+    assert select.choose(Kind.ALL_REDUCE, big, 2, "torch", None).algo == "ring"
+    assert select.choose(Kind.ALL_REDUCE, small, 2, "shm", "ring") == ("shm", "ring")
+    assert select.choose(Kind.ALL_GATHER, big, 2, "shm", "tree").algo == "ring"
+    assert select.choose(Kind.BROADCAST, big, 2, "torch", None).algo == "tree"
+    assert select.choose(Kind.REDUCE_SCATTER, big, 3, "shm", None).algo == "direct"
+    assert select.choose(Kind.ALL_REDUCE, big, 2, "shm", "native").transport == "native"
+    monkeypatch.setenv("GRADRING_ALGO", "tree")
+    monkeypatch.setenv("GRADRING_TRANSPORT", "torch")
+    assert select.overrides() == ("torch", "tree")
+    monkeypatch.setenv("GRADRING_ALGO", "bogus")
+    with pytest.raises(ValueError, match="GRADRING_ALGO"):
+        select.overrides()
+
+
+def test_engine_runs_in_order_and_reports_failures() -> None:
+    from gradring.comm.engine import Engine, Job, Work
+
+    eng = Engine("test-engine")
+    log: list[int] = []
+    works = []
+    for i in range(20):
+        fut = torch.futures.Future()
+
+        def run(i=i):
+            if i == 7:
+                raise CollectiveError("boom 7")
+            log.append(i)
+
+        eng.submit(Job(run, fut, [torch.tensor([i])]))
+        works.append(Work(fut, eng))
+    eng.run_now(lambda: log.append(100))  # a sync call waits for everything before it
+    assert log == [i for i in range(20) if i != 7] + [100]
+    assert works[3].wait() and works[3].get_future().value()[0].item() == 3
+    with pytest.raises(CollectiveError, match="boom 7"):
+        works[7].wait()
+    assert not works[7].is_success() and isinstance(works[7].exception(), CollectiveError)
+
+    # A future callback on the engine thread that waits for later work must not deadlock.
+    later = torch.futures.Future()
+    first = torch.futures.Future()
+    seen = []
+    first.then(lambda f: seen.append(Work(later, eng).wait()))
+    eng.submit(Job(lambda: None, first, []))
+    eng.submit(Job(lambda: seen.append("later ran"), later, []))
+    first.wait()
+    later.wait()
+    assert seen == ["later ran", True]
+    eng.shutdown()
+    assert eng.pending() == 0

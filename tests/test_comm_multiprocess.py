@@ -106,13 +106,40 @@ def _sweep(rank: int, world: int, transport: str, algo: str | None) -> list[str]
     return bad
 
 
+SWEEPS = [("shm", None), ("torch", None), ("torch", "ring"), ("shm", "ring"), ("shm", "tree")]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("transport,algo", [("shm", None), ("torch", None), ("torch", "ring")])
+@pytest.mark.parametrize("transport,algo", SWEEPS)
 def test_collectives_match_oracle(pools, world: int, transport: str, algo: str | None) -> None:
-    if world == 4 and algo == "ring":
-        pytest.skip("ring over gloo is covered at world 2 and 3; keeps the suite short")
+    if world == 4 and algo is not None:
+        pytest.skip("forced algorithms are covered at world 2 and 3; keeps the suite short")
     results = pools.run(world, _sweep, transport, algo, timeout=150)
     assert results == [[]] * world
+
+
+def _large_messages(rank: int, world: int) -> list[str]:
+    """Messages of many mailbox slots (flow control) and uneven chunks."""
+    bad = []
+    for transport, algo in (("shm", "ring"), ("shm", "tree"), ("torch", "ring"), ("shm", None)):
+        with _Env(transport=transport, algo=algo):
+            for n in (300_001, 1_000_003):
+                x = rank_data(rank, n, torch.float32)
+                comm.all_reduce(x)
+                want = naive.oracle_all_reduce([rank_data(r, n, torch.float32)
+                                                for r in range(world)], Op("SUM"))
+                if not torch.equal(x, want):
+                    bad.append(f"{transport}/{algo} {n}")
+                b = rank_data(rank, n, torch.float32, 1)
+                comm.broadcast(b, src=world - 1)
+                if not torch.equal(b, rank_data(world - 1, n, torch.float32, 1)):
+                    bad.append(f"broadcast {transport}/{algo} {n}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_messages(pools, world: int) -> None:
+    assert pools.run(world, _large_messages, timeout=150) == [[]] * world
 
 
 def _world_one(rank: int, world: int) -> list[bool]:
@@ -219,12 +246,45 @@ def test_subgroups_translate_ranks(pools) -> None:
         assert all(res), res
 
 
+def _other_host(rank: int, world: int) -> dict[str, object]:
+    """Ranks that do not share a host fall back to the torch transport, together."""
+    from gradring.comm import rendezvous
+
+    real = rendezvous.host_identity
+    if rank == 1:  # pretend rank 1 booted another machine
+        rendezvous.host_identity = lambda: dict(real(), host="elsewhere")
+    try:
+        sub = dist.new_group(list(range(world)))
+        e = comm.empty(100, group=sub)  # connects: falls back to an ordinary tensor
+        e.fill_(rank + 1)
+        comm.all_reduce(e, group=sub)
+        ctx = comm_context.context(sub)
+        forced = ""
+        with _Env(transport="shm"):
+            try:
+                comm.all_reduce(torch.ones(3), group=sub)
+            except RuntimeError as exc:
+                forced = str(exc)
+        zero_copy = comm.in_transport_memory(e, group=sub)
+        comm.shutdown(sub)
+    finally:
+        rendezvous.host_identity = real
+    return {"sum": bool(torch.all(e == world * (world + 1) / 2)),
+            "shm": ctx.existing_shm() is not None, "zero_copy": zero_copy, "forced": forced}
+
+
+def test_ranks_on_different_hosts_use_torch_transport(pools) -> None:
+    for res in pools.run(2, _other_host):
+        assert res["sum"] and not res["shm"] and not res["zero_copy"]
+        assert "GRADRING_TRANSPORT=shm" in res["forced"] and "another host" in res["forced"]
+
+
 # ------------------------------------------------------------------ zero copy
 def _zero_copy(rank: int, world: int) -> dict[str, object]:
     ctx = comm_context.context(None)
     shm = ctx.shm()
     # Above the one-shot size: one-shot always stages (it needs the inputs intact).
-    row = select.ONESHOT_MAX_BYTES // 4 + 1
+    row = select.oneshot_max_bytes(world) // 4 + 1
     x = comm.empty((10, row))
     x.fill_(rank + 1)
     before = shm.staged_bytes
@@ -345,6 +405,39 @@ def test_shutdown_leaves_no_threads_fds_or_segments(pools) -> None:
         assert res["during"] >= 1
         assert res["segments_left"] == [] and res["threads_left"] == []
         assert res["fds_delta"] <= 0, res
+
+
+def _fork_then_exit(rank: int, world: int) -> dict[str, object]:
+    """A forked child that exits normally (gradring's exit hooks run) must not tear
+    down the parent's shared memory."""
+    import weakref
+
+    from gradring.comm import shm as shm_transport
+
+    x = comm.empty(70_000)
+    x.fill_(1)
+    comm.all_reduce(x)
+    mine = lambda: {n for n in os.listdir(segments.SHM_DIR)
+                    if n.startswith(f"gradring-{os.getpid()}-")}
+    before = mine()
+    pid = os.fork()
+    if pid == 0:  # child: gradring's exit handlers, as a normal exit would run them
+        try:  # (only ours: the pool's pipes and gloo sockets are shared with the parent)
+            comm_context.shutdown(all_groups=True, timeout=1.0)
+            shm_transport._close_all()
+            weakref.finalize._exitfunc()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    after = mine()
+    x.fill_(rank + 1)
+    comm.all_reduce(x)
+    return {"kept": before <= after, "sum": bool(torch.all(x == world * (world + 1) / 2))}
+
+
+def test_forked_child_does_not_unlink_parent_segments(pools) -> None:
+    for res in pools.run(2, _fork_then_exit):
+        assert res == {"kept": True, "sum": True}
 
 
 # --------------------------------------------------- separate jobs (subprocess)

@@ -45,12 +45,11 @@ def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
 def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tensor,
            op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor]) -> Work | None:
     plan = Plan(kind, output, inp, op, root, ctx.next_seq(), select.overrides())
-    run = functools.partial(ctx.run, plan)
     if async_op:
         fut: torch.futures.Future = torch.futures.Future()
-        ctx.engine.submit(Job(run, fut, value))
+        ctx.engine.submit(Job(functools.partial(ctx.run, plan), fut, value))
         return Work(fut, ctx.engine)
-    ctx.engine.run_now(run)
+    ctx.engine.run_now(ctx.run, plan)
     return None
 
 
@@ -188,7 +187,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group:
 def in_transport_memory(tensor: torch.Tensor, group: Any = None) -> bool:
     """True if collectives on ``tensor`` are zero-copy (it lives in ``comm.empty`` memory)."""
     ctx = context(group)
-    transport = ctx.shm() if ctx is not None and ctx.world_size > 1 else None
+    transport = ctx.existing_shm() if ctx is not None else None
     return (transport is not None and tensor.is_contiguous()
             and transport.locate(tensor) is not None)
 

@@ -1,7 +1,7 @@
 """Per-process-group state: transports, engine, sequence numbers; running one collective.
 
 A :class:`GroupContext` is created on a group's first gradring call and lives
-until :func:`shutdown_all` (or ``comm.shutdown(group)``). Creating the shm
+until ``comm.shutdown()`` (or exit). Creating the shm
 transport is a rendezvous through the group's store, so the first gradring
 call on a group (a collective or ``comm.empty``) must be made by every rank.
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import threading
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from gradring.comm import direct, engine, ring, select, shm, tree
+from gradring.comm import direct, engine, rendezvous, ring, select, shm, tree
 from gradring.comm.ops import Op
 from gradring.comm.torchdist import TorchTransport
 from gradring.comm.transport import CollectiveInfo, Kind, Transport
@@ -88,10 +89,14 @@ class GroupContext:
         """The shared-memory transport, connecting on first use (collective)."""
         with self._lock:
             if "shm" not in self._transports:
-                t, why = shm.connect(_group_store(self.group), self.rank, self.world_size,
+                t, why = rendezvous.connect(_group_store(self.group), self.rank, self.world_size,
                                      self.timeout)
                 self._transports["shm"], self._shm_reason = t, why
             return self._transports["shm"]  # type: ignore[return-value]
+
+    def existing_shm(self) -> shm.ShmTransport | None:
+        """The shared-memory transport if it is already connected (no rendezvous)."""
+        return self._transports.get("shm")  # type: ignore[return-value]
 
     def torch_transport(self) -> Transport:
         with self._lock:
@@ -116,7 +121,7 @@ class GroupContext:
         inp = out if plan.input is plan.output else _flat(plan.input)[0]
         kind_name, transport = self.pick_transport(plan.env.transport)
         nbytes = inp.numel() * inp.element_size()
-        choice = select.choose(plan.kind, nbytes, kind_name, plan.env.algo)
+        choice = select.choose(plan.kind, nbytes, self.world_size, kind_name, plan.env.algo)
         info = CollectiveInfo(plan.seq, plan.kind, nbytes, inp.dtype,
                               f"{choice.algo} over {choice.transport}", self.name)
         transport.start(info)
@@ -124,8 +129,8 @@ class GroupContext:
         if copy_back:
             plan.output.copy_(out.view(plan.output.shape))
 
-    def close(self) -> None:
-        self.engine.shutdown()
+    def close(self, timeout: float = 10.0) -> None:
+        self.engine.shutdown(timeout)
         with self._lock:
             for t in self._transports.values():
                 if t is not None:
@@ -188,7 +193,7 @@ def context(group: Any) -> GroupContext | None:
     return ctx
 
 
-def shutdown(group: Any = None, *, all_groups: bool = False) -> None:
+def shutdown(group: Any = None, *, all_groups: bool = False, timeout: float = 10.0) -> None:
     """Tear down gradring's state for ``group`` (or every group): engine threads,
     transports, shared-memory segments. Collectives issued later start afresh."""
     with _contexts_lock:
@@ -201,7 +206,16 @@ def shutdown(group: Any = None, *, all_groups: bool = False) -> None:
             ctx = _contexts.pop(group, None)
             victims = [ctx] if ctx else []
     for ctx in victims:
-        ctx.close()
+        ctx.close(timeout)
 
 
-atexit.register(shutdown, all_groups=True)
+def _forget_after_fork() -> None:
+    """A forked child inherits contexts whose threads and peers are not its own:
+    drop them without closing (closing would unlink the parent's segments)."""
+    _contexts.clear()
+
+
+# At exit, queued work gets a short grace period: a peer may already be gone.
+atexit.register(shutdown, all_groups=True, timeout=2.0)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -9,8 +9,10 @@ an intra-host all-reduce (MEASUREMENTS.md).
 - ``all_reduce_twoshot`` (large messages) = reduce-scatter + all-gather by
   direct reads: rank ``r`` reduces chunk ``r`` of every rank's buffer into its
   own exposed buffer, a barrier, then copies every other chunk from its
-  owner. With buffers from ``comm.empty`` each rank moves the minimum memory
-  traffic, ``(3W-1)/W`` buffer sizes (W=2: read 2 and write 1 half, copy 1 half).
+  owner. With buffers from ``comm.empty`` and W=2 each rank moves the
+  minimum memory traffic, 2.5 buffer sizes (read 2 halves and write 1 to
+  reduce, read and write 1 half to copy); for W>2 the pairwise adds re-read the
+  running sum, (W-1)·3/W + 2(W-1)/W sizes against the minimum (3W-1)/W.
 - ``all_reduce_oneshot`` (small messages) = one barrier: every rank reduces
   the whole buffer from all ranks' staging copies, in rank order so every rank
   computes identical bits.

@@ -120,11 +120,11 @@ class Engine:
                 self._thread.start()
             self._cond.notify_all()
 
-    def run_now(self, run: Callable[[], None]) -> None:
-        """Run ``run`` on this thread after every job issued before it."""
+    def run_now(self, run: Callable[..., None], *args: object) -> None:
+        """Run ``run(*args)`` on this thread after every job issued before it."""
         if threading.current_thread() is self._thread:
             fut: torch.futures.Future = torch.futures.Future()
-            self.submit(Job(run, fut, []))
+            self.submit(Job(lambda: run(*args), fut, []))
             self.help_until(fut)
             fut.wait()
             return
@@ -133,7 +133,7 @@ class Engine:
                 self._cond.wait()
             self._busy = True
         try:
-            run()
+            run(*args)
         finally:
             with self._cond:
                 self._busy = False

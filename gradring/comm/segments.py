@@ -94,7 +94,10 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def unlink_quietly(name: str) -> None:
+def unlink_quietly(name: str, owner_pid: int | None = None) -> None:
+    """Remove ``name`` if it exists (and, given ``owner_pid``, only from that process)."""
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return
     try:
         os.unlink(os.path.join(SHM_DIR, name))
     except OSError:
@@ -125,6 +128,8 @@ class Segment:
         self.address = ctypes.addressof(self._pin)
         # False once unlinked (or never owned).
         self._linked = owner
+        # The creating process: a forked child must not unlink its parent's segments.
+        self._pid = os.getpid()
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
@@ -155,7 +160,7 @@ class Segment:
         return self.bytes[offset:offset + nbytes].view(dtype)
 
     def unlink(self) -> None:
-        if self._linked:
+        if self._linked and os.getpid() == self._pid:
             self._linked = False
             unlink_quietly(self.name)
 

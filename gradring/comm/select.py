@@ -8,28 +8,34 @@ Environment overrides (read at every call, so a benchmark can switch):
   the call to the process group's own collective (gloo);
 - ``GRADRING_TIMEOUT=<seconds>``: overrides the process group's timeout.
 
-Defaults (thresholds measured with ``benchmarks/allreduce.py``, world 2 and
-4, on a 2-core VM; see docs/collectives.md):
+Defaults (crossovers measured at world 2 and 4 on a 2-core VM, numbers in
+docs/collectives.md):
 
-- shm: all-reduce ``direct/oneshot`` up to ``ONESHOT_MAX_BYTES`` (one barrier,
-  latency-bound), ``direct/twoshot`` above (minimum memory traffic); every
-  other collective is ``direct``.
-- torch: all-reduce ``tree`` up to ``TREE_MAX_BYTES`` (fewer hops), ``ring``
-  above (bandwidth-optimal); broadcast ``tree`` (binomial); reduce-scatter
-  and all-gather ``ring``.
+- shm: all-reduce ``direct/oneshot`` up to ``oneshot_max_bytes(W)`` (one
+  barrier; but every rank reads all W buffers, so the crossover shrinks as
+  1/W: 256 KiB at W=2, 128 KiB at W=4), ``direct/twoshot`` above (minimum
+  memory traffic); every other collective is ``direct``.
+- torch: all-reduce ``tree`` up to ``TREE_MAX_BYTES`` (2·log2 W hops instead
+  of 2(W-1)), ``ring`` above (bandwidth-optimal, pipelined); broadcast
+  ``tree`` (binomial); reduce-scatter and all-gather ``ring``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gradring.comm.transport import Kind
 
-#: Largest all-reduce (bytes) run as one-shot on shared memory.
-ONESHOT_MAX_BYTES = 16 * 1024
+#: Largest all-reduce (bytes) run as one-shot on shared memory, at world size 2.
+ONESHOT_MAX_BYTES = 256 * 1024
 #: Largest all-reduce (bytes) run on the double binary tree over torch p2p.
-TREE_MAX_BYTES = 64 * 1024
+TREE_MAX_BYTES = 256 * 1024
+
+
+def oneshot_max_bytes(world_size: int) -> int:
+    """One-shot reads W buffers per rank, two-shot ~3: the crossover scales as 1/W."""
+    return ONESHOT_MAX_BYTES * 2 // max(2, world_size)
 
 TRANSPORTS = ("shm", "torch")
 ALGOS = ("ring", "tree", "native")
@@ -63,13 +69,23 @@ class Overrides(NamedTuple):
     algo: str | None
 
 
-_last: tuple[tuple[str, str], Overrides] | None = None
+_last: tuple[tuple[Any, Any], Overrides] | None = None
+
+
+# os.environ's backing dict (bytes keys, kept in sync by os.environ): a lookup
+# there costs ~50 ns against ~1 µs through os.environ's encoding layer.
+_ENV_DATA: dict = getattr(os.environ, "_data", {})
+_KEYS = (os.environ.encodekey("GRADRING_TRANSPORT"), os.environ.encodekey("GRADRING_ALGO")) \
+    if _ENV_DATA else ()
 
 
 def overrides() -> Overrides:
     """Both overrides, parsed once per distinct environment value (cheap per call)."""
     global _last
-    raw = (os.environ.get("GRADRING_TRANSPORT", ""), os.environ.get("GRADRING_ALGO", ""))
+    if _KEYS:
+        raw = (_ENV_DATA.get(_KEYS[0], b""), _ENV_DATA.get(_KEYS[1], b""))
+    else:
+        raw = (os.environ.get("GRADRING_TRANSPORT", ""), os.environ.get("GRADRING_ALGO", ""))
     if _last is None or _last[0] != raw:
         _last = (raw, Overrides(env_transport(), env_algo()))
     return _last[1]
@@ -80,7 +96,8 @@ def env_timeout() -> float | None:
     return float(value) if value else None
 
 
-def choose(kind: Kind, nbytes: int, transport: str, algo: str | None) -> Choice:
+def choose(kind: Kind, nbytes: int, world_size: int, transport: str,
+           algo: str | None) -> Choice:
     """The algorithm for ``kind`` on ``transport`` ("shm" or "torch"), honouring ``algo``."""
     if algo == "native":
         return Choice("native", "native")
@@ -88,7 +105,7 @@ def choose(kind: Kind, nbytes: int, transport: str, algo: str | None) -> Choice:
         if algo in ("ring", "tree"):
             return Choice(transport, algo)
         if transport == "shm":
-            return Choice("shm", "direct/oneshot" if nbytes <= ONESHOT_MAX_BYTES
+            return Choice("shm", "direct/oneshot" if nbytes <= oneshot_max_bytes(world_size)
                           else "direct/twoshot")
         return Choice(transport, "tree" if nbytes <= TREE_MAX_BYTES else "ring")
     if transport == "shm" and algo is None:

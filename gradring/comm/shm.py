@@ -10,6 +10,7 @@ offset                contents
 128                   doorbell: bumped by peers whenever a mailbox moved
 192                   status: seq and kind of the collective in flight
 256, 320              two descriptor slots (alternating per exchange)
+384                   (unused)
 448                   retired-segment ring (segments peers may unmap)
 640 + 192·d           mailbox header towards rank d: sent, acked, lengths
 page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
@@ -24,6 +25,7 @@ name, see [Note: segment names and leaks] in ``segments.py``.
 Point-to-point messages (for ring and tree) go through the mailboxes: a
 sender copies fragments into slots, the receiver copies (or reduces) them out.
 The direct algorithms (``direct.py``) skip all that and read exposed buffers.
+Ranks find each other through the store: ``rendezvous.connect``.
 """
 
 from __future__ import annotations
@@ -31,18 +33,14 @@ from __future__ import annotations
 import atexit
 import bisect
 import itertools
-import json
 import mmap
 import os
-import secrets
-import socket
 import struct
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -83,8 +81,6 @@ _DTYPE_CODES = {d: i + 1 for i, d in enumerate(
     (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
      torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))}
 
-_transport_counter = itertools.count()
-_cleaned = False
 _live: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
 
@@ -110,14 +106,14 @@ class _Recv:
         self.done = not len(self.data)
 
 
-def _retire(name: str, segno: int, retired: deque[int]) -> None:
+def _retire(name: str, segno: int, retired: deque[int], pid: int) -> None:
     """Finalizer of a ``comm.empty`` mapping: free the name, tell peers to unmap."""
-    segments.unlink_quietly(name)
+    segments.unlink_quietly(name, pid)
     retired.append(segno)
 
 
 class ShmTransport:
-    """One rank's end of a shared-memory group. Built by :func:`connect`."""
+    """One rank's end of a shared-memory group. Built by ``rendezvous.connect``."""
 
     name = "shm"
 
@@ -313,7 +309,8 @@ class ShmTransport:
             segno = next(self._segnos)
             name = f"{self._base}-{segno}"
             raw, mm = segments.user_segment(name, nbytes)
-            self._finalizers.append(weakref.finalize(mm, _retire, name, segno, self._retired))
+            self._finalizers.append(
+                weakref.finalize(mm, _retire, name, segno, self._retired, os.getpid()))
             self._register(raw.data_ptr(), len(mm), segno, mm)
         return raw.view(dtype)
 
@@ -549,78 +546,15 @@ def control_size(world_size: int) -> int:
     return _slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
 
 
-def _gather(store: Any, prefix: str, world_size: int, timeout: float) -> list[Any]:
-    keys = [f"{prefix}{p}" for p in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout))
-    return [json.loads(store.get(k)) for k in keys]
+def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
+    """Write the header of a fresh control segment."""
+    _HEADER.pack_into(seg.mm, 0, _MAGIC, os.getpid(), rank, world_size, 0, cookie)
 
 
-def _cleanup_once() -> None:
-    global _cleaned
-    if not _cleaned:
-        _cleaned = True
-        segments.remove_stale_segments()
-
-
-def host_identity() -> dict[str, Any]:
-    """What must be equal on every rank for shared memory to be shared."""
-    return {"host": socket.gethostname(), "boot": segments.boot_id(),
-            "pidns": segments.pid_namespace(), "futex": futex.AVAILABLE}
-
-
-def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
-        ShmTransport | None, str]:
-    """Rendezvous through ``store`` (a store private to the group); collective.
-
-    Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
-    share a host (every rank reaches the same verdict, from the same data).
-    """
-    n = store.add("gradring/shm/arrivals", 1)
-    key = f"gradring/shm/{(n - 1) // world_size}/"  # one generation per group instance
-    me = dict(host_identity(), pid=os.getpid(), token=secrets.token_hex(4))
-    store.set(f"{key}info/{rank}", json.dumps(me))
-    infos = _gather(store, f"{key}info/", world_size, timeout)
-    ident = host_identity()
-    others = [p for p, i in enumerate(infos) if {k: i[k] for k in ident} != ident]
-    if not futex.AVAILABLE:
-        return None, "shared-memory futexes need Linux on x86-64"
-    if others:
-        return None, f"ranks {others} run on another host, boot or pid namespace"
-    _cleanup_once()
-    base = segments.segment_base(os.getpid(), ident["pidns"], infos[0]["token"],
-                                 next(_transport_counter))
-    ctl = Segment.create(f"{base}-0", control_size(world_size))
-    cookie = secrets.randbits(63)
-    _HEADER.pack_into(ctl.mm, 0, _MAGIC, os.getpid(), rank, world_size, 0, cookie)
-    store.set(f"{key}ctl/{rank}", json.dumps({"base": base, "cookie": cookie}))
-    ctls = _gather(store, f"{key}ctl/", world_size, timeout)
-    peers: list[Segment | None] = [None] * world_size
-    problem = ""
-    for p, c in enumerate(ctls):
-        if p == rank:
-            continue
-        try:
-            seg = Segment.open(f"{c['base']}-0")
-            peers[p] = seg
-            magic, pid, prank, pworld, _, pcookie = _HEADER.unpack_from(seg.mm, 0)
-            if (magic, pid, prank, pworld, pcookie) != (
-                    _MAGIC, infos[p]["pid"], p, world_size, c["cookie"]):
-                problem = f"rank {p}'s control segment is not what it announced"
-        except OSError as exc:
-            problem = f"cannot map rank {p}'s control segment: {exc}"
-    store.set(f"{key}ok/{rank}", json.dumps(problem))
-    verdicts = _gather(store, f"{key}ok/", world_size, timeout)
-    ctl.unlink()  # every peer has mapped it (or given up): no name left to leak
-    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
-    if bad:
-        for seg in peers:
-            if seg is not None:
-                seg.close()
-        ctl.close()
-        return None, "; ".join(bad)
-    return ShmTransport(rank=rank, world_size=world_size, base=base, ctl=ctl,
-                        peer_ctls=peers, peer_bases=[c["base"] for c in ctls],
-                        pids=[i["pid"] for i in infos], timeout=timeout), ""
+def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: int) -> bool:
+    """Whether a mapped control segment carries the header its owner announced."""
+    magic, ppid, prank, pworld, _, pcookie = _HEADER.unpack_from(seg.mm, 0)
+    return (magic, ppid, prank, pworld, pcookie) == (_MAGIC, pid, rank, world_size, cookie)
 
 
 @atexit.register

@@ -1,0 +1,121 @@
+"""Connecting a shared-memory group: the rendezvous through the process group's store.
+
+Three rounds of store keys, all under a prefix private to this instance of
+the group (``gradring/shm/<generation>/``; the generation comes from an
+atomic counter, so re-creating a group, or a fresh process group on an old
+store, never reads stale keys):
+
+1. ``info/<rank>``: hostname, boot id, pid namespace, pid, a random token.
+   Shared memory is used only if all ranks agree on the first three (and the
+   CPU is x86-64, see ``futex.py``). Every rank sees the same data, so every
+   rank reaches the same verdict and none waits for a transport the others
+   gave up on.
+2. ``ctl/<rank>``: the name prefix of the rank's segments and a random
+   cookie written into its control segment. Job id = rank 0's token.
+3. ``ok/<rank>``: whether this rank could map every peer's control segment
+   and read the right cookie back -- the proof that /dev/shm really is shared
+   (two containers may share a hostname but not /dev/shm).
+
+Afterwards every control segment is unlinked: all peers hold a mapping, so a
+``kill -9`` cannot leak it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import socket
+from datetime import timedelta
+from typing import Any
+
+from gradring.comm import futex, segments
+from gradring.comm.segments import Segment
+from gradring.comm.shm import ShmTransport, control_matches, control_size, stamp_control
+
+_transport_counter = itertools.count()
+_cleaned = False
+
+
+def _gather(store: Any, prefix: str, world_size: int, timeout: float) -> list[Any]:
+    keys = [f"{prefix}{p}" for p in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def _cleanup_once() -> None:
+    global _cleaned
+    if not _cleaned:
+        _cleaned = True
+        segments.remove_stale_segments()
+
+
+def host_identity() -> dict[str, Any]:
+    """What must be equal on every rank for shared memory to be shared."""
+    return {"host": socket.gethostname(), "boot": segments.boot_id(),
+            "pidns": segments.pid_namespace(), "futex": futex.AVAILABLE}
+
+
+def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
+        ShmTransport | None, str]:
+    """Rendezvous through ``store`` (a store private to the group); collective.
+
+    Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
+    share a host. At the first connect in a process, segments left by dead
+    processes are removed (see [Note: segment names and leaks]).
+    """
+    n = store.add("gradring/shm/arrivals", 1)
+    key = f"gradring/shm/{(n - 1) // world_size}/"  # one generation per group instance
+    me = dict(host_identity(), pid=os.getpid(), token=secrets.token_hex(4))
+    store.set(f"{key}info/{rank}", json.dumps(me))
+    infos = _gather(store, f"{key}info/", world_size, timeout)
+    ident = host_identity()
+    others = [p for p, i in enumerate(infos) if {k: i[k] for k in ident} != ident]
+    if not futex.AVAILABLE:
+        return None, "shared-memory futexes need Linux on x86-64"
+    if others:
+        return None, f"ranks {others} run on another host, boot or pid namespace"
+    _cleanup_once()
+    base = segments.segment_base(os.getpid(), ident["pidns"], infos[0]["token"],
+                                 next(_transport_counter))
+    cookie = secrets.randbits(63)
+    ctl: Segment | None = None
+    try:
+        ctl = Segment.create(f"{base}-0", control_size(world_size))
+        stamp_control(ctl, rank, world_size, cookie)
+        mine = {"base": base, "cookie": cookie}
+    except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
+        mine = {"error": str(exc)}
+    store.set(f"{key}ctl/{rank}", json.dumps(mine))
+    ctls = _gather(store, f"{key}ctl/", world_size, timeout)
+    failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls) if "error" in c]
+    if failed or ctl is None:
+        if ctl is not None:
+            ctl.close()
+        return None, "cannot create control segments: " + "; ".join(failed)
+    peers: list[Segment | None] = [None] * world_size
+    problem = ""
+    for p, c in enumerate(ctls):
+        if p == rank:
+            continue
+        try:
+            seg = Segment.open(f"{c['base']}-0")
+            peers[p] = seg
+            if not control_matches(seg, infos[p]["pid"], p, world_size, c["cookie"]):
+                problem = f"rank {p}'s control segment is not what it announced"
+        except OSError as exc:
+            problem = f"cannot map rank {p}'s control segment: {exc}"
+    store.set(f"{key}ok/{rank}", json.dumps(problem))
+    verdicts = _gather(store, f"{key}ok/", world_size, timeout)
+    ctl.unlink()  # every peer has mapped it (or given up): no name left to leak
+    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
+    if bad:
+        for seg in peers:
+            if seg is not None:
+                seg.close()
+        ctl.close()
+        return None, "; ".join(bad)
+    return ShmTransport(rank=rank, world_size=world_size, base=base, ctl=ctl,
+                        peer_ctls=peers, peer_bases=[c["base"] for c in ctls],
+                        pids=[i["pid"] for i in infos], timeout=timeout), ""

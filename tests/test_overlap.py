@@ -1,0 +1,262 @@
+"""Overlap statistics: exact values on synthetic events, orderings on real runs."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from gradring.overlap import (
+    BucketInfo,
+    chrome_events,
+    ddp_overlap_stats,
+    export_chrome_trace,
+    format_table,
+    iteration_times,
+    merge_traces,
+    recent,
+    summarize,
+)
+from gradring.trace import Event
+
+
+def events(iteration: int, marks: list[tuple[str, int, float]]) -> list[Event]:
+    """Events of one iteration from (kind, bucket, ms) triples; t in seconds."""
+    return [Event(iteration, kind, bucket, ms / 1e3) for kind, bucket, ms in marks]
+
+
+def two_buckets(iteration: int = 1, base: float = 0.0, tail: float = 0.0) -> list[Event]:
+    """bucket 0: ready 2, done 6 (hidden); bucket 1: ready 5, queued until 6, done 12+tail."""
+    return events(iteration, [
+        ("backward_start", -1, base + 0), ("ready", 0, base + 2), ("launch", 0, base + 2),
+        ("ready", 1, base + 5), ("launch", 1, base + 5), ("comm_done", 0, base + 6),
+        ("backward_end", -1, base + 8), ("written", 0, base + 9),
+        ("comm_done", 1, base + 12 + tail), ("written", 1, base + 13 + tail),
+    ])
+
+
+def test_one_iteration_exact() -> None:
+    [it] = iteration_times(two_buckets())
+    assert it.iteration == 1
+    assert it.backward_ms == pytest.approx(8)
+    assert it.comm_ms == pytest.approx(10)      # union of [2, 6] and [5, 12]
+    assert it.exposed_ms == pytest.approx(4)    # 12 - 8
+    assert it.tail_ms == pytest.approx(5)       # last written 13 - 8
+    assert it.overlap_ratio == pytest.approx(0.6)
+    b0, b1 = it.buckets
+    assert (b0.wait_ms, b0.queue_ms, b0.run_ms) == pytest.approx((0, 0, 4))
+    assert (b1.wait_ms, b1.queue_ms, b1.run_ms, b1.flight_ms) == pytest.approx((0, 1, 6, 7))
+
+
+def test_done_is_the_earlier_of_comm_done_and_written() -> None:
+    # The comm_done callback waited for the GIL: written came first.
+    evs = events(0, [("backward_start", -1, 0), ("ready", 0, 1), ("launch", 0, 3),
+                     ("backward_end", -1, 4), ("written", 0, 6), ("comm_done", 0, 7)])
+    [it] = iteration_times(evs)
+    assert it.buckets[0].done == pytest.approx(6)
+    assert it.buckets[0].wait_ms == pytest.approx(2)
+    assert it.exposed_ms == pytest.approx(2)
+    assert it.comm_ms == pytest.approx(3)
+
+
+def test_comm_with_a_gap_and_nothing_exposed() -> None:
+    evs = events(0, [("backward_start", -1, 0), ("launch", 0, 2), ("comm_done", 0, 3),
+                     ("launch", 1, 5), ("comm_done", 1, 7), ("backward_end", -1, 10),
+                     ("written", 0, 10.5), ("written", 1, 11)])
+    [it] = iteration_times(evs)
+    assert it.comm_ms == pytest.approx(3)
+    assert it.exposed_ms == 0.0
+    assert it.overlap_ratio == 1.0
+    assert it.tail_ms == pytest.approx(1)
+
+
+def test_incomplete_iterations_are_skipped() -> None:
+    no_end = events(2, [("backward_start", -1, 0), ("launch", 0, 1), ("comm_done", 0, 2)])
+    in_flight = events(3, [("backward_start", -1, 0), ("launch", 0, 1),
+                           ("backward_end", -1, 2)])
+    shadow = events(4, [("launch", 0, 1), ("comm_done", 0, 2)])  # a joined rank's shadow
+    its = iteration_times(two_buckets(1) + no_end + in_flight + shadow)
+    assert [it.iteration for it in its] == [1]
+
+
+def test_recent_keeps_the_newest_layout_and_drops_iteration_zero() -> None:
+    one_bucket = events(0, [("backward_start", -1, 0), ("launch", 0, 1),
+                            ("backward_end", -1, 2), ("comm_done", 0, 3)])
+    its = iteration_times(one_bucket + two_buckets(1) + two_buckets(2, 20) + two_buckets(3, 40))
+    assert [it.iteration for it in recent(its, 10)] == [1, 2, 3]
+    assert [it.iteration for it in recent(its, 2)] == [2, 3]
+    only_zero = iteration_times(one_bucket)
+    assert [it.iteration for it in recent(only_zero)] == [0]
+    same_layout = iteration_times(two_buckets(0) + two_buckets(1, 20))
+    assert [it.iteration for it in recent(same_layout)] == [1]
+
+
+def test_summarize_takes_medians_and_builds_the_table() -> None:
+    evs = two_buckets(1) + two_buckets(2, 30, tail=2) + two_buckets(3, 60, tail=100)
+    infos = [BucketInfo(4096, ("fc2.bias", "fc2.weight")), BucketInfo(1024, ("fc1.weight",))]
+    s = summarize(iteration_times(evs), infos)
+    assert s["iterations"] == 3
+    assert s["exposed_per_iteration_ms"] == pytest.approx([4, 6, 104])
+    assert s["exposed_ms"] == pytest.approx(6)          # the median, not the mean (38)
+    assert s["comm_ms"] == pytest.approx(12)
+    assert s["backward_ms"] == pytest.approx(8)
+    assert s["tail_ms"] == pytest.approx(7)
+    assert s["overlap_ratio"] == pytest.approx(0.5)     # median of 0.6, 0.5, 6/110
+    b0, b1 = s["buckets"]
+    assert (b0["bucket"], b0["nbytes"], b0["params"]) == (0, 4096, ["fc2.bias", "fc2.weight"])
+    assert b0["finished_before_backward_end"] and b0["hidden_fraction"] == 1.0
+    assert not b1["finished_before_backward_end"] and b1["hidden_fraction"] == 0.0
+    assert b1["queued_ms"] == pytest.approx(1)
+    assert b1["run_ms"] == pytest.approx(8)
+    assert b0["ready_to_launch_ms"] == pytest.approx(0)
+    text = format_table(s)
+    assert "fc2.bias, fc2.weight" in text and "100%" in text
+
+
+def test_summarize_without_iterations() -> None:
+    s = summarize([])
+    assert s["iterations"] == 0 and s["exposed_ms"] == 0.0 and s["buckets"] == []
+
+
+def test_chrome_events_lanes_and_names() -> None:
+    its = iteration_times(two_buckets(1, base=1000))
+    evs = chrome_events(its, [BucketInfo(8, ("a",)), BucketInfo(4, ("b",))], rank=3)
+    spans = {e["name"]: e for e in evs if e["ph"] == "X"}
+    assert {e["pid"] for e in evs} == {3}
+    ar1 = spans["gradring::bucket_all_reduce#1"]
+    assert ar1["tid"] == 1
+    assert (ar1["ts"], ar1["dur"]) == pytest.approx((6000, 6000))
+    assert ar1["args"]["bytes"] == 4 and ar1["args"]["params"] == ["b"]
+    assert spans["gradring::backward"]["dur"] == pytest.approx(8000)
+    assert spans["gradring::grads_for_bucket#0"]["dur"] == pytest.approx(2000)
+    assert spans["gradring::grads_for_bucket#1"]["ts"] == pytest.approx(2000)
+    assert spans["gradring::backward_rest"]["dur"] == pytest.approx(3000)
+    fin = spans["gradring::finalize"]
+    assert fin["tid"] == 0 and (fin["ts"], fin["dur"]) == pytest.approx((8000, 5000))
+    names = {e["args"]["name"] for e in evs if e["name"] == "thread_name"}
+    assert names == {"compute", "comm"}
+
+
+def _fake_ddp(evs: list[Event], rank: int) -> SimpleNamespace:
+    trace = SimpleNamespace(events=evs)
+    buckets = [SimpleNamespace(nbytes=16, param_indices=[1]), SimpleNamespace(nbytes=8,
+                                                                              param_indices=[0])]
+    comm = SimpleNamespace(rank=rank, world_size=2)
+    return SimpleNamespace(reducer=SimpleNamespace(trace=trace, buckets=buckets,
+                                                   names=["w0", "w1"], comm=comm))
+
+
+def test_export_and_merge_align_ranks_by_wall_clock(tmp_path) -> None:
+    paths = []
+    for rank in (0, 1):
+        p = export_chrome_trace(_fake_ddp(two_buckets(1), rank), str(tmp_path / f"r{rank}.json"))
+        paths.append(p)
+    docs = [json.loads(open(p).read()) for p in paths]
+    # Pretend rank 1's first event came 1.5 ms (wall clock) after rank 0's.
+    docs[1]["otherData"]["origin_unix_us"] = docs[0]["otherData"]["origin_unix_us"] + 1500
+    with open(paths[1], "w") as f:
+        json.dump(docs[1], f)
+    out = merge_traces(paths, str(tmp_path / "merged.json"))
+    merged = json.loads(open(out).read())
+    bw = {e["pid"]: e["ts"] for e in merged["traceEvents"] if e["name"] == "gradring::backward"}
+    assert bw == {0: pytest.approx(0), 1: pytest.approx(1500)}
+    ar = [e for e in merged["traceEvents"] if e["name"].startswith("gradring::bucket_all_reduce")]
+    assert len(ar) == 4 and {e["args"]["params"][0] for e in ar} == {"w0", "w1"}
+    assert merged["otherData"]["ranks"] == [0, 1]
+
+
+def test_ddp_overlap_stats_reads_the_reducer() -> None:
+    s = ddp_overlap_stats(_fake_ddp(two_buckets(1), 0))
+    assert s["exposed_ms"] == pytest.approx(4)
+    assert [b["params"] for b in s["buckets"]] == [["w1"], ["w0"]]
+    assert [b["nbytes"] for b in s["buckets"]] == [16, 8]
+
+
+# --------------------------------------------------------------- real runs (2 gloo ranks)
+class _SleepInBackward(torch.autograd.Function):
+    """Identity forward; sleeps in backward, so autograd reaches earlier layers later."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowNet(nn.Module):
+    """Four 1 MiB layers (a bucket each at bucket_cap_mb=1), cheap to compute."""
+
+    def __init__(self, where: str, seconds: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(512, 512) for _ in range(4))
+        self.where, self.seconds = where, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.l0(x))
+        if self.where == "first":   # backward: after l3..l1's grads, before l0's
+            x = _SleepInBackward.apply(x, self.seconds)
+        x = torch.relu(self.l2(torch.relu(self.l1(x))))
+        x = self.l3(x)
+        if self.where == "last":    # backward: before any gradient is ready
+            x = _SleepInBackward.apply(x, self.seconds)
+        return x
+
+
+def slow_network_hook(latency: float, bucket):  # noqa: ANN001, ANN201
+    """The reference all-reduce plus a fixed latency per bucket, on the comm thread.
+
+    It stands in for a slow network: collectives then take a known time that
+    does not shrink or grow with how busy the shared CPU is, so the test sees
+    where the backward's time goes rather than the machine's load.
+    """
+    from gradring.hooks import allreduce_hook
+
+    def late(fut: torch.futures.Future) -> torch.Tensor:
+        time.sleep(latency)
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(late)
+
+
+def run_slow_layer(rank: int, world: int, where: str, seconds: float, latency: float,
+                   steps: int) -> dict:
+    import gradring
+
+    ddp = gradring.DistributedDataParallel(SlowNet(where, seconds), bucket_cap_mb=1)
+    ddp.register_comm_hook(latency, slow_network_hook)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        ddp(x).pow(2).mean().backward()
+    stats = ddp_overlap_stats(ddp, last_n=steps)
+    stats["n_buckets"] = len(ddp.reducer.buckets)
+    return stats
+
+
+def test_slow_early_layer_hides_communication(pools) -> None:
+    # Each bucket's collective takes >= 15 ms; the injected layer sleeps 80 ms.
+    seconds, latency, steps = 0.08, 0.015, 7
+    first, last = (pools.run(2, run_slow_layer, where, seconds, latency, steps)
+                   for where in ("first", "last"))
+    assert {r["n_buckets"] for r in first + last} == {4}
+    # A rank that reaches the last bucket early also waits there for the other
+    # rank; the later rank's figure is the communication itself.
+    exposed = {name: min(r["exposed_ms"] for r in res)
+               for name, res in (("first", first), ("last", last))}
+    # Sleeping late in the backward (in the first layer) gives buckets 0-2 time to
+    # finish: one bucket's collective is left. Sleeping before any gradient is
+    # ready (in the last layer) hides nothing: all four queue up at the end.
+    assert 2 * exposed["first"] < exposed["last"], (exposed, first, last)
+    for r in first:
+        assert [b["finished_before_backward_end"] for b in r["buckets"]] == [True] * 3 + [False]
+        assert r["overlap_ratio"] > max(q["overlap_ratio"] for q in last)
+    # That sleep lies inside backward_start..backward_end; the other one outside.
+    assert min(r["backward_ms"] for r in first) > max(r["backward_ms"] for r in last)
