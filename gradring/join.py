@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms import join as _torch_join
+
+# gradring's DDP joins torch's own Join context manager: re-exported for users.
+Join = _torch_join.Join
+Joinable = _torch_join.Joinable
+JoinHook = _torch_join.JoinHook
 
 __all__ = ["Join", "Joinable", "JoinHook", "DDPJoinHook", "JoinConfig"]
 
