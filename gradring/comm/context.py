@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from gradring.comm import direct, engine, rendezvous, ring, select, shm, tree
+from gradring.comm import direct, engine, hierarchical, rendezvous, ring, select, shm, tree
 from gradring.comm.ops import Op
 from gradring.comm.torchdist import TorchTransport
 from gradring.comm.transport import CollectiveInfo, Kind, Transport
@@ -79,6 +79,8 @@ class GroupContext:
         self._transports: dict[str, Transport | None] = {}
         # Why shm is unavailable (for the error when it is forced).
         self._shm_reason = ""
+        # Why the multi-host transports are unavailable ("hosts" maps to None then).
+        self._hosts_reason = ""
         # Serialises transport creation between the engine and callers of empty().
         self._lock = threading.Lock()
 
@@ -98,6 +100,23 @@ class GroupContext:
         """The shared-memory transport if it is already connected (no rendezvous)."""
         return self._transports.get("shm")  # type: ignore[return-value]
 
+    def hosts(self) -> hierarchical.HostTransports | None:
+        """Shared memory per host plus point-to-point across hosts, connecting on
+        first use (collective); None unless several hosts with equal rank counts > 1."""
+        if "hosts" in self._transports:  # every collective asks: skip the locks
+            return self._transports["hosts"]  # type: ignore[return-value]
+        flat = self.torch_transport()
+        with self._lock:
+            if "hosts" not in self._transports:
+                t, why = hierarchical.connect(_group_store(self.group), self.rank,
+                                              self.world_size, self.timeout, flat)
+                self._transports["hosts"], self._hosts_reason = t, why
+            return self._transports["hosts"]  # type: ignore[return-value]
+
+    def existing_hosts(self) -> hierarchical.HostTransports | None:
+        """The multi-host transports if already connected (no rendezvous)."""
+        return self._transports.get("hosts")  # type: ignore[return-value]
+
     def torch_transport(self) -> Transport:
         with self._lock:
             if "torch" not in self._transports:
@@ -113,6 +132,9 @@ class GroupContext:
             if forced == "shm":
                 raise RuntimeError(f"GRADRING_TRANSPORT=shm but shared memory is unavailable "
                                    f"for group {self.name}: {self._shm_reason}")
+            hosts = self.hosts()
+            if hosts is not None:
+                return select.HOSTS, hosts
         return "torch", self.torch_transport()
 
     def run(self, plan: Plan) -> None:
@@ -148,7 +170,9 @@ def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _dispatch(t: Any, info: CollectiveInfo, algo: str, plan: Plan, out: torch.Tensor,
               inp: torch.Tensor) -> None:
     kind = plan.kind
-    if algo.startswith("direct"):
+    if algo == "hierarchical":
+        hierarchical.all_reduce(t, info, out, plan.op)
+    elif algo.startswith("direct"):
         if kind == Kind.ALL_REDUCE:
             if algo == "direct/oneshot":
                 direct.all_reduce_oneshot(t, info, out, plan.op)

@@ -4,8 +4,12 @@ Environment overrides (read at every call, so a benchmark can switch):
 
 - ``GRADRING_TRANSPORT=shm|torch``: force the transport (``shm`` fails loudly
   if the ranks do not share a host);
-- ``GRADRING_ALGO=ring|tree|native``: force the algorithm; ``native`` hands
-  the call to the process group's own collective (gloo);
+- ``GRADRING_ALGO=ring|tree|hierarchical|native``: force the algorithm;
+  ``native`` hands the call to the process group's own collective (gloo);
+  ``ring``/``tree`` on a multi-host group run flat over the process group's
+  point-to-point; ``hierarchical`` only matters there (it is the default
+  when every host has the same number > 1 of ranks; elsewhere it means "the
+  default");
 - ``GRADRING_TIMEOUT=<seconds>``: overrides the process group's timeout.
 
 Defaults (crossovers measured at world 2 and 4 on a 2-core VM, numbers in
@@ -18,6 +22,10 @@ docs/collectives.md):
 - torch: all-reduce ``tree`` up to ``TREE_MAX_BYTES`` (2·log2 W hops instead
   of 2(W-1)), ``ring`` above (bandwidth-optimal, pipelined); broadcast
   ``tree`` (binomial); reduce-scatter and all-gather ``ring``.
+- shm+torch (several hosts, several ranks on each, see ``hierarchical.py``):
+  all-reduce ``hierarchical`` at every size (shared memory inside a host,
+  then one all-reduce per local rank across hosts, picked by the torch rule
+  above for the shard's size); everything else as on torch, flat.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ def oneshot_max_bytes(world_size: int) -> int:
     return ONESHOT_MAX_BYTES * 2 // max(2, world_size)
 
 TRANSPORTS = ("shm", "torch")
-ALGOS = ("ring", "tree", "native")
+ALGOS = ("ring", "tree", "hierarchical", "native")
+#: Transport label of a multi-host group with shared memory inside each host.
+HOSTS = "shm+torch"
 
 
 class Choice(NamedTuple):
@@ -98,9 +108,16 @@ def env_timeout() -> float | None:
 
 def choose(kind: Kind, nbytes: int, world_size: int, transport: str,
            algo: str | None) -> Choice:
-    """The algorithm for ``kind`` on ``transport`` ("shm" or "torch"), honouring ``algo``."""
+    """The algorithm for ``kind`` on ``transport`` ("shm", "torch" or ``HOSTS``),
+    honouring ``algo``."""
     if algo == "native":
         return Choice("native", "native")
+    if transport == HOSTS:
+        if kind == Kind.ALL_REDUCE and algo in (None, "hierarchical"):
+            return Choice(HOSTS, "hierarchical")
+        transport = "torch"  # the rest runs flat over the group's point-to-point
+    if algo == "hierarchical":
+        algo = None  # one host, or one rank per host: nothing to be hierarchical about
     if kind == Kind.ALL_REDUCE:
         if algo in ("ring", "tree"):
             return Choice(transport, algo)
