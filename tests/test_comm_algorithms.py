@@ -354,10 +354,10 @@ def test_engine_runs_in_order_and_reports_failures() -> None:
     later = torch.futures.Future()
     first = torch.futures.Future()
     seen = []
-    first.then(lambda f: seen.append(Work(later, eng).wait()))
+    chained = first.then(lambda f: seen.append(Work(later, eng).wait()))
     eng.submit(Job(lambda: None, first, []))
     eng.submit(Job(lambda: seen.append("later ran"), later, []))
-    first.wait()
+    chained.wait()  # the callback itself has finished (not just ``first``)
     later.wait()
     assert seen == ["later ran", True]
     eng.shutdown()
