@@ -6,11 +6,13 @@ either as it is (``allreduce_hook``) or cast to 16 bits first (the ``*_compress_
 hooks, half the bytes on the wire).
 """
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gradring import comm
 from gradring.hooks._collectives import (
     GradBucket,
     HookResult,
@@ -35,12 +37,40 @@ def allreduce_hook(process_group: Any, bucket: GradBucket) -> HookResult:
     return mean_all_reduce(bucket.buffer(), process_group, label="allreduce")
 
 
+#: Low-precision scratch buffers, one per (group, bucket buffer, dtype), reused
+#: every iteration. Fresh 16-bit tensors per call cost more in page faults than
+#: the cast itself (measured here: 13 ms vs 3.7 ms for 48 MB); living in the
+#: transport's memory, they are also all-reduced without a staging copy.
+_SCRATCH: "OrderedDict[tuple[int, int, int, torch.dtype], torch.Tensor]" = OrderedDict()
+_SCRATCH_MAX = 64
+
+
+def _scratch(full: torch.Tensor, dtype: torch.dtype, process_group: Any) -> torch.Tensor:
+    key = (id(process_group), full.data_ptr(), full.numel(), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        if full.device.type == "cpu":
+            buf = comm.empty((full.numel(),), dtype=dtype, group=process_group)
+        else:
+            buf = torch.empty(full.numel(), dtype=dtype, device=full.device)
+        _SCRATCH[key] = buf
+        while len(_SCRATCH) > _SCRATCH_MAX:
+            _SCRATCH.popitem(last=False)
+    else:
+        _SCRATCH.move_to_end(key)
+    return buf
+
+
 def _compress_hook(dtype: torch.dtype, label: str, process_group: Any, bucket: Any) -> Future:
     full = bucket.buffer()
     world = world_size_of(process_group)
-    # Scale while still in full precision: a large gradient divided after the
-    # cast could already have overflowed float16.
-    small = full.mul(1.0 / world).to(dtype) if world != 1 else full.to(dtype, copy=True)
+    # Scale while still in full precision, in place (the reduced result
+    # overwrites this buffer anyway): a large gradient divided after the cast
+    # could already have overflowed float16.
+    if world != 1:
+        full.mul_(1.0 / world)
+    small = _scratch(full, dtype, process_group)
+    small.copy_(full)
     _, fut = all_reduce(small, process_group, label=label)
 
     def copy_back(f: Future) -> torch.Tensor:
