@@ -261,6 +261,7 @@ def _train(rank, world, hook_name, steps, seed):
 def _ddp_hooks(rank, world, steps):
     """gradring DDP with each hook against gradring DDP without one."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
     import gradring
 
@@ -284,6 +285,13 @@ def _ddp_hooks(rank, world, steps):
     cases = {
         "allreduce": (None, H.allreduce_hook),
         "torch_allreduce": (None, torch_default.allreduce_hook),
+        # torch's own hooks, registered unchanged on gradring's DDP
+        "torch_fp16": (None, torch_default.fp16_compress_hook),
+        "torch_fp16_wrap": (None, torch_default.fp16_compress_wrapper(
+            torch_default.allreduce_hook)),
+        "torch_powerSGD": (torch_psgd.PowerSGDState(None, matrix_approximation_rank=4,
+                                                     start_powerSGD_iter=3),
+                           torch_psgd.powerSGD_hook),
         "fp16": (None, H.fp16_compress_hook),
         "bf16": (None, H.bf16_compress_hook),
         "fp16_powerSGD": (ps, H.fp16_compress_wrapper(H.powerSGD_hook)),
@@ -436,14 +444,13 @@ def test_powersgd_rank2_training_tracks_uncompressed(pools):
 
 
 def test_ddp_with_each_hook_matches_no_hook(pools):
-    import gradring
-
-    if not hasattr(gradring, "DistributedDataParallel"):
-        pytest.skip("gradring.DistributedDataParallel not available")
     res = pools.run(2, _ddp_hooks, 6)
     for r in res:
         assert r["allreduce"] == 0.0 and r["torch_allreduce"] == 0.0
         assert r["fp16"] < 1e-4 and r["bf16"] < 1e-3
+        assert r["torch_fp16"] < 1e-4 and r["torch_fp16_wrap"] < 1e-4
+        assert 0 < r["torch_fp16_wrap"]  # it really communicated in 16 bits
+        assert r["torch_powerSGD"] < 2e-2
         assert r["fp16_powerSGD"] < 2e-2
         assert r["quant"] < 1e-3
         assert r["on_torch_ddp_allreduce"] < 1e-6 and r["on_torch_ddp_powerSGD"] < 2e-2
