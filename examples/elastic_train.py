@@ -12,6 +12,11 @@ Every --every steps rank 0 writes an atomic checkpoint (model, optimizer, step).
 After a failure torchrun restarts every worker; they resume from the last
 checkpoint, and because each step's data depends only on the step number,
 the final parameters equal those of an uninterrupted run.
+
+Multi-node runs restart more reliably with the agent store unshared (see
+``init_distributed``):
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 ... examples/elastic_train.py ...
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,6 +40,35 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.sum(dim=1, keepdim=True) > 0).float()
 
 
+def init_distributed() -> None:
+    """``init_process_group("gloo")``, kept apart from the store keys of earlier attempts.
+
+    [Note: stale rendezvous keys after a restart]
+    torchrun's agent hosts one TCPStore for the whole job and every attempt's
+    workers connect to it (``TORCHELASTIC_USE_AGENT_STORE=True``), but
+    ``init_process_group`` writes the same key names in every attempt. Gloo
+    publishes each rank's listening address under ``default_pg/0//cpu//0/<rank>``;
+    a restarted rank that reads a peer's key before the peer rewrote it gets
+    the address of a process that no longer exists, and the restart dies in
+    ``connectFullMesh`` with "Connection refused" (or hangs). Plain torch DDP
+    hits this about half the time too (pytorch/pytorch#135712). Under one
+    agent every worker sees the same ``TORCHELASTIC_RESTART_COUNT``, so a
+    per-attempt key prefix isolates the attempts. Several agents count
+    restarts independently; there, launch with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0 then hosts a fresh store
+    per attempt) and this falls back to the plain call.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        dist.init_process_group("gloo")
+        return
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=5))
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}/", store),
+                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -45,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_distributed()
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)

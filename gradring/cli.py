@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": (None, "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
     "timeline": ("gradring.timeline", "draw a merged Chrome trace as a Gantt chart (PNG)"),
     "tune": ("gradring.tune", "pick bucket_cap_mb by measuring, then check it by running DDP"),
+    "flight": ("gradring.flight", "merge flight-recorder dumps and name the stuck collective"),
     "plan": ("gradring.sim", "predict step time and scaling, 2-1024 ranks (alpha-beta model)"),
 }
 

@@ -21,7 +21,11 @@ How it is built (details in docs/collectives.md):
 - transports: ``shm`` (one host, default for CPU tensors there), ``torchdist``
   (the process group's send/recv, across hosts), ``threaded`` (tests);
 - ``select``: thresholds and the ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` /
-  ``GRADRING_TIMEOUT`` overrides; ``engine``: the per-group async thread.
+  ``GRADRING_TIMEOUT`` overrides; ``engine``: the per-group async thread;
+- ``watchdog``: deadlines, fail-fast markers, the flight recorder
+  (``GRADRING_FLIGHT_RECORDER``); ``desync``: fingerprint checks
+  (``GRADRING_CHECK``); see docs/reliability.md. ``label("bucket 3")`` names
+  the collectives issued inside it in errors and the recorder.
 
 CUDA tensors go to the process group's native collectives.
 """
@@ -41,8 +45,10 @@ from gradring.comm.api import (
     reduce_scatter_tensor,
 )
 from gradring.comm.context import shutdown as _shutdown
+from gradring.comm.desync import DesyncError
 from gradring.comm.engine import Work
 from gradring.comm.transport import CollectiveError
+from gradring.comm.watchdog import label
 
 __all__ = [
     "ReduceOp",
@@ -56,6 +62,8 @@ __all__ = [
     "shutdown",
     "Work",
     "CollectiveError",
+    "DesyncError",
+    "label",
 ]
 
 

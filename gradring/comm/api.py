@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradring.comm import engine, ops, select
+from gradring.comm import desync, engine, ops, select, watchdog
 from gradring.comm.context import GroupContext, Plan, context
 from gradring.comm.engine import Job, Work
-from gradring.comm.transport import Kind
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
 
 ReduceOp = dist.ReduceOp
 
@@ -42,14 +42,82 @@ def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
     return mine if dtype in ops.REDUCE_DTYPES else None
 
 
+def _entry(ctx: GroupContext, kind: Kind, inp: torch.Tensor) -> watchdog.Entry:
+    """Number the collective and give it a flight-recorder entry."""
+    return watchdog.recorder.issue(ctx.name, ctx.next_seq(), kind.label,
+                                   inp.numel() * inp.element_size(), inp.dtype, inp.shape)
+
+
+def _refused(ctx: GroupContext, entry: watchdog.Entry, async_op: bool) -> Work | None:
+    """After the watchdog failed a collective the engine is still stuck in, fail at once."""
+    err = CollectiveError(f"gradring {entry.describe()} not run on rank {ctx.rank}: group "
+                          f"{ctx.name} is unusable after an earlier failure; call "
+                          f"comm.shutdown() on every rank to start afresh. Earlier: "
+                          f"{ctx.broken}")
+    entry.fail(str(err))
+    if async_op:
+        return engine.failed(err)
+    raise err
+
+
 def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tensor,
            op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor]) -> Work | None:
-    plan = Plan(kind, output, inp, op, root, ctx.next_seq(), select.overrides())
-    if async_op:
-        fut: torch.futures.Future = torch.futures.Future()
+    entry = _entry(ctx, kind, inp)
+    if ctx.broken is not None:
+        return _refused(ctx, entry, async_op)
+    env = select.overrides()
+    plan = Plan(kind, output, inp, op, root, entry.seq, env, entry)
+    fut: torch.futures.Future = torch.futures.Future()
+    if ctx.self_enforced(env):  # shm: waits enforce deadlines and fail fast themselves
+        if not async_op:
+            ctx.engine.run_now(ctx.run, plan)
+            return None
         ctx.engine.submit(Job(functools.partial(ctx.run, plan), fut, value))
         return Work(fut, ctx.engine)
-    ctx.engine.run_now(ctx.run, plan)
+    # Elsewhere a blocked gloo wait cannot be interrupted: the caller waits on a
+    # watched future instead, synchronous calls included (see watchdog.py).
+    ctx.engine.submit(Job(functools.partial(ctx.run, plan), fut, value))
+    work = Work(ctx.watch(entry, fut, value), ctx.engine)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.Tensor],
+            value: list[torch.Tensor], async_op: bool, call: Callable[[bool], Any]) -> Any:
+    """A process-group collective (gloo) under gradring's deadline, board, flight
+    recorder and ``GRADRING_CHECK``; CUDA tensors go straight to torch (NCCL has its
+    own watchdog). ``call(async_op)`` issues it."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return call(async_op)
+    ctx = context(group)
+    if ctx is None or ctx.world_size == 1:
+        return call(async_op)
+    entry = _entry(ctx, kind, inp)
+    if ctx.broken is not None:
+        return _refused(ctx, entry, async_op)
+    entry.start("native")
+    if desync.enabled():
+        info = CollectiveInfo(entry.seq, kind, entry.nbytes, inp.dtype, "native", ctx.name,
+                              tuple(inp.shape), entry.label)
+        try:
+            desync.check_native(info, ctx.group, ctx.rank, ctx.world_size)
+        except desync.DesyncError as exc:
+            raise ctx.desync_error(entry, exc) from None
+    try:
+        work = call(True)
+    except Exception as exc:
+        ctx.record_failure(entry, exc)
+        raise
+    try:
+        native = work.get_future()
+    except RuntimeError:  # a backend without futures: torch's own work, unwatched
+        return work if async_op else work.wait() and None
+    mine = Work(ctx.watch(entry, native, value))
+    if async_op:
+        return mine
+    mine.wait()
     return None
 
 
@@ -67,7 +135,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     """
     mine = _reduction(op, tensor.dtype)
     if mine is None or _is_native(tensor):
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return _native(group, Kind.ALL_REDUCE, tensor, [tensor], [tensor], async_op,
+                       lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
     ctx = context(group)
     if ctx is None:
         return None
@@ -83,8 +152,9 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
     CUDA tensors use the process group's native broadcast.
     """
     if _is_native(tensor):
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op,
-                              group_src=group_src)
+        return _native(group, Kind.BROADCAST, tensor, [tensor], [tensor], async_op,
+                       lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a,
+                                                group_src=group_src))
     ctx = context(group)
     if ctx is None:
         return None
@@ -102,8 +172,10 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     CUDA tensors use the process group's native all_gather_into_tensor.
     """
     if _is_native(output_tensor, input_tensor):
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                           async_op=async_op)
+        return _native(group, Kind.ALL_GATHER, input_tensor, [output_tensor, input_tensor],
+                       [output_tensor], async_op,
+                       lambda a: dist.all_gather_into_tensor(output_tensor, input_tensor,
+                                                             group=group, async_op=a))
     ctx = context(group)
     if ctx is None:
         return None
@@ -129,7 +201,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     """
     mine = _reduction(op, input.dtype)
     if mine is None or _is_native(output, input):
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return _native(group, Kind.REDUCE_SCATTER, input, [output, input], [output], async_op,
+                       lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=group,
+                                                            async_op=a))
     ctx = context(group)
     if ctx is None:
         return None
@@ -147,8 +221,12 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
 def barrier(group: Any = None, async_op: bool = False,
             device_ids: Sequence[int] | None = None) -> Work | None:
     """Return only once every rank of ``group`` has entered the barrier."""
-    if select.overrides().algo == "native" or device_ids is not None:
+    if device_ids is not None:
         return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+    if select.overrides().algo == "native":
+        dummy = torch.empty(0, dtype=torch.uint8)
+        return _native(group, Kind.BARRIER, dummy, [dummy], [], async_op,
+                       lambda a: dist.barrier(group=group, async_op=a))
     ctx = context(group)
     if ctx is None:
         return None

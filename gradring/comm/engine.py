@@ -86,6 +86,13 @@ class Work:
         return f"<gradring Work {'done' if self.is_completed() else 'pending'}>"
 
 
+def failed(exc: BaseException) -> Work:
+    """A Work that has already failed with ``exc`` (raised at ``wait()``)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_exception(exc)
+    return Work(fut)
+
+
 def completed(value: list[torch.Tensor]) -> Work:
     """A Work that is already done (world size 1, empty collectives)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -174,6 +181,16 @@ class Engine:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (e.g. blocked inside a collective)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def pending(self) -> int:
         with self._cond:

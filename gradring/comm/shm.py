@@ -8,7 +8,8 @@ offset                contents
 0                     header: magic, pid, rank, world size, cookie
 64                    barrier word: number of barriers this rank reached
 128                   doorbell: bumped by peers whenever a mailbox moved
-192                   status: seq and kind of the collective in flight
+192                   status: the collective in flight and this rank's state,
+                      see ``shm_status.py``
 256, 320              two descriptor slots (alternating per exchange)
 384                   (unused)
 448                   retired-segment ring (segments peers may unmap)
@@ -21,6 +22,11 @@ words several ranks bump (the doorbell) use the kernel's atomic add, see
 [Note: spin, then block] in ``futex.py``. Data buffers -- staging buffers and
 ``comm.empty`` tensors -- live in further segments that peers map lazily by
 name, see [Note: segment names and leaks] in ``segments.py``.
+
+A waiting rank reads its peers' status (``shm_status.py``): a dead pid, or a
+peer that shut gradring down or failed, ends the wait at the next 50 ms slice.
+Descriptors and statuses also carry what the desync check compares, see
+[Note: desync checks] in ``desync.py``.
 
 Point-to-point messages (for ring and tree) go through the mailboxes: a
 sender copies fragments into slots, the receiver copies (or reduces) them out.
@@ -46,18 +52,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradring.comm import futex, ops, segments
+from gradring.comm import desync, futex, ops, segments, shm_status
 from gradring.comm.ops import Op
 from gradring.comm.segments import Segment
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange, Kind
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
 
 _MAGIC = 0x31676E6972647267  # "grdring1"
 _HEADER = struct.Struct("<QIIIIQ")  # magic, pid, rank, world, reserved, cookie
 _BARRIER_WORD = 64 // 4
 _DOORBELL_WORD = 128 // 4
-_STATUS = struct.Struct("<QI")  # seq, kind
-_STATUS_OFF = 192
-_DESC = struct.Struct("<QIIQIIQ")  # seq, kind, flags, nbytes, dtype, segno, offset
+# seq, kind, flags, nbytes, dtype, segno, offset, shape hash, label hash
+_DESC = struct.Struct("<QIIQIIQQQ")
 _DESC_OFF = 256
 _RETIRED_WORD = 448 // 4  # count, then the ring
 _RETIRED_RING = 30
@@ -77,9 +82,7 @@ YIELD_S = float(os.environ.get("GRADRING_SHM_YIELD_US", "1000")) * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
 SLICE_S = 0.05
 
-_DTYPE_CODES = {d: i + 1 for i, d in enumerate(
-    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))}
+_DTYPE_CODES = desync.DTYPE_CODES
 
 _live: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
@@ -174,6 +177,16 @@ class ShmTransport:
         self._deadline = 0.0
         # Set after a failure: counters are out of step, every later call fails.
         self._broken: str | None = None
+        # Set by abort(): a blocked wait gives up at its next slice (comm.shutdown()).
+        self._abort: str | None = None
+        # The process that connected: a forked child must not write our state word.
+        self._pid = os.getpid()
+        # Per peer, the seq whose mailbox sender status was checked (desync check).
+        self._checked = [-1] * world_size
+        # (seq, kind, bytes, dtype, shape hash, label hash) of the collective in flight;
+        # the hashes (and their comparison) only with GRADRING_CHECK (``_full_check``).
+        self._fp: tuple[int, ...] = (0,) * 6
+        self._full_check = False
         # Guards allocation state touched from the caller's thread (empty()).
         self._lock = threading.Lock()
         # Bytes copied into staging so far (tests check comm.empty avoids it).
@@ -188,12 +201,26 @@ class ShmTransport:
                 f"after an earlier failure ({self._broken})")
         self._info = info
         self._deadline = time.monotonic() + self._timeout
-        _STATUS.pack_into(self._ctl.mm, _STATUS_OFF, info.seq, int(info.kind))
+        full = self._full_check = desync.enabled()
+        self._fp = fp = (info.seq, int(info.kind), info.nbytes, _DTYPE_CODES.get(info.dtype, 0),
+                         desync.shape_hash(info.shape) if full else 0,
+                         desync.text_hash(info.label) if full else 0)
+        shm_status.publish(self._ctl.mm, info, fp[3], fp[4])
+
+    def abort(self, reason: str) -> None:
+        """Make a wait blocked in another thread raise at its next slice."""
+        self._abort = reason
+
+    def _set_state(self, state: int, why: int = 0) -> None:
+        if self._ctl is not None and os.getpid() == self._pid:
+            shm_status.set_state(self._ctl.words, state, why)
 
     def close(self) -> None:
         """Unlink every own segment and unmap everything (idempotent)."""
         if self._ctl is None:
             return
+        if self._broken is None:
+            self._set_state(shm_status.CLOSED)  # peers still waiting for us stop at once
         for fin in self._finalizers:
             fin()
         self._finalizers = []
@@ -216,26 +243,41 @@ class ShmTransport:
         self._broken = self._broken or "closed"
         _live.discard(self)
 
-    def _fail(self, what: str, waiting_for: Sequence[int]) -> CollectiveError:
+    def _fail(self, what: str, waiting_for: Sequence[int],
+              why: int = shm_status.LOST_PEER) -> CollectiveError:
         info = self._info.describe() if self._info else "collective"
-        notes = []
-        for p in waiting_for:
-            if not segments.pid_alive(self._pids[p]):
-                notes.append(f"rank {p} (pid {self._pids[p]}) has exited")
-            elif self._ctls:
-                seq, kind = _STATUS.unpack_from(self._ctls[p].mm, _STATUS_OFF)
-                label = Kind(kind).label if kind else "nothing yet"
-                notes.append(f"rank {p} (pid {self._pids[p]}) last started {label} #{seq}")
+        mine = self._info.seq if self._info else 0
+        notes = [shm_status.describe(p, self._pids[p], shm_status.read(self._ctls[p].mm),
+                                     alive=segments.pid_alive(self._pids[p]), seq=mine)
+                 for p in sorted(waiting_for) if self._ctls]
+        arrived = [p for p in range(self.world_size) if p not in waiting_for]
         msg = (f"gradring {info} failed on rank {self.rank}: ranks {sorted(waiting_for)} "
-               f"did not arrive ({what}); " + "; ".join(notes))
+               f"did not arrive ({what}); ranks {arrived} arrived; " + "; ".join(notes))
         self._broken = msg
+        self._set_state(shm_status.FAILED, why)
         return CollectiveError(msg)
 
     def _check_alive(self, what: str, waiting_for: Sequence[int]) -> None:
-        dead = [p for p in range(self.world_size)
-                if p != self.rank and not segments.pid_alive(self._pids[p])]
-        if dead:
-            raise self._fail(what, sorted(set(dead) | set(waiting_for)))
+        """Raise if a peer we wait for died or left, a peer that has not reached this
+        collective died or left (it never will), or any peer gave up on it."""
+        if self._abort is not None:
+            raise self._fail(f"{what}; aborted: {self._abort}", waiting_for,
+                             shm_status.ABORTED)
+        mine = self._info.seq if self._info else 0
+        gone, gave_up = [], []
+        for p in range(self.world_size):
+            if p == self.rank:
+                continue
+            st = shm_status.read(self._ctls[p].mm)
+            if (p in waiting_for or st.seq < mine) and (
+                    st.state == shm_status.CLOSED or not segments.pid_alive(self._pids[p])):
+                gone.append(p)
+            elif st.state == shm_status.FAILED:
+                gave_up.append(f"rank {p} {st.reason()} first")
+        if gone:
+            raise self._fail(what, sorted(set(gone) | set(waiting_for)))
+        if gave_up:
+            raise self._fail(f"{what}; " + ", ".join(gave_up), waiting_for)
 
     def _block(self, p: int, word: int, until: Any, what: str,
                waiting_for: Sequence[int]) -> None:
@@ -259,7 +301,8 @@ class ShmTransport:
             left = self._deadline - time.monotonic()
             if left <= 0:
                 self._check_alive(what, waiting_for)
-                raise self._fail(f"{what}, timed out after {self._timeout:g}s", waiting_for)
+                raise self._fail(f"{what}, timed out after {self._timeout:g}s", waiting_for,
+                                 shm_status.TIMEOUT)
             if not futex.wait(addr, seen, min(SLICE_S, left)):
                 self._check_alive(what, waiting_for)
 
@@ -410,7 +453,7 @@ class ShmTransport:
         self._exposed = None
         desc_off = _DESC_OFF + 64 * slot
         _DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), flags, nbytes,
-                        dcode, segno, offset)
+                        dcode, segno, offset, self._fp[4], self._fp[5])
         self.arrive()
         self.wait_arrivals("at the start of the collective")
         views: list[torch.Tensor | None] = []
@@ -419,12 +462,12 @@ class ShmTransport:
             if p == self.rank:
                 views.append(exposed)
                 continue
-            seq, kind, pflags, pbytes, pcode, psegno, poff = _DESC.unpack_from(
+            seq, kind, pflags, pbytes, pcode, psegno, poff, pshape, plabel = _DESC.unpack_from(
                 self._ctls[p].mm, desc_off)
-            if (seq, kind, pbytes, pcode) != (info.seq, int(info.kind), nbytes, dcode):
-                got = f"{Kind(kind).label if kind else '?'} #{seq} ({pbytes} bytes)"
-                raise self._fail(f"it is in {got} instead: ranks issued different "
-                                 f"collectives", [p])
+            theirs = (seq, kind, pbytes, pcode, pshape, plabel)
+            if theirs[:4] != (info.seq, int(info.kind), nbytes, dcode) or \
+                    self._full_check and theirs[4:] != self._fp[4:]:
+                self._desync(p, theirs)
             if self._peer_retired[p] != self._words[p][_RETIRED_WORD]:
                 self._collect_retired(p)
             if not pflags & _HAS_BUFFER:
@@ -440,6 +483,27 @@ class ShmTransport:
             views.append(self._view(p, self._peer_segment(p, psegno), psegno, poff, pbytes,
                                     info.dtype))
         return Exchange(views, any_zero_copy)
+
+    def _desync(self, p: int, theirs: Sequence[int]) -> None:
+        info = self._info
+        assert info is not None
+        err = desync.mismatch(info, self.rank, p, theirs,
+                              desync.difference(self._fp, theirs) or "descriptors")
+        self._broken = str(err)
+        self._set_state(shm_status.FAILED, shm_status.DESYNC)
+        raise err
+
+    def _check_sender(self, src: int) -> None:
+        """Before consuming ``src``'s first message of this collective: same collective?"""
+        info = self._info
+        assert info is not None
+        self._checked[src] = info.seq
+        st = shm_status.read(self._ctls[src].mm)
+        if st.seq > info.seq:
+            return  # it finished this collective and moved on; the message is ours
+        theirs = (st.seq, st.kind, st.nbytes, st.dtype, st.shape, self._fp[5])
+        if theirs[:4] != self._fp[:4] or self._full_check and theirs != self._fp:
+            self._desync(src, theirs)
 
     # -- point to point (mailboxes) ----------------------------------------------------
     def _chan_word(self, dst: int, which: int) -> int:
@@ -489,6 +553,9 @@ class ShmTransport:
         sent_w, acked_w = self._chan_word(self.rank, 0), self._chan_word(self.rank, 16)
         acked = words[acked_w]
         moved = False
+        if words[sent_w] != acked and self._info is not None \
+                and self._checked[src] != self._info.seq:
+            self._check_sender(src)
         while req.off < len(req.data) and words[sent_w] != acked:
             k = acked % SLOTS
             frag = words[self._chan_word(self.rank, 32 + k)]

@@ -4,11 +4,30 @@
 (gloo for CPU tensors); gloo moves the bytes on its own threads, so a ring
 round's pieces overlap with the reductions done in ``wait_all``. Only the
 point-to-point interface is offered: ring and tree run here, direct does not.
+
+Every message of a collective carries a tag derived from its fingerprint
+(sequence number, kind, bytes, dtype; see [Note: desync checks]): messages
+of two different collectives never match, so a dtype or size mismatch
+cannot combine wrong bytes, nor make gloo abort the process on a message
+longer than its receive. It costs nothing: posting a gloo message costs
+~0.2 ms here, so an extra fingerprint message would double a small
+collective. With ``GRADRING_CHECK=1`` the sender does send its fingerprint
+ahead of the first message to each peer, and the receiver compares it
+before it consumes any data: the error then names both sides at once.
+
+A blocked gloo wait cannot be interrupted (a timed-out wait closes the pair),
+so each wait runs to gradring's deadline; failing the caller's future early,
+when a peer died elsewhere or left, is the watchdog's job (``watchdog.py``).
+After a failure the transport refuses further work: unmatched messages may
+still sit in gloo. Each transport instance of a group uses its own message
+tag, so a new one (after ``comm.shutdown()``) never receives them.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -16,9 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.comm import ops
+from gradring.comm import desync, ops
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo
+
+#: Per group name, the tag of the next transport instance (same order on every rank).
+_tags: defaultdict[str, itertools.count] = defaultdict(itertools.count)
 
 
 class _Req:
@@ -51,22 +73,53 @@ class TorchTransport:
         # The collective in flight and its deadline, for errors.
         self._info: CollectiveInfo | None = None
         self._deadline = 0.0
+        # This collective's fingerprint; sent ahead of the data with GRADRING_CHECK.
+        self._fp = torch.zeros(desync.WORDS, dtype=torch.int64)
+        self._full_check = False
+        # The tag of this collective's messages (instance and fingerprint).
+        self._msg_tag = 0
+        # Peers that already got our fingerprint in this collective (and its sends).
+        self._fp_sent: dict[int, Any] = {}
+        # Per peer: the receive of its fingerprint and the buffer it lands in.
+        self._gates: dict[int, tuple[Any, torch.Tensor]] = {}
+        # Peers whose fingerprint matched in this collective.
+        self._checked: set[int] = set()
+        # Message tag of this instance (see the module docstring).
+        self._tag = next(_tags[str(getattr(group, "group_name", ""))])
+        # Set after a failure: every later call fails.
+        self._broken: str | None = None
 
     def start(self, info: CollectiveInfo) -> None:
+        if self._broken is not None:
+            raise CollectiveError(f"gradring {info.describe()}: the torch transport is unusable "
+                                  f"after an earlier failure ({self._broken})")
         self._info = info
         self._deadline = time.monotonic() + self._timeout
+        self._full_check = desync.enabled()
+        self._fp = desync.fingerprint(info, full=self._full_check)  # fresh: sends may be in flight
+        self._msg_tag = desync.tag_of(self._tag, self._fp)
+        self._fp_sent = {}
+        self._gates = {}
+        self._checked = set()
 
     def close(self) -> None:
         self.group = None
 
     def _error(self, verb: str, peer: int, exc: BaseException) -> CollectiveError:
         desc = self._info.describe() if self._info else "collective"
+        self._broken = f"could not {verb} rank {peer}"
         return CollectiveError(f"gradring {desc} failed on rank {self.rank}: could not {verb} "
                                f"rank {peer}: {exc}")
 
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        if not buf.numel():
+            return _Req(None, buf, None, None, dst, "send to")
+        tag = self._msg_tag
         try:
-            work = dist.isend(buf, group=self.group, group_dst=dst) if buf.numel() else None
+            if self._full_check and dst not in self._fp_sent:
+                self._fp_sent[dst] = dist.isend(self._fp, group=self.group, group_dst=dst,
+                                                tag=tag)
+            work = dist.isend(buf, group=self.group, group_dst=dst, tag=tag)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise self._error("send to", dst, exc) from exc
         return _Req(work, buf, None, None, dst, "send to")
@@ -75,23 +128,47 @@ class TorchTransport:
         if not buf.numel():
             return _Req(None, buf, None, None, src, "receive from")
         tmp = torch.empty_like(buf) if op is not None else None
+        tag = self._msg_tag
         try:
-            work = dist.irecv(buf if tmp is None else tmp, group=self.group, group_src=src)
+            if self._full_check and src not in self._checked and src not in self._gates:
+                theirs = torch.empty(desync.WORDS, dtype=torch.int64)
+                self._gates[src] = (dist.irecv(theirs, group=self.group, group_src=src,
+                                               tag=tag), theirs)
+            work = dist.irecv(buf if tmp is None else tmp, group=self.group, group_src=src,
+                              tag=tag)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise self._error("receive from", src, exc) from exc
         return _Req(work, buf, tmp, op, src, "receive from")
+
+    def _wait(self, work: Any, verb: str, peer: int) -> None:
+        left = self._deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError(f"deadline of {self._timeout:g}s passed")
+            work.wait(timedelta(seconds=left))
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self._error(verb, peer, exc) from exc
+
+    def _check_peer(self, src: int) -> None:
+        """Wait for ``src``'s fingerprint and compare it with ours."""
+        work, theirs = self._gates.pop(src)
+        self._wait(work, "receive from", src)
+        mine = self._fp.tolist()
+        what = desync.difference(mine, theirs.tolist())
+        if what is not None:
+            assert self._info is not None
+            err = desync.mismatch(self._info, self.rank, src, theirs.tolist(), what)
+            self._broken = str(err)
+            raise err
+        self._checked.add(src)
 
     def wait_all(self, reqs: Sequence[Any]) -> None:
         for req in reqs:
             if req.done:
                 continue
-            left = self._deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise TimeoutError(f"deadline of {self._timeout:g}s passed")
-                req.work.wait(timedelta(seconds=left))
-            except Exception as exc:  # noqa: BLE001 - re-raised with context
-                raise self._error(req.verb, req.peer, exc) from exc
+            if req.peer in self._gates and req.verb == "receive from":
+                self._check_peer(req.peer)  # before its data is consumed or combined
+            self._wait(req.work, req.verb, req.peer)
             if req.tmp is not None:
                 ops.combine(req.buf, req.buf, req.tmp, req.op)
             req.done = True

@@ -51,10 +51,14 @@ class CollectiveInfo(NamedTuple):
     dtype: torch.dtype
     algo: str  # e.g. "direct/twoshot", "ring", "tree"
     group: str  # the process group's name
+    shape: tuple[int, ...] = ()  # the caller's tensor shape (desync checks, messages)
+    label: str | None = None  # the caller's label, e.g. "DDP bucket 3" (comm.label)
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return (f"{self.kind.label} #{self.seq} ({self.nbytes} bytes, {dtype}, "
+        shape = f", shape {list(self.shape)}" if self.shape else ""
+        label = f", {self.label}" if self.label else ""
+        return (f"{self.kind.label} #{self.seq} ({self.nbytes} bytes, {dtype}{shape}{label}, "
                 f"algo {self.algo}, group {self.group})")
 
 

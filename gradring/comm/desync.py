@@ -1,0 +1,131 @@
+"""Are all ranks issuing the same collective? Fingerprints and the checks that use them.
+
+[Note: desync checks]
+Collectives pair up by issue order. If ranks disagree -- one all-reduces
+bucket 2 while another all-reduces bucket 3, or dtypes or sizes differ -- the
+bytes of one are combined with the bytes of the other: garbage, a hang, or
+(gloo) an abort of the whole process ("Received data size doesn't match").
+gradring compares a *fingerprint* of each collective before any data is
+combined:
+
+- always: sequence number, kind, byte size and dtype. shm compares every
+  peer's descriptor at the exchange barrier of the direct algorithms and the
+  sender's status before consuming a mailbox message (ring/tree on shm). The
+  torch transport tags every message with a hash of the fingerprint, so
+  mismatched messages never match; the watchdog then sees the ranks waiting
+  in the same collective with different fingerprints on the peer board and
+  raises (asynchronous calls; a synchronous one ends at its deadline).
+- ``GRADRING_CHECK=1``: the shape and the caller's label (e.g. the DDP
+  bucket) are compared too; the torch transport sends its fingerprint ahead
+  of the data and checks the peer's before consuming any; native
+  collectives (gloo's own, which checks nothing) first all-gather it.
+
+A mismatch raises :class:`DesyncError` on the ranks that see it, naming both
+sides; the ranks post their side to the peer board, so the message carries
+the peer's own description (shape, label) when it arrives in time.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+
+#: dtype <-> small integer, as written into descriptors and fingerprints.
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+          torch.complex128)
+DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
+#: Number of int64 words in a fingerprint tensor.
+WORDS = 8
+
+
+class DesyncError(CollectiveError):
+    """Ranks issued different collectives (kind, size, dtype, shape or label)."""
+
+
+# os.environ's backing dict: a lookup there is ~20x cheaper (see select.py).
+_ENV_DATA: dict = getattr(os.environ, "_data", {})
+_KEY = os.environ.encodekey("GRADRING_CHECK") if _ENV_DATA else None
+_last: tuple[Any, bool] = (None, False)
+
+
+def enabled() -> bool:
+    """Whether ``GRADRING_CHECK`` asks for full fingerprints (shape, label, native)."""
+    global _last
+    raw = _ENV_DATA.get(_KEY) if _KEY is not None else os.environ.get("GRADRING_CHECK")
+    if raw != _last[0]:
+        text = raw.decode() if isinstance(raw, bytes) else (raw or "")
+        _last = (raw, text.strip().lower() in ("1", "true", "yes", "on"))
+    return _last[1]
+
+
+def text_hash(text: str | None) -> int:
+    """A hash equal on every rank (Python's ``hash`` of str is salted per process)."""
+    return zlib.crc32(text.encode()) if text else 0
+
+
+def shape_hash(shape: Sequence[int]) -> int:
+    return zlib.crc32(repr(tuple(shape)).encode()) if shape else 0
+
+
+def dtype_name(code: int) -> str:
+    return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else "?"
+
+
+def fingerprint(info: CollectiveInfo, *, full: bool) -> torch.Tensor:
+    """``[seq, kind, nbytes, dtype, shape hash, label hash, 0, 0]`` (hashes 0 unless ``full``)."""
+    words = [info.seq, int(info.kind), info.nbytes, DTYPE_CODES.get(info.dtype, 0),
+             shape_hash(info.shape) if full else 0, text_hash(info.label) if full else 0, 0, 0]
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def tag_of(instance: int, fp: torch.Tensor) -> int:
+    """A point-to-point message tag from a transport instance and a fingerprint: the
+    messages of two different collectives (or instances) never match each other."""
+    return zlib.crc32(repr((instance, fp.tolist())).encode()) & 0x7FFFFFFF
+
+
+def describe_words(words: Sequence[int]) -> str:
+    """A fingerprint in words (shape and label appear as "shape/label differ" only)."""
+    seq, kind, nbytes, code = (int(w) for w in words[:4])
+    name = Kind(kind).label if kind in Kind._value2member_map_ else f"kind {kind}"
+    return f"{name} #{seq} ({nbytes} bytes, {dtype_name(code)})"
+
+
+def difference(mine: Sequence[int], theirs: Sequence[int]) -> str | None:
+    """What differs between two fingerprints, or None."""
+    names = ("sequence number", "kind", "byte size", "dtype", "shape", "label")
+    diff = [n for n, a, b in zip(names, mine, theirs) if int(a) != int(b)]
+    return ", ".join(diff) if diff else None
+
+
+def mismatch(info: CollectiveInfo, rank: int, peer: int, theirs: Sequence[int],
+             what: str) -> DesyncError:
+    """The error for ``peer`` issuing ``theirs`` while ``rank`` issued ``info``."""
+    mine = fingerprint(info, full=True).tolist()
+    shape = f", shape {list(info.shape)}" if info.shape else ""
+    label = f", {info.label}" if info.label else ""
+    return DesyncError(
+        f"gradring desync on rank {rank}: rank {rank} issued {info.kind.label} #{info.seq} "
+        f"({info.nbytes} bytes, {dtype_name(mine[3])}{shape}{label}) but rank {peer} issued "
+        f"{describe_words(theirs)} [{what} differ]: ranks issued different collectives "
+        f"(group {info.group})")
+
+
+def check_native(info: CollectiveInfo, group: Any, rank: int, world_size: int) -> None:
+    """``GRADRING_CHECK=1`` before a native collective: all-gather fingerprints, compare."""
+    mine = fingerprint(info, full=True)
+    everyone = torch.empty(world_size * WORDS, dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.view(world_size, WORDS).tolist()
+    for p, row in enumerate(rows):
+        what = difference(rows[rank], row)
+        if what is not None:
+            raise mismatch(info, rank, p, row, what)

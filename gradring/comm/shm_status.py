@@ -1,0 +1,87 @@
+"""What a shared-memory rank tells its peers about itself: the status block.
+
+Bytes 192-255 of every control segment (``shm.py``) hold the collective the
+rank started last and the rank's state. The owner writes them; peers only
+read them, to fail fast and to say in an error what a missing rank is doing
+(see [Note: how a stuck collective ends] in ``watchdog.py``):
+
+=========  ======  =====================================================
+offset     type    meaning
+=========  ======  =====================================================
+192        u64     sequence number of the collective started last
+200        u32     its kind (``Kind``)
+204        u32     state: running, closed (shut gradring down), failed
+208        u64     its byte size
+216        u32     its dtype code (``desync.DTYPE_CODES``)
+220        u32     why the rank failed (timed out, lost a peer, ...)
+224        u64     its shape hash (``GRADRING_CHECK`` only, else 0)
+=========  ======  =====================================================
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, NamedTuple
+
+from gradring.comm.transport import CollectiveInfo, Kind
+
+_STRUCT = struct.Struct("<QIIQIIQ")
+OFFSET = 192
+_STATE_WORD = (OFFSET + 12) // 4
+_WHY_WORD = (OFFSET + 28) // 4
+
+RUNNING, CLOSED, FAILED = 0, 1, 2
+TIMEOUT, LOST_PEER, DESYNC, ABORTED = 1, 2, 3, 4
+#: How a peer words each failure reason.
+WHY = {TIMEOUT: "timed out", LOST_PEER: "lost a peer", DESYNC: "saw a desync",
+       ABORTED: "was aborted"}
+
+
+class Status(NamedTuple):
+    """One rank's status block, as a peer reads it."""
+
+    seq: int
+    kind: int
+    state: int
+    nbytes: int
+    dtype: int
+    why: int
+    shape: int
+
+    def last(self) -> str:
+        """The collective it started last, in words."""
+        return f"{Kind(self.kind).label} #{self.seq}" if self.kind in Kind._value2member_map_ \
+            else "nothing"
+
+    def reason(self) -> str:
+        return WHY.get(self.why, "failed")
+
+
+def publish(mm: Any, info: CollectiveInfo, dtype_code: int, shape_hash: int) -> None:
+    """Start of a collective: announce it (state running)."""
+    _STRUCT.pack_into(mm, OFFSET, info.seq, int(info.kind), RUNNING, info.nbytes, dtype_code,
+                      0, shape_hash)
+
+
+def set_state(words: Any, state: int, why: int = 0) -> None:
+    """Closed or failed (and why); ``words`` is the owner's 32-bit view."""
+    words[_WHY_WORD] = why
+    words[_STATE_WORD] = state
+
+
+def read(mm: Any) -> Status:
+    return Status(*_STRUCT.unpack_from(mm, OFFSET))
+
+
+def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int) -> str:
+    """Rank ``rank``'s situation as seen by a rank waiting in collective ``seq``."""
+    who, last = f"rank {rank} (pid {pid})", status.last()
+    skipped = f", so it skipped #{seq}" if status.seq < seq else ""
+    if not alive:
+        return f"{who} has exited (last started {last}{skipped})"
+    if status.state == CLOSED:
+        return f"{who} left: it shut gradring down after starting {last}{skipped}"
+    if status.state == FAILED:
+        return f"{who} {status.reason()} in {last}"
+    return f"{who} is alive and last started {last}" + \
+        (" (it has not reached this collective)" if status.seq < seq else "")

@@ -1,0 +1,170 @@
+"""``gradring flight DIR``: merge every rank's flight-recorder dump and name the culprit.
+
+Each rank writes ``DIR/rank<R>.json`` when one of its collectives fails and
+at exit (``GRADRING_FLIGHT_RECORDER=DIR``, see ``gradring/comm/watchdog.py``).
+A killed rank writes nothing. This command lines the dumps up by process
+group and sequence number and reports the *first disagreement*: the first
+collective that some rank never reached, that ranks issued differently (kind,
+size, dtype, shape), or that did not complete everywhere. For every rank it
+shows what that rank was doing there instead, and when it arrived relative to
+the first rank that gave up.
+
+    GRADRING_FLIGHT_RECORDER=/tmp/fr torchrun --nproc-per-node=2 train.py
+    gradring flight /tmp/fr
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from typing import Any, NamedTuple
+
+#: Seconds after which an arrival counts as late (the rank was not there in time).
+LATE_S = 1.0
+
+
+class Finding(NamedTuple):
+    """The first collective of a group the ranks disagree on."""
+
+    group: str
+    seq: int
+    lines: list[str]  # one per rank, then the verdict
+    culprits: list[int]  # group ranks that did not reach it, reached it late or differ
+
+
+def load(directory: str) -> dict[int, dict[str, Any]]:
+    """Every dump in ``directory``, by global rank (pid for dumps without one)."""
+    dumps: dict[int, dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        key = data["rank"] if data.get("rank", -1) >= 0 else 1_000_000 + data["pid"]
+        dumps[key] = data
+    return dumps
+
+
+def _group_ranks(dumps: dict[int, dict[str, Any]], group: str) -> tuple[dict[int, int], int]:
+    """Group rank of each dump that knows the group, and the group's size."""
+    ranks, size = {}, 0
+    for key, d in dumps.items():
+        info = d.get("groups", {}).get(group)
+        if info is not None:
+            ranks[key] = info["rank"]
+            size = max(size, info["world_size"])
+        elif any(e["group"] == group for e in d["entries"]):
+            ranks[key] = key
+    return ranks, max(size, max(ranks.values(), default=-1) + 1)
+
+
+def _fingerprint(e: dict[str, Any]) -> tuple:
+    return e["kind"], e["nbytes"], e["dtype"], tuple(e.get("shape") or ())
+
+
+def _describe(e: dict[str, Any]) -> str:
+    shape = f", shape {e['shape']}" if e.get("shape") else ""
+    label = f", {e['label']}" if e.get("label") else ""
+    return f"{e['kind']} #{e['seq']} ({e['nbytes']} bytes, {e['dtype']}{shape}{label})"
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def analyse_group(dumps: dict[int, dict[str, Any]], group: str) -> Finding | None:
+    """The first disagreement in ``group``, or None if every rank agrees."""
+    ranks, size = _group_ranks(dumps, group)
+    by_rank: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in range(size)}
+    for key, gr in ranks.items():
+        for e in dumps[key]["entries"]:
+            if e["group"] == group:
+                by_rank[gr][e["seq"]] = e
+    dumped = set(ranks.values())
+    # Ring buffers forget old entries: only compare where every dump still remembers.
+    floor = max((min(s) for s in by_rank.values() if s), default=0)
+    seqs = sorted({q for s in by_rank.values() for q in s if q >= floor})
+    for seq in seqs:
+        here = {r: s[seq] for r, s in by_rank.items() if seq in s}
+        kinds = {_fingerprint(e) for e in here.values()}
+        if len(here) == size and len(kinds) == 1 and \
+                all(e["state"] == "completed" for e in here.values()):
+            continue
+        return _finding(group, seq, size, here, by_rank, dumped, dumps, ranks)
+    return None
+
+
+def _finding(group: str, seq: int, size: int, here: dict[int, dict[str, Any]],
+             by_rank: dict[int, dict[int, dict[str, Any]]], dumped: set[int],
+             dumps: dict[int, dict[str, Any]], ranks: dict[int, int]) -> Finding:
+    gave_up = min((e["ended"] for e in here.values() if e["state"] == "failed" and e["ended"]),
+                  default=None)
+    first = min(e["issued"] for e in here.values())
+    majority = max({_fingerprint(e) for e in here.values()},
+                   key=lambda fp: sum(_fingerprint(e) == fp for e in here.values()))
+    reasons = {gr: dumps[key].get("reasons", []) for key, gr in ranks.items()}
+    lines, culprits = [], []
+    for r in range(size):
+        e = here.get(r)
+        if e is None:
+            culprits.append(r)
+            if r not in dumped:
+                lines.append(f"rank {r}: did not reach it; left no dump (killed, or still "
+                             f"running when the others gave up)")
+                continue
+            older = [q for q in by_rank[r] if q < seq]
+            last = by_rank[r][max(older)] if older else None
+            what = f"last: {_describe(last)} {last['state']}" if last else "no collective"
+            why = "; ".join(reasons.get(r, [])[-2:])
+            lines.append(f"rank {r}: did not reach it; {what}" + (f" (dumped: {why})"
+                                                                   if why else ""))
+            continue
+        late = e["issued"] - (gave_up if gave_up is not None else first)
+        note = ""
+        if gave_up is not None and e["issued"] > gave_up:
+            note = f", reached it {late:.1f}s after the first rank gave up"
+            culprits.append(r)
+        elif _fingerprint(e) != majority:
+            note = ", issued a different collective"
+            culprits.append(r)
+        elif e["issued"] - first > LATE_S:
+            note = f", arrived {e['issued'] - first:.1f}s after the first rank"
+        err = f": {_first_line(e['error'])}" if e.get("error") else ""
+        lines.append(f"rank {r}: {_describe(e)} {e['state']}{note}{err}")
+    reached = sorted(r for r in here if r not in culprits)
+    lines.append(f"verdict: ranks {reached} reached #{seq} in time; "
+                 f"ranks {sorted(set(culprits))} did not (or disagree)")
+    return Finding(group, seq, lines, sorted(set(culprits)))
+
+
+def analyse(dumps: dict[int, dict[str, Any]]) -> list[Finding]:
+    groups = sorted({e["group"] for d in dumps.values() for e in d["entries"]})
+    return [f for g in groups if (f := analyse_group(dumps, g)) is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the merged view; exit status 1 when a disagreement was found."""
+    ap = argparse.ArgumentParser(prog="gradring flight", description=__doc__.splitlines()[0])
+    ap.add_argument("directory", help="the GRADRING_FLIGHT_RECORDER folder")
+    args = ap.parse_args(argv)
+    dumps = load(args.directory)
+    if not dumps:
+        print(f"no flight-recorder dumps (rank*.json) in {args.directory}")
+        return 2
+    print(f"{len(dumps)} dump(s): " + ", ".join(
+        f"rank {d['rank']} (pid {d['pid']}, {len(d['entries'])} entries, "
+        f"{_first_line('; '.join(d.get('reasons', [])), 80)})" for d in dumps.values()))
+    findings = analyse(dumps)
+    if not findings:
+        print("every rank reached and completed every recorded collective")
+        return 0
+    for f in findings:
+        print(f"first disagreement: group {f.group} #{f.seq}")
+        for line in f.lines:
+            print(f"  {line}")
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

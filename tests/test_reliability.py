@@ -1,0 +1,437 @@
+"""Failure handling (SPEC S14): dead peers, stalls, silent early exits, desyncs, bad input.
+
+Fault-injection tests start their own small jobs (this file doubles as the job
+script: ``python tests/test_reliability.py --scenario NAME --rank R ...``), kill
+or stall one rank, and check what the survivors report: exit status, the error
+text (ranks, sequence number, bucket, parameter names) and, for fail-fast
+behaviour only, a generous cap on the time it took. Nothing here touches the
+processes of the shared ``pools`` fixture except the bad-input sweep, which
+only runs well-formed collectives on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stdout
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import gradring  # noqa: E402
+from gradring import comm, flight  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+#: Cap on "a survivor noticed the dead peer" (torch+gloo takes ~0.8 s here); generous
+#: because the machine is shared and loaded.
+DEAD_PEER_CAP_S = 5.0
+#: gradring's deadline in the stall tests, and the cap on how late the error may come.
+SHORT_TIMEOUT = "2"
+LATE_CAP_S = 12.0
+PARAM_NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+# ----------------------------------------------------------------------- job side
+def _say(**report: object) -> None:
+    print(json.dumps(report), flush=True)
+
+
+def _ddp() -> tuple[gradring.DistributedDataParallel, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+    # Two buckets after the rebuild: (2.*) and (0.*).
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.005)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+
+def _step(ddp: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    opt.zero_grad()
+    ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
+def _train(rank: int, steps: int, at: int, action) -> None:
+    """Train ``steps`` steps; at step ``at`` run ``action(step)`` first (the fault)."""
+    ddp, opt = _ddp()
+    try:
+        for step in range(steps):
+            if step == at:
+                action(step)
+            _step(ddp, opt, step, rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _say(rank=rank, error=f"{type(exc).__name__}: {exc}", t=time.time(), step=step)
+        return
+    _say(rank=rank, error=None, t=time.time())
+
+
+def _kill_self(step: int) -> None:
+    _say(killed_at=time.time(), pid=os.getpid(), step=step)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scenario_kill(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` SIGKILLs itself at step 4 of DDP training."""
+    _train(a.rank, 40, 4, _kill_self if a.rank == a.victim else lambda s: None)
+
+
+def scenario_stall(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` sleeps (alive, silent) at step 3, well past the deadline."""
+    _train(a.rank, 6, 3, (lambda s: time.sleep(5)) if a.rank == a.victim else lambda s: None)
+
+
+def scenario_leave(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` leaves the loop at step 3 without Join and exits normally."""
+    if a.rank == a.victim:
+        ddp, opt = _ddp()
+        for step in range(3):
+            _step(ddp, opt, step, a.rank)
+        _say(rank=a.rank, left_at=time.time())
+        return  # normal exit: gradring's exit hooks run
+    _train(a.rank, 40, -1, None)
+
+
+def scenario_desync(a: argparse.Namespace) -> None:
+    """Mismatched collectives; every case starts afresh after comm.shutdown()."""
+    r = a.rank
+    cases = {
+        "dtype": lambda: comm.all_reduce(torch.ones(64, dtype=torch.float32 if r == 0
+                                                    else torch.float64)),
+        "size": lambda: comm.all_reduce(torch.ones(64 + 16 * r)),
+        "shape": lambda: comm.all_reduce(torch.ones((8, 8) if r == 0 else (4, 16))),
+        "label": lambda: _labelled(r),
+        "bucket": lambda: _buckets_out_of_order(r),
+    }
+    for name in a.cases.split(","):
+        try:
+            comm.all_reduce(torch.ones(4))  # in step before the case
+            cases[name]()
+            comm.all_reduce(torch.ones(4))
+            _say(rank=r, case=name, error=None)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            _say(rank=r, case=name, error=f"{type(exc).__name__}: {exc}")
+        comm.shutdown()
+        dist.barrier()  # torch's own: nobody starts the next case (or exits) early
+
+
+def _labelled(rank: int) -> None:
+    with comm.label(f"DDP bucket {2 + rank}"):
+        comm.all_reduce(torch.ones(64))
+
+
+def _buckets_out_of_order(rank: int) -> None:
+    """Like a model whose ranks reach buckets in different orders."""
+    sizes = [100, 300] if rank == 0 else [300, 100]
+    for n in sizes:
+        comm.all_reduce(torch.ones(n), async_op=True).wait()
+
+
+def scenario_inflight(a: argparse.Namespace) -> None:
+    """Shut gradring down / destroy the process group with collectives in flight."""
+    r = a.rank
+    big = comm.empty(1 << 20)
+    big.fill_(1.0)
+    works = [comm.all_reduce(big, async_op=True) for _ in range(4)]
+    works += [comm.all_reduce(torch.ones(1000), async_op=True) for _ in range(4)]
+    t0 = time.monotonic()
+    comm.shutdown()  # every rank: queued work finishes first
+    outcomes = []
+    for w in works:
+        try:
+            w.wait()
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes.append(f"error: {exc}")
+    _say(rank=r, case="shutdown", outcomes=outcomes, took=time.monotonic() - t0,
+         value=float(big[0]))
+    # Now only rank 1 shuts down while rank 0 still has work in flight.
+    comm.all_reduce(torch.ones(4))
+    if r == 1:
+        comm.shutdown()
+        time.sleep(3)
+    else:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(1000))
+            _say(rank=r, case="peer_shutdown", error=None)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            _say(rank=r, case="peer_shutdown", error=str(exc), took=time.monotonic() - t0)
+    comm.shutdown()
+    # destroy_process_group with DDP buckets in flight (async, not yet waited).
+    ddp, _ = _ddp()
+    ddp(torch.randn(8, 16)).pow(2).mean().backward()
+    out = ddp(torch.randn(8, 16)).pow(2).mean()
+    with comm.label("test"):
+        pending = [comm.all_reduce(torch.ones(1000), async_op=True) for _ in range(3)]
+    dist.destroy_process_group()
+    outcomes = []
+    for w in pending:
+        try:
+            w.wait()
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes.append(f"error: {exc}")
+    try:
+        out.backward()
+        outcomes.append("backward ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcomes.append(f"backward error: {exc}")
+    _say(rank=r, case="destroy", outcomes=outcomes)
+
+
+SCENARIOS = {"kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
+             "desync": scenario_desync, "inflight": scenario_inflight}
+
+
+def _job_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--victim", type=int, default=-1)
+    p.add_argument("--cases", default="")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank,
+                            world_size=a.world, timeout=timedelta(seconds=60))
+    _say(rank=a.rank, pid=os.getpid(), started=time.time())
+    SCENARIOS[a.scenario](a)
+    sys.stdout.flush()
+    if a.scenario == "leave" and a.rank == a.victim:
+        sys.exit(0)  # the normal way out, exit hooks included
+    os._exit(0)  # survivors: the process group may be wedged by the dead peer
+
+
+# ---------------------------------------------------------------------- test side
+def _run_job(scenario: str, world: int, tmp: str, env: dict[str, str] | None = None,
+             timeout: float = 90, **extra: object) -> tuple[list[list[dict]], list[int]]:
+    store = os.path.join(tmp, f"{scenario}-{time.monotonic_ns()}")
+    args = [f"--{k}={v}" for k, v in extra.items()]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
+        if env is None or k not in env:
+            full_env.pop(k, None)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
+                               scenario, "--rank", str(r), "--world", str(world), "--store",
+                               store, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=full_env) for r in range(world)]
+    out, codes = [], []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append([json.loads(x) for x in stdout.splitlines() if x.startswith("{")])
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out, codes
+
+
+def _final(reports: list[dict]) -> dict:
+    return [r for r in reports if "error" in r][-1]
+
+
+KILLS = [  # (world, victim, transport env)
+    (2, 1, {}),
+    (2, 0, {}),
+    (3, 2, {}),
+    (3, 0, {}),
+    (3, 0, {"GRADRING_TRANSPORT": "torch"}),
+    (2, 1, {"GRADRING_ALGO": "native"}),
+]
+
+
+@pytest.mark.parametrize("world,victim,env", KILLS,
+                         ids=[f"w{w}-kill{v}-{next(iter(e.values()), 'shm')}"
+                              for w, v, e in KILLS])
+def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> None:
+    reports, codes = _run_job("kill", world, str(tmp_path), env=env, victim=victim)
+    assert codes[victim] == -signal.SIGKILL
+    killed = next(r for r in reports[victim] if "killed_at" in r)
+    for rank in range(world):
+        if rank == victim:
+            continue
+        final = _final(reports[rank])
+        err = final["error"]
+        assert err is not None, reports[rank]
+        assert f"rank {victim}" in err and "all_reduce #" in err, err
+        assert "gradring DDP: this was the all-reduce of bucket" in err, err
+        assert any(name in err for name in PARAM_NAMES), err
+        took = final["t"] - killed["killed_at"]
+        assert took < DEAD_PEER_CAP_S, (took, err)
+
+
+@pytest.mark.parametrize("env", [{}, {"GRADRING_TRANSPORT": "torch"},
+                                 {"GRADRING_ALGO": "native"}], ids=["shm", "torch", "native"])
+def test_stalled_peer_times_out_naming_everything(tmp_path, env) -> None:
+    fr = tmp_path / "flight"
+    reports, codes = _run_job("stall", 2, str(tmp_path), victim=1,
+                              env={"GRADRING_TIMEOUT": SHORT_TIMEOUT,
+                                   "GRADRING_FLIGHT_RECORDER": str(fr), **env})
+    final = _final(reports[0])
+    err = final["error"]
+    started = next(r for r in reports[0] if "started" in r)["started"]
+    assert err is not None and "timed out after 2s" in err, err
+    assert "ranks [1] did not arrive" in err and "all_reduce #" in err, err
+    assert "bytes, float32" in err, err
+    assert "bucket" in err and any(name in err for name in PARAM_NAMES), err
+    assert final["t"] - started < LATE_CAP_S + 10, final
+    # The flight recorder: rank 0 dumped on the timeout; the merge names the culprit.
+    assert (fr / "rank0.json").exists()
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        flight.main([str(fr)])
+    text = buf.getvalue()
+    assert "first disagreement" in text and "rank 1" in text and "rank 0" in text, text
+
+
+@pytest.mark.parametrize("env", [{}, {"GRADRING_TRANSPORT": "torch"}], ids=["shm", "torch"])
+def test_rank_leaving_early_is_named(tmp_path, env) -> None:
+    reports, codes = _run_job("leave", 2, str(tmp_path), victim=1,
+                              env={"GRADRING_TIMEOUT": "30", **env})
+    assert codes[1] == 0
+    left = next(r for r in reports[1] if "left_at" in r)
+    final = _final(reports[0])
+    err = final["error"]
+    assert err is not None and "rank 1" in err and "all_reduce #" in err, err
+    assert "left" in err or "exited" in err or "closed" in err, err
+    assert final["t"] - left["left_at"] < DEAD_PEER_CAP_S, (final, left)
+
+
+def test_desyncs_name_both_sides(tmp_path) -> None:
+    cases = "dtype,size,bucket"
+    plain, _ = _run_job("desync", 2, str(tmp_path), cases=cases)
+    ring, _ = _run_job("desync", 2, str(tmp_path), cases="dtype,size",
+                       env={"GRADRING_TRANSPORT": "shm", "GRADRING_ALGO": "ring"})
+    over_torch, _ = _run_job("desync", 2, str(tmp_path), cases="dtype,size",
+                             env={"GRADRING_TRANSPORT": "torch"})
+    checked, _ = _run_job("desync", 2, str(tmp_path), cases="shape,label",
+                          env={"GRADRING_CHECK": "1"})
+    native, _ = _run_job("desync", 2, str(tmp_path), cases="dtype,shape",
+                         env={"GRADRING_CHECK": "1", "GRADRING_ALGO": "native"})
+    for job in (plain, ring, over_torch, checked, native):
+        for rank_reports in job:
+            for r in rank_reports:
+                if "case" not in r:
+                    continue
+                err = r["error"]
+                assert err is not None and "DesyncError" in err, r
+                assert "rank 0 issued" in err and "rank 1 issued" in err, r
+                what = {"dtype": "dtype", "size": "byte size", "shape": "shape",
+                        "label": "label", "bucket": "byte size"}[r["case"]]
+                assert what in err, r
+    # Without GRADRING_CHECK, shapes of equal size are no desync.
+    unchecked, _ = _run_job("desync", 2, str(tmp_path), cases="shape")
+    assert [_final(r)["error"] for r in unchecked] == [None, None]
+
+
+def test_inflight_shutdown_and_destroy(tmp_path) -> None:
+    reports, codes = _run_job("inflight", 2, str(tmp_path), env={"GRADRING_TIMEOUT": "20"})
+    assert codes == [0, 0], reports
+    for rep in reports:
+        by_case = {r["case"]: r for r in rep if "case" in r}
+        assert by_case["shutdown"]["outcomes"] == ["ok"] * 8, by_case
+        assert by_case["shutdown"]["value"] == 16.0  # 4 all-reduces of ones at world 2
+        for o in by_case["destroy"]["outcomes"]:
+            assert o.endswith("ok") or "error" in o, o
+    err = {r["case"]: r for r in reports[0] if "case" in r}["peer_shutdown"]
+    assert err["error"] is not None and "rank 1" in err["error"], err
+    assert "shut gradring down" in err["error"] or "left" in err["error"], err
+    assert err["took"] < DEAD_PEER_CAP_S, err
+
+
+# ------------------------------------------------------------- bad input (pools)
+def _noncontiguous(rank: int, world: int) -> list[str]:
+    bad = []
+    for transport in ("shm", "torch"):
+        os.environ["GRADRING_TRANSPORT"] = transport
+        try:
+            base = torch.arange(24, dtype=torch.float32).view(4, 6) + rank
+            x = base.t()  # non-contiguous
+            comm.all_reduce(x)
+            want = (torch.arange(24, dtype=torch.float32).view(4, 6) * world
+                    + sum(range(world))).t()
+            if not torch.equal(x, want):
+                bad.append(f"{transport} all_reduce")
+            b = (torch.arange(12, dtype=torch.float64).view(3, 4) + rank)[:, ::2]
+            comm.broadcast(b, src=0)
+            if not torch.equal(b, torch.arange(12, dtype=torch.float64).view(3, 4)[:, ::2]):
+                bad.append(f"{transport} broadcast")
+            out = torch.empty(world, 6)[:, ::2]  # non-contiguous output
+            comm.all_gather_into_tensor(out, torch.full((3,), float(rank)))
+            if not torch.equal(out, torch.arange(world, dtype=torch.float32)[:, None]
+                               .expand(world, 3)):
+                bad.append(f"{transport} all_gather")
+        finally:
+            os.environ.pop("GRADRING_TRANSPORT", None)
+    return bad
+
+
+def test_noncontiguous_tensors(pools) -> None:
+    assert pools.run(2, _noncontiguous) == [[], []]
+
+
+def _sizes_checked_locally(rank: int, world: int) -> list[str]:
+    errors = []
+    for call in (lambda: comm.all_gather_into_tensor(torch.empty(5), torch.empty(3)),
+                 lambda: comm.reduce_scatter_tensor(torch.empty(3), torch.empty(5)),
+                 lambda: comm.all_gather_into_tensor(torch.empty(6),
+                                                     torch.empty(3, dtype=torch.int32))):
+        try:
+            call()
+            errors.append("no error")
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_bad_sizes_are_rejected_before_any_communication(pools) -> None:
+    for errors in pools.run(2, _sizes_checked_locally):
+        assert "expected world_size(2) * input(3) = 6" in errors[0], errors
+        assert "expected world_size(2) * output(3) = 6" in errors[1], errors
+        assert "dtype" in errors[2], errors
+
+
+def test_flight_cli_on_synthetic_dumps(tmp_path) -> None:
+    """The merge logic alone: rank 1 never reached #3, rank 2 issued something else."""
+    def entry(seq, kind="all_reduce", nbytes=400, state="completed", label=None):
+        return {"group": "0", "seq": seq, "kind": kind, "nbytes": nbytes, "dtype": "float32",
+                "shape": [100], "label": label, "algo": "x", "issued": 1.0 + seq,
+                "started": 1.0 + seq, "ended": 2.0 + seq, "state": state, "error": ""}
+    dumps = {
+        0: [entry(1), entry(2), entry(3, state="failed", label="DDP bucket 0")],
+        1: [entry(1), entry(2)],
+        2: [entry(1), entry(2), entry(3, kind="broadcast")],
+    }
+    for rank, entries in dumps.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "pid": 100 + rank, "host": "h", "time": 9.0,
+             "reasons": ["timeout"], "entries": entries}))
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = flight.main([str(tmp_path)])
+    text = buf.getvalue()
+    assert code == 1, text
+    assert "first disagreement: group 0 #3" in text, text
+    assert "rank 1: did not reach it" in text and "last: all_reduce #2" in text, text
+    assert "rank 2: broadcast #3" in text and "DDP bucket 0" in text, text
+
+
+if __name__ == "__main__":
+    _job_main(sys.argv[1:])
