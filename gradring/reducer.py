@@ -22,6 +22,7 @@ stays unfinished, and the next forward raises, naming the parameters.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -137,6 +138,8 @@ class Reducer:
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
         ]
+        # A reducer dropped without remove_hooks() takes its hooks with it.
+        weakref.finalize(self, _remove_handles, self._hook_handles)
 
     # ------------------------------------------------------------------ buckets
     def _install(self, groups: list[list[int]]) -> None:
@@ -227,8 +230,15 @@ class Reducer:
                 )
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        # The hook lives in the parameter's C++ autograd metadata, where Python's
+        # cycle collector cannot see it: a strong reference to the reducer would
+        # keep it, its buckets and their shared memory alive as long as the model.
+        ref = weakref.ref(self)
+
         def hook(_param: torch.Tensor) -> None:
-            self._on_grad(index)
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_grad(index)
         return hook
 
     def _on_grad(self, i: int) -> None:
@@ -446,6 +456,10 @@ class Reducer:
         return exchange_lists(self.comm, f"unused/{self.num_forward}", missing)
 
     def remove_hooks(self) -> None:
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles = []
+        _remove_handles(self._hook_handles)
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()

@@ -193,8 +193,29 @@ def scenario_inflight(a: argparse.Namespace) -> None:
     _say(rank=r, case="destroy", outcomes=outcomes)
 
 
+def scenario_exit_after_one(a: argparse.Namespace) -> None:
+    """Rank 1 runs one staged all-reduce and exits at once; rank 0 is slow to map
+    rank 1's staging segment (one-shot has no closing barrier)."""
+    if a.rank == 0:
+        from gradring.comm import segments
+
+        opened = segments.Segment.open.__func__
+
+        def slow_open(cls: type, name: str) -> segments.Segment:
+            time.sleep(0.3)
+            return opened(cls, name)
+        segments.Segment.open = classmethod(slow_open)  # type: ignore[method-assign]
+    x = torch.full((1000,), float(a.rank + 1))
+    try:
+        comm.all_reduce(x)
+        _say(rank=a.rank, error=None, value=float(x[0]))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _say(rank=a.rank, error=str(exc))
+
+
 SCENARIOS = {"kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
-             "desync": scenario_desync, "inflight": scenario_inflight}
+             "desync": scenario_desync, "inflight": scenario_inflight,
+             "exit_after_one": scenario_exit_after_one}
 
 
 def _job_main(argv: list[str]) -> None:
@@ -212,7 +233,7 @@ def _job_main(argv: list[str]) -> None:
     _say(rank=a.rank, pid=os.getpid(), started=time.time())
     SCENARIOS[a.scenario](a)
     sys.stdout.flush()
-    if a.scenario == "leave" and a.rank == a.victim:
+    if a.scenario == "leave" and a.rank == a.victim or a.scenario == "exit_after_one":
         sys.exit(0)  # the normal way out, exit hooks included
     os._exit(0)  # survivors: the process group may be wedged by the dead peer
 
@@ -354,6 +375,13 @@ def test_inflight_shutdown_and_destroy(tmp_path) -> None:
     assert err["error"] is not None and "rank 1" in err["error"], err
     assert "shut gradring down" in err["error"] or "left" in err["error"], err
     assert err["took"] < DEAD_PEER_CAP_S, err
+
+
+def test_rank_exiting_right_after_a_collective_does_not_fail_a_slow_peer(tmp_path) -> None:
+    reports, codes = _run_job("exit_after_one", 2, str(tmp_path))
+    assert codes == [0, 0], reports
+    assert [_final(r) for r in reports] == [{"rank": 0, "error": None, "value": 3.0},
+                                            {"rank": 1, "error": None, "value": 3.0}]
 
 
 # ------------------------------------------------------------- bad input (pools)

@@ -13,7 +13,8 @@ offset                contents
 256, 320              two descriptor slots (alternating per exchange)
 384                   (unused)
 448                   retired-segment ring (segments peers may unmap)
-640 + 192·d           mailbox header towards rank d: sent, acked, lengths
+640 + 192·d           towards rank d: mailbox sent, acked, lengths; highest
+                      segno of d's segments mapped here (see ``close``)
 page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
 ====================  ===================================================
 
@@ -68,6 +69,7 @@ _RETIRED_WORD = 448 // 4  # count, then the ring
 _RETIRED_RING = 30
 _CHAN_OFF = 640
 _CHAN_STRIDE = 192  # sent, acked and lengths on separate cache lines
+_MAPPED = 40  # word of a channel header: the highest segno of that peer mapped here
 
 _HAS_BUFFER, _ZERO_COPY = 1, 2
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
@@ -181,6 +183,9 @@ class ShmTransport:
         self._abort: str | None = None
         # The process that connected: a forked child must not write our state word.
         self._pid = os.getpid()
+        # Segment number of the staged buffer exposed last (peers read it after we
+        # returned: close() lets them map it before the name goes).
+        self._last_staged = 0
         # Per peer, the seq whose mailbox sender status was checked (desync check).
         self._checked = [-1] * world_size
         # (seq, kind, bytes, dtype, shape hash, label hash) of the collective in flight;
@@ -205,7 +210,7 @@ class ShmTransport:
         self._fp = fp = (info.seq, int(info.kind), info.nbytes, _DTYPE_CODES.get(info.dtype, 0),
                          desync.shape_hash(info.shape) if full else 0,
                          desync.text_hash(info.label) if full else 0)
-        shm_status.publish(self._ctl.mm, info, fp[3], fp[4])
+        shm_status.publish(self._ctl.mm, self._ctl.words, info, fp[3], fp[4])
 
     def abort(self, reason: str) -> None:
         """Make a wait blocked in another thread raise at its next slice."""
@@ -220,6 +225,7 @@ class ShmTransport:
         if self._ctl is None:
             return
         if self._broken is None:
+            self._let_peers_map()
             self._set_state(shm_status.CLOSED)  # peers still waiting for us stop at once
         for fin in self._finalizers:
             fin()
@@ -243,11 +249,32 @@ class ShmTransport:
         self._broken = self._broken or "closed"
         _live.discard(self)
 
+    def _let_peers_map(self, grace_s: float = 1.0) -> None:
+        """Before unlinking: a collective without a closing barrier (staged one-shot)
+        lets us return while peers still have to map our buffer by name. Give every
+        peer that is still in that collective up to ``grace_s`` to do so."""
+        segno, info = self._last_staged, self._info
+        if not segno or info is None:
+            return
+        deadline = time.monotonic() + grace_s
+        idx = self._chan_word(self.rank, _MAPPED)  # in each peer's own segment
+        for p in range(self.world_size):
+            while p != self.rank and self._words[p][idx] < segno \
+                    and time.monotonic() < deadline:
+                st = self._status(p)
+                if st.seq != info.seq or st.state != shm_status.RUNNING \
+                        or not segments.pid_alive(self._pids[p]):
+                    break  # moved on (so it mapped it), never came, or gone
+                time.sleep(0.001)
+
+    def _status(self, p: int) -> shm_status.Status:
+        return shm_status.read(self._ctls[p].mm, self._ctls[p].words)
+
     def _fail(self, what: str, waiting_for: Sequence[int],
               why: int = shm_status.LOST_PEER) -> CollectiveError:
         info = self._info.describe() if self._info else "collective"
         mine = self._info.seq if self._info else 0
-        notes = [shm_status.describe(p, self._pids[p], shm_status.read(self._ctls[p].mm),
+        notes = [shm_status.describe(p, self._pids[p], self._status(p),
                                      alive=segments.pid_alive(self._pids[p]), seq=mine)
                  for p in sorted(waiting_for) if self._ctls]
         arrived = [p for p in range(self.world_size) if p not in waiting_for]
@@ -268,7 +295,7 @@ class ShmTransport:
         for p in range(self.world_size):
             if p == self.rank:
                 continue
-            st = shm_status.read(self._ctls[p].mm)
+            st = self._status(p)
             if (p in waiting_for or st.seq < mine) and (
                     st.state == shm_status.CLOSED or not segments.pid_alive(self._pids[p])):
                 gone.append(p)
@@ -410,6 +437,9 @@ class ShmTransport:
                 self._check_alive(f"mapping {name}", [p])
                 raise self._fail(f"cannot map its segment {name}: {exc}", [p]) from exc
             self._peer_segs[p][segno] = seg
+            mine, idx = self._words[self.rank], self._chan_word(p, _MAPPED)
+            if segno > mine[idx]:
+                mine[idx] = segno  # p may unlink it now, see _let_peers_map
         return seg
 
     def _forget_peer_segment(self, p: int, segno: int) -> None:
@@ -445,11 +475,13 @@ class ShmTransport:
             self._announce_retired()
         nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
         flags, segno, offset = 0, 0, 0
+        self._last_staged = 0
         if exposed is not None:
             loc = self._exposed or self.locate(exposed)
             assert loc is not None, "exchange() of a buffer expose() did not return"
             segno, offset = loc
             flags = _HAS_BUFFER | (_ZERO_COPY if zero_copy else 0)
+            self._last_staged = 0 if zero_copy else segno
         self._exposed = None
         desc_off = _DESC_OFF + 64 * slot
         _DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), flags, nbytes,
@@ -498,7 +530,7 @@ class ShmTransport:
         info = self._info
         assert info is not None
         self._checked[src] = info.seq
-        st = shm_status.read(self._ctls[src].mm)
+        st = self._status(src)
         if st.seq > info.seq:
             return  # it finished this collective and moved on; the message is ours
         theirs = (st.seq, st.kind, st.nbytes, st.dtype, st.shape, self._fp[5])

@@ -15,11 +15,20 @@ offset     type    meaning
 216        u32     its dtype code (``desync.DTYPE_CODES``)
 220        u32     why the rank failed (timed out, lost a peer, ...)
 224        u64     its shape hash (``GRADRING_CHECK`` only, else 0)
+232        u32     version: odd while the owner rewrites the block
 =========  ======  =====================================================
+
+The owner updates the block while peers may read it, and ``struct.pack_into``
+zero-fills before it writes, so a plain read can see a half-written block
+(seq 0 next to the new byte size). The version word makes it a seqlock: the
+owner bumps it before and after writing (stores stay in order on x86-64, see
+``futex.py``), and a reader retries until it saw the same even version
+before and after its read.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any, NamedTuple
 
@@ -29,6 +38,7 @@ _STRUCT = struct.Struct("<QIIQIIQ")
 OFFSET = 192
 _STATE_WORD = (OFFSET + 12) // 4
 _WHY_WORD = (OFFSET + 28) // 4
+_VERSION_WORD = (OFFSET + 40) // 4
 
 RUNNING, CLOSED, FAILED = 0, 1, 2
 TIMEOUT, LOST_PEER, DESYNC, ABORTED = 1, 2, 3, 4
@@ -57,20 +67,34 @@ class Status(NamedTuple):
         return WHY.get(self.why, "failed")
 
 
-def publish(mm: Any, info: CollectiveInfo, dtype_code: int, shape_hash: int) -> None:
-    """Start of a collective: announce it (state running)."""
+def publish(mm: Any, words: Any, info: CollectiveInfo, dtype_code: int,
+            shape_hash: int) -> None:
+    """Start of a collective: announce it (state running). ``words``: 32-bit view of ``mm``."""
+    words[_VERSION_WORD] += 1
     _STRUCT.pack_into(mm, OFFSET, info.seq, int(info.kind), RUNNING, info.nbytes, dtype_code,
                       0, shape_hash)
+    words[_VERSION_WORD] += 1
 
 
 def set_state(words: Any, state: int, why: int = 0) -> None:
     """Closed or failed (and why); ``words`` is the owner's 32-bit view."""
+    words[_VERSION_WORD] += 1
     words[_WHY_WORD] = why
     words[_STATE_WORD] = state
+    words[_VERSION_WORD] += 1
 
 
-def read(mm: Any) -> Status:
-    return Status(*_STRUCT.unpack_from(mm, OFFSET))
+def read(mm: Any, words: Any) -> Status:
+    """A consistent copy of a peer's block (``words``: 32-bit view of ``mm``); after
+    ~4096 tries (an owner killed mid-write) the last, possibly torn, copy."""
+    for spins in range(1, 4097):
+        before = words[_VERSION_WORD]
+        status = Status(*_STRUCT.unpack_from(mm, OFFSET))
+        if not before & 1 and words[_VERSION_WORD] == before:
+            break
+        if spins % 64 == 0:
+            os.sched_yield()  # the owner was preempted mid-write: let it finish
+    return status
 
 
 def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int) -> str:
