@@ -126,6 +126,12 @@ class Bucket:
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
         self.future: Any = None
+        # The part of the buffer this rank reduces itself (homes.own_range), set by
+        # the reducer, and this backward's homed gradients: (offset, flat .grad)
+        # pairs and their slots (see [Note: homed all-reduce] in comm/homes.py).
+        self.own = (0, 0)
+        self.homes: list[tuple[int, torch.Tensor]] = []
+        self.homed_slots: set[int] = set()
 
     @property
     def nbytes(self) -> int:
@@ -135,3 +141,5 @@ class Bucket:
         self.pending = len(self.params)
         self.state = BucketState.FILLING
         self.future = None
+        self.homes = []
+        self.homed_slots = set()

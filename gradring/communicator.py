@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gradring import comm
+from gradring.comm.homes import Homes, own_range
 
 
 class GroupComm:
@@ -30,6 +31,16 @@ class GroupComm:
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum ``tensor`` in place across the group; the future resolves to ``[tensor]``."""
         return comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
+
+    def all_reduce_homed(self, flat: torch.Tensor, homes: Homes) -> torch.futures.Future:
+        """DDP's bucket all-reduce with gradients left in ``.grad`` (comm/homes.py)."""
+        work = comm.api.all_reduce_homed(flat, homes, group=self.group)
+        assert work is not None
+        return work.get_future()
+
+    def own_range(self, numel: int) -> tuple[int, int]:
+        """The part of a ``numel``-element bucket this rank reduces itself."""
+        return own_range(numel, self.rank, self.world_size)
 
     def all_reduce_now(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         comm.all_reduce(tensor, op=op, group=self.group)

@@ -37,6 +37,7 @@ from gradring.buckets import (
     assign_buckets,
     bucket_key,
 )
+from gradring.comm.homes import Homes
 from gradring.communicator import GroupComm
 from gradring.grad_bucket import GradBucket
 from gradring.graph import reachable_params
@@ -149,6 +150,7 @@ class Reducer:
         locator: list[tuple[int, int]] = [(0, 0)] * len(self.params)
         for bi, idxs in enumerate(groups):
             bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], self.comm.empty)
+            bucket.own = self.comm.own_range(bucket.buffer.numel())
             for slot, i in enumerate(idxs):
                 locator[i] = (bi, slot)
             buckets.append(bucket)
@@ -288,6 +290,8 @@ class Reducer:
             elif self.grad_as_view and grad.data_ptr() == view.data_ptr():
                 if scale != 1.0:
                     view.mul_(scale)
+            elif self._can_home(bucket, grad, view):
+                self._home(bucket, s, grad, scale)
             else:
                 if scale != 1.0:
                     torch.mul(grad, scale, out=view)
@@ -302,6 +306,31 @@ class Reducer:
             bucket.state = BucketState.READY
             self.trace.mark("ready", b)
             self._launch_ready()
+
+    def _homes_allowed(self, bucket: Bucket) -> bool:
+        buf = bucket.buffer
+        return self.comm_hook is None and self.comm.world_size > 1 and \
+            buf.dtype.is_floating_point and buf.device.type == "cpu"
+
+    def _can_home(self, bucket: Bucket, grad: torch.Tensor, view: torch.Tensor) -> bool:
+        """May this gradient stay where it is (see [Note: homed all-reduce])?"""
+        return (not self.grad_as_view and self._homes_allowed(bucket)
+                and grad.layout is torch.strided and grad.is_contiguous()
+                and grad.dtype == view.dtype and grad.device == view.device
+                and grad.numel() == view.numel())
+
+    def _home(self, bucket: Bucket, slot: int, grad: torch.Tensor, scale: float) -> None:
+        """Copy in (scaled) only what the peers read, the part outside this rank's
+        own chunk; the collective reads the rest from ``.grad`` and writes the
+        whole result back into it."""
+        flat = grad.view(-1)
+        start, n = bucket.offsets[slot], bucket.numels[slot]
+        lo, hi = bucket.own
+        for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
+            if a < b:
+                torch.mul(flat[a - start:b - start], scale, out=bucket.buffer[a:b])
+        bucket.homes.append((start, flat))
+        bucket.homed_slots.add(slot)
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
@@ -320,7 +349,10 @@ class Reducer:
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
         with record_function(f"gradring::bucket_all_reduce#{index}"):
-            if self.comm_hook is None:
+            if bucket.homes:
+                homes = Homes(sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor)
+                bucket.future = self.comm.all_reduce_homed(bucket.buffer, homes)
+            elif self.comm_hook is None:
                 bucket.future = self.comm.all_reduce(bucket.buffer)
             else:
                 gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
@@ -380,6 +412,7 @@ class Reducer:
                         if value is not bucket.buffer:
                             bucket.buffer.copy_(value.reshape(-1))
                         self._write_grads(bucket, used)
+                        bucket.homes, bucket.homed_slots = [], set()  # no refs to old grads
                     if self.post_reduce is not None:
                         self.post_reduce(bucket)
                     self.trace.mark("written", bucket.index)
@@ -402,7 +435,10 @@ class Reducer:
             raise RuntimeError(f"{exc}\n{where}") from exc
 
     def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
+        homed = bucket.homed_slots
         for slot, i in enumerate(bucket.param_indices):
+            if slot in homed:
+                continue  # the collective wrote the result into .grad itself
             if used is not None and used[i] == 0:
                 continue  # unused on every rank: leave .grad untouched
             p = self.params[i]
@@ -457,6 +493,10 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
+
+
+def _offset(piece: tuple[int, torch.Tensor]) -> int:
+    return piece[0]
 
 
 def _remove_handles(handles: list[Any]) -> None:

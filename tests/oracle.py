@@ -49,6 +49,9 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     if kind == "mlp":
         return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
                              nn.Linear(32, 4))
+    if kind == "wide":  # buckets over the one-shot limit: the two-shot path
+        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                             nn.Linear(256, 4))
     if kind == "cnn_bn":
         return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                              nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),

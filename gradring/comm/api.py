@@ -24,6 +24,7 @@ import torch.distributed as dist
 from gradring.comm import desync, engine, ops, select, watchdog
 from gradring.comm.context import GroupContext, Plan, context
 from gradring.comm.engine import Job, Work
+from gradring.comm.homes import Homes, finish_out, own_range, stage_in
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
 
 ReduceOp = dist.ReduceOp
@@ -61,12 +62,13 @@ def _refused(ctx: GroupContext, entry: watchdog.Entry, async_op: bool) -> Work |
 
 
 def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tensor,
-           op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor]) -> Work | None:
+           op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor],
+           homes: Homes | None = None) -> Work | None:
     entry = _entry(ctx, kind, inp)
     if ctx.broken is not None:
         return _refused(ctx, entry, async_op)
     env = select.overrides()
-    plan = Plan(kind, output, inp, op, root, entry.seq, env, entry)
+    plan = Plan(kind, output, inp, op, root, entry.seq, env, entry, homes)
     fut: torch.futures.Future = torch.futures.Future()
     if ctx.self_enforced(env):  # shm: waits enforce deadlines and fail fast themselves
         if not async_op:
@@ -143,6 +145,33 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     if ctx.world_size == 1 or tensor.numel() == 0:
         return _done(async_op, [tensor])
     return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor])
+
+
+def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None) -> Work | None:
+    """DDP's bucket all-reduce: ``homes.scale`` times the SUM of ``flat``, where
+    parts of ``flat`` live in (and go back to) other tensors; see [Note: homed
+    all-reduce] in ``homes.py``. The caller has put into ``flat`` everything
+    outside ``homes.own_range(flat.numel(), rank, world_size)``; inside, homed
+    elements are read from their homes. The future resolves to ``[flat]``.
+    """
+    ctx = context(group)
+    if ctx is None:
+        return None
+    if _reduction(ReduceOp.SUM, flat.dtype) is None or _is_native(flat) \
+            or ctx.world_size == 1 or flat.numel() == 0:
+        # No algorithm of ours runs: stage everything, let all_reduce pick the path.
+        own = own_range(flat.numel(), ctx.rank, ctx.world_size)
+        stage_in(flat, homes, *own)
+        work = all_reduce(flat, group=group, async_op=True)
+        assert work is not None
+        fut = work.get_future()
+
+        def home(f: torch.futures.Future) -> list[torch.Tensor]:
+            f.wait()
+            finish_out(flat, homes)
+            return [flat]
+        return Work(fut.then(home))
+    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, True, [flat], homes)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,

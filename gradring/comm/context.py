@@ -23,6 +23,7 @@ from gradring.comm import (
     direct,
     engine,
     hierarchical,
+    homes,
     rendezvous,
     ring,
     select,
@@ -30,6 +31,7 @@ from gradring.comm import (
     tree,
     watchdog,
 )
+from gradring.comm.homes import Homes
 from gradring.comm.ops import Op
 from gradring.comm.torchdist import TorchTransport
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, Transport
@@ -49,6 +51,7 @@ class Plan(NamedTuple):
     seq: int  # issue number within the group, identical on every rank
     env: select.Overrides  # GRADRING_TRANSPORT / GRADRING_ALGO at issue time
     entry: watchdog.Entry | None = None  # its flight-recorder entry
+    homes: Homes | None = None  # all_reduce only: see [Note: homed all-reduce]
 
 
 def _group_timeout(group: Any) -> float:
@@ -311,6 +314,13 @@ def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _dispatch(t: Any, info: CollectiveInfo, algo: str, plan: Plan, out: torch.Tensor,
               inp: torch.Tensor) -> None:
     kind = plan.kind
+    if plan.homes is not None and algo != "direct/twoshot":
+        # Only the two-shot reads homes itself; around anything else, stage them.
+        own = homes.own_range(out.numel(), t.rank, t.world_size)
+        homes.stage_in(out, plan.homes, *own)
+        _dispatch(t, info, algo, plan._replace(homes=None), out, inp)
+        homes.finish_out(out, plan.homes)
+        return
     if algo == "hierarchical":
         hierarchical.all_reduce(t, info, out, plan.op)
     elif algo.startswith("direct"):
@@ -318,7 +328,7 @@ def _dispatch(t: Any, info: CollectiveInfo, algo: str, plan: Plan, out: torch.Te
             if algo == "direct/oneshot":
                 direct.all_reduce_oneshot(t, info, out, plan.op)
             else:
-                direct.all_reduce_twoshot(t, info, out, plan.op)
+                direct.all_reduce_twoshot(t, info, out, plan.op, plan.homes)
         elif kind == Kind.BROADCAST:
             direct.broadcast(t, info, out, plan.root)
         elif kind == Kind.ALL_GATHER:

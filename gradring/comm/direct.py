@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from gradring.comm import ops
+from gradring.comm.homes import Homes, reduce_own, spans
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveInfo, DirectTransport
 
@@ -44,8 +45,9 @@ def _staged_copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) 
 
 
 def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
-                       op: Op) -> None:
+                       op: Op, homes: Homes | None = None) -> None:
     """Reduce-scatter then all-gather through direct reads; see [Note: direct algorithms].
+    With ``homes`` (SUM only), see [Note: homed all-reduce] in ``homes.py``.
 
     [Note: whole chunks, not pipelined blocks]
     Cutting chunks into blocks, with a signal per block so that peers copy a
@@ -65,17 +67,20 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
     others = [p for p in range(w) if p != r]
     # Reduce chunk r, own data first so the output may alias it (every chunk
     # has one reducer, so all ranks still end with the same bits).
-    srcs = [flat[lo:hi]] + [views[p][lo:hi] for p in others]
-    dst = mine[lo:hi]
-    ops.reduce_into(dst, srcs, op)
-    ops.finish(dst, op, w)
+    peers = [views[p] for p in others]
+    if homes is None:
+        dst = mine[lo:hi]
+        ops.reduce_into(dst, [flat[lo:hi]] + [v[lo:hi] for v in peers], op)
+        ops.finish(dst, op, w)
+    else:
+        reduce_own(flat, mine, peers, homes, lo, hi, out_is_flat=zero_copy)
     t.arrive()
-    if not zero_copy:
-        ops.copy(flat[lo:hi], dst)  # overlaps the peers' arrival
+    if not zero_copy and homes is None:
+        ops.copy(flat[lo:hi], mine[lo:hi])  # overlaps the peers' arrival
     t.wait_arrivals()
     for p in others:
-        plo, phi = bounds[p]
-        ops.copy(flat[plo:phi], views[p][plo:phi])
+        for a, b, home in spans(homes, *bounds[p]):
+            ops.copy(flat[a:b] if home is None else home, views[p][a:b])
     if ex.zero_copy:
         t.barrier()
 

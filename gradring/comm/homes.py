@@ -1,0 +1,135 @@
+"""Homes: where the parts of a flat all-reduce buffer really come from and go to.
+
+[Note: homed all-reduce]
+DDP without ``gradient_as_bucket_view`` keeps each gradient in its own
+``.grad`` tensor and a copy of it in a flat bucket, because the bucket is what
+the peers read. Copying every gradient in and every result back out costs two
+full passes over the bucket, more than the two-shot reduction itself.
+
+But a rank's own chunk of a two-shot all-reduce (``chunk_bounds(n, W)[rank]``)
+is read by nobody else: this rank reduces it and then publishes the result.
+So a bucket may say, per parameter, where that parameter's gradient lives (its
+*home*):
+
+- before the collective, the caller copies into the flat buffer only the part
+  of each gradient outside its own chunk (``own_range``); inside it, the input
+  is read straight from the home;
+- the sum lands in the homes, for the whole bucket: the own chunk is reduced
+  block by block into the flat buffer (which the peers read) and copied to
+  its home while the block is still in cache; the other chunks are copied
+  from their owners straight into the homes.
+
+Elements without a home behave as in a plain all-reduce (input and result in
+the flat buffer). Every algorithm other than the direct two-shot gets the same
+result through :func:`stage_in` and :func:`finish_out` around a plain SUM.
+
+``scale`` weighs this rank's homed inputs (DDP's 1/world size, which the
+caller also applies when it copies the rest in): each rank scales its own
+contribution, so ranks may use different factors (Join), and a 16-bit sum
+never sees unscaled values. Each chunk has one reducer, so every rank still
+ends with the same bits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+from gradring.comm import ops
+
+#: Block size of the own-chunk reduction: the sum, its scaling and its copy
+#: home stay within one core's L2 (2 MiB here).
+BLOCK_BYTES = 512 * 1024
+
+
+class Homes(NamedTuple):
+    """Where parts of a flat buffer live, and how the sum is scaled."""
+
+    #: (offset in the flat buffer, contiguous 1-D tensor), sorted, disjoint.
+    pieces: list[tuple[int, torch.Tensor]]
+    #: This rank's homed inputs count ``scale`` times.
+    scale: float = 1.0
+
+
+def own_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The chunk of a ``numel``-element buffer that ``rank`` reduces itself."""
+    return ops.chunk_bounds(numel, world_size)[rank]
+
+
+def spans(homes: Homes | None, lo: int, hi: int) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+    """Cover ``[lo, hi)`` with ``(a, b, home)``: ``home`` is the tensor holding
+    elements ``[a, b)`` (sliced to them), or None where the flat buffer does."""
+    if homes is None or not homes.pieces:
+        if hi > lo:
+            yield lo, hi, None
+        return
+    pieces = homes.pieces
+    i = max(0, bisect.bisect_right(pieces, lo, key=lambda piece: piece[0]) - 1)
+    pos = lo
+    while pos < hi:
+        if i < len(pieces):
+            start, t = pieces[i]
+            end = start + t.numel()
+            if end <= pos:
+                i += 1
+                continue
+            if start > pos:  # a gap before the next home
+                b = min(start, hi)
+                yield pos, b, None
+                pos = b
+                continue
+            b = min(end, hi)
+            yield pos, b, t[pos - start:b - start]
+            pos = b
+            i += 1
+        else:
+            yield pos, hi, None
+            pos = hi
+
+
+def stage_in(flat: torch.Tensor, homes: Homes, lo: int, hi: int) -> None:
+    """Copy the (scaled) homed inputs of ``[lo, hi)`` into ``flat`` (generic algorithms)."""
+    for a, b, home in spans(homes, lo, hi):
+        if home is not None:
+            _scaled_copy(flat[a:b], home, homes.scale)
+
+
+def finish_out(flat: torch.Tensor, homes: Homes) -> None:
+    """After a plain SUM of ``flat``: copy every homed part home."""
+    for start, t in homes.pieces:
+        ops.copy(t, flat[start:start + t.numel()])
+
+
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    if scale == 1.0:
+        ops.copy(dst, src)
+    else:
+        torch.mul(src, scale, out=dst)
+
+
+def reduce_own(flat: torch.Tensor, out: torch.Tensor, peers: list[torch.Tensor],
+               homes: Homes, lo: int, hi: int, *, out_is_flat: bool) -> None:
+    """The own chunk ``[lo, hi)`` of a homed SUM into ``out`` (what the peers read)
+    and into the homes. ``peers`` are the other ranks' full buffers, in a fixed
+    order; the input of unhomed elements is ``flat`` (``out`` may be ``flat``)."""
+    step = max(1, BLOCK_BYTES // flat.element_size())
+    scale = homes.scale
+    for a, b, home in spans(homes, lo, hi):
+        if home is None:
+            ops.reduce_into(out[a:b], [flat[a:b]] + [v[a:b] for v in peers], ops.SUM)
+            if not out_is_flat:
+                ops.copy(flat[a:b], out[a:b])
+            continue
+        for s in range(a, b, step):
+            e = min(s + step, b)
+            dst, mine = out[s:e], home[s - a:e - a]
+            if peers:
+                torch.add(peers[0][s:e], mine, alpha=scale, out=dst)
+                for v in peers[1:]:
+                    dst.add_(v[s:e])
+            else:
+                _scaled_copy(dst, mine, scale)
+            mine.copy_(dst)  # still in cache

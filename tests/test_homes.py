@@ -1,0 +1,160 @@
+"""Homed all-reduce (gradients left in .grad, see comm/homes.py) against oracles.
+
+- ``spans`` against a brute-force element map;
+- every algorithm, on the threaded transport, against the exact sum each
+  rank's weighted inputs must give: the two-shot reads homes itself, the
+  others go through ``stage_in``/``finish_out``. Homed elements of the own
+  chunk are NaN in the flat buffer, so reading them there instead of from the
+  home cannot go unnoticed;
+- DDP on a model whose buckets take the two-shot path, against one process
+  and torch's DDP, over shared memory, the torch transport and gloo itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import oracle
+import pytest
+import torch
+
+from gradring.comm import direct, homes, ring, tree
+from gradring.comm.ops import SUM
+from gradring.comm.threaded import run_ranks
+from gradring.comm.transport import CollectiveInfo, Kind
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _layout(n: int, seed: int) -> list[tuple[int, int, bool]]:
+    """Random pieces covering [0, n): (start, end, homed)."""
+    rng = random.Random(seed)
+    out, pos = [], 0
+    while pos < n:
+        end = min(n, pos + rng.randint(1, max(1, n // 3)))
+        out.append((pos, end, rng.random() < 0.6))
+        pos = end
+    return out
+
+
+def test_spans_match_an_element_map() -> None:
+    for seed in range(200):
+        n = random.Random(seed).randint(0, 60)
+        layout = _layout(n, seed)
+        owner = {}
+        pieces = []
+        for k, (a, b, homed) in enumerate(layout):
+            if homed:
+                t = torch.arange(a, b, dtype=torch.float64)
+                pieces.append((a, t))
+                for i in range(a, b):
+                    owner[i] = k
+        h = homes.Homes(pieces)
+        lo = random.Random(seed + 1).randint(0, n)
+        hi = random.Random(seed + 2).randint(lo, n)
+        seen = []
+        for a, b, home in homes.spans(h, lo, hi):
+            assert lo <= a < b <= hi
+            if home is None:
+                assert all(i not in owner for i in range(a, b))
+            else:
+                assert home.tolist() == list(range(a, b))  # the right slice of the right piece
+            seen.extend(range(a, b))
+        assert seen == list(range(lo, hi))
+
+
+def _rank_input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.int64)
+    return ((i * 7 + rank * 13) % 11 - 5).to(dtype)
+
+
+SCALES = (0.5, 0.25, 1.0, 0.125)  # powers of two: exact in every dtype
+
+
+def _homed(t, algo: str, zero_copy: bool, n: int, dtype: torch.dtype, seq: int):
+    r, w = t.rank, t.world_size
+    x, scale = _rank_input(r, n, dtype), SCALES[r]
+    layout = _layout(n, seed=n + r)  # each rank homes different pieces
+    flat = t.world.empty(n, dtype) if zero_copy else torch.empty(n, dtype=dtype)
+    flat.copy_(x * scale)
+    lo, hi = homes.own_range(n, r, w)
+    pieces = []
+    for a, b, homed in layout:
+        if homed:
+            pieces.append((a, x[a:b].clone()))
+            lo_a, hi_b = max(a, lo), min(b, hi)
+            if lo_a < hi_b:
+                flat[lo_a:hi_b] = float("nan")  # must be read from the home
+    h = homes.Homes(pieces, scale)
+    info = CollectiveInfo(seq, Kind.ALL_REDUCE, n * flat.element_size(), dtype, "test", "threads")
+    t.start(info)
+    if algo == "twoshot":
+        direct.all_reduce_twoshot(t, info, flat, SUM, h)
+    else:
+        homes.stage_in(flat, h, lo, hi)
+        {"ring": ring.all_reduce, "tree": tree.all_reduce}.get(
+            algo, lambda tr, f, op: direct.all_reduce_oneshot(tr, info, f, op))(t, flat, SUM)
+        homes.finish_out(flat, h)
+    result = flat.clone()
+    for a, piece in pieces:
+        result[a:a + piece.numel()] = piece  # the homed parts are answered by the homes
+    return result
+
+
+ALGOS = [("twoshot", True), ("twoshot", False), ("ring", False), ("tree", False),
+         ("oneshot", False)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("algo,zero_copy", ALGOS, ids=[f"{a}-{z}" for a, z in ALGOS])
+def test_every_algorithm_gives_the_weighted_sum(world: int, algo: str, zero_copy: bool) -> None:
+    def body(t):
+        out, seq = [], 0
+        for n in (0, 1, 4, 100, 1000, 10007):
+            for dtype in (torch.float32, torch.float64, torch.bfloat16):
+                out.append(_homed(t, algo, zero_copy, n, dtype, seq))
+                seq += 1
+        return out
+
+    results = run_ranks(world, body)
+    k = 0
+    for n in (0, 1, 4, 100, 1000, 10007):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            want = sum(_rank_input(r, n, dtype).double() * SCALES[r] for r in range(world))
+            for r in range(world):
+                got = results[r][k]
+                assert torch.equal(got.double(), torch.as_tensor(want).double()), \
+                    (algo, world, n, dtype, r)
+            k += 1
+
+
+def _compare_with_env(rank: int, world: int, env: dict[str, str], kwargs: dict,
+                      accumulate: int) -> dict:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return oracle.train_compare(rank, world, "wide", kwargs, steps=3, accumulate=accumulate)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+DDP_CASES = [
+    (2, {}, {}, 1),
+    (2, {}, {"bucket_cap_mb": 0.2}, 2),
+    (3, {}, {"bucket_cap_mb": 0.2}, 1),
+    (2, {"GRADRING_TRANSPORT": "torch"}, {"bucket_cap_mb": 0.2}, 1),
+    (2, {"GRADRING_ALGO": "native"}, {}, 1),
+]
+
+
+@pytest.mark.parametrize("world,env,kwargs,accumulate", DDP_CASES)
+def test_ddp_with_grads_left_in_place_matches_oracles(pools, world, env, kwargs, accumulate):
+    results = pools.run(world, _compare_with_env, env, kwargs, accumulate)
+    for r in results:
+        assert r["grad_single"] < 1e-9 and r["param_single"] < 1e-9, r
+        assert r["grad_torch"] < 1e-9 and r["param_torch"] < 1e-9, r
