@@ -32,7 +32,8 @@ from typing import Any
 
 from gradring.comm import futex, segments
 from gradring.comm.segments import Segment
-from gradring.comm.shm import ShmTransport, control_matches, control_size, stamp_control
+from gradring.comm.shm import ShmTransport, control_matches, stamp_control
+from gradring.comm.shm_mailbox import control_size
 
 _transport_counter = itertools.count()
 _cleaned = False

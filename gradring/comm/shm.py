@@ -29,8 +29,9 @@ peer that shut gradring down or failed, ends the wait at the next 50 ms slice.
 Descriptors and statuses also carry what the desync check compares, see
 [Note: desync checks] in ``desync.py``.
 
-Point-to-point messages (for ring and tree) go through the mailboxes: a
-sender copies fragments into slots, the receiver copies (or reduces) them out.
+Point-to-point messages (for ring and tree) go through the mailboxes
+(``shm_mailbox.py``): a sender copies fragments into slots, the receiver
+copies (or reduces) them out.
 The direct algorithms (``direct.py``) skip all that and read exposed buffers.
 Ranks find each other through the store: ``rendezvous.connect``.
 """
@@ -40,7 +41,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import itertools
-import mmap
 import os
 import struct
 import threading
@@ -50,33 +50,31 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from gradring.comm import desync, futex, ops, segments, shm_status
-from gradring.comm.ops import Op
+from gradring.comm import desync, futex, segments, shm_status
 from gradring.comm.segments import Segment
+from gradring.comm.shm_mailbox import (
+    Mailboxes,
+    _Recv,
+    _Send,
+    slots_offset,
+)
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
 
 _MAGIC = 0x31676E6972647267  # "grdring1"
 _HEADER = struct.Struct("<QIIIIQ")  # magic, pid, rank, world, reserved, cookie
 _BARRIER_WORD = 64 // 4
-_DOORBELL_WORD = 128 // 4
 # seq, kind, flags, nbytes, dtype, segno, offset, shape hash, label hash
 _DESC = struct.Struct("<QIIQIIQQQ")
 _DESC_OFF = 256
 _RETIRED_WORD = 448 // 4  # count, then the ring
 _RETIRED_RING = 30
-_CHAN_OFF = 640
-_CHAN_STRIDE = 192  # sent, acked and lengths on separate cache lines
 _MAPPED = 40  # word of a channel header: the highest segno of that peer mapped here
 
 _HAS_BUFFER, _ZERO_COPY = 1, 2
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
-#: Mailbox geometry: slots per (sender, receiver) pair and bytes per slot.
-SLOTS = 4
-SLOT_BYTES = 256 * 1024
 #: Busy polls before yielding, then how long to poll with sched_yield before
 #: sleeping in the kernel; see [Note: spin, then block].
 SPIN_ITERS = 64
@@ -89,35 +87,13 @@ _DTYPE_CODES = desync.DTYPE_CODES
 _live: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
 
-class _Send:
-    __slots__ = ("data", "dst", "off", "done")
-
-    def __init__(self, data: np.ndarray, dst: int) -> None:
-        self.data = data  # bytes to send
-        self.dst = dst  # receiving rank
-        self.off = 0  # bytes already placed in slots
-        self.done = not len(data)  # empty messages complete at once
-
-
-class _Recv:
-    __slots__ = ("buf", "data", "src", "op", "off", "done")
-
-    def __init__(self, buf: torch.Tensor, src: int, op: Op | None) -> None:
-        self.buf = buf  # typed destination (used when reducing)
-        self.data = buf.view(torch.uint8).numpy() if buf.numel() else np.empty(0, np.uint8)
-        self.src = src  # sending rank
-        self.op = op  # None: overwrite; else buf = buf (op) incoming
-        self.off = 0  # bytes already consumed
-        self.done = not len(self.data)
-
-
 def _retire(name: str, segno: int, retired: deque[int], pid: int) -> None:
     """Finalizer of a ``comm.empty`` mapping: free the name, tell peers to unmap."""
     segments.unlink_quietly(name, pid)
     retired.append(segno)
 
 
-class ShmTransport:
+class ShmTransport(Mailboxes):
     """One rank's end of a shared-memory group. Built by ``rendezvous.connect``."""
 
     name = "shm"
@@ -173,7 +149,7 @@ class ShmTransport:
         self._sendq: dict[int, deque[_Send]] = {p: deque() for p in range(world_size)}
         self._recvq: dict[int, deque[_Recv]] = {p: deque() for p in range(world_size)}
         # Byte offset of the first mailbox slot in every control segment.
-        self._slot_base = _slots_offset(world_size)
+        self._slot_base = slots_offset(world_size)
         # Collective in flight (for errors) and when it must be done.
         self._info: CollectiveInfo | None = None
         self._deadline = 0.0
@@ -536,113 +512,6 @@ class ShmTransport:
         theirs = (st.seq, st.kind, st.nbytes, st.dtype, st.shape, self._fp[5])
         if theirs[:4] != self._fp[:4] or self._full_check and theirs != self._fp:
             self._desync(src, theirs)
-
-    # -- point to point (mailboxes) ----------------------------------------------------
-    def _chan_word(self, dst: int, which: int) -> int:
-        """Word index in the *sender's* control segment: 0 sent, 16 acked, 32+k length k."""
-        return (_CHAN_OFF + _CHAN_STRIDE * dst) // 4 + which
-
-    def _slot(self, dst: int, k: int) -> int:
-        """Byte offset, in the sender's control segment, of slot ``k`` towards ``dst``."""
-        return self._slot_base + (dst * SLOTS + k) * SLOT_BYTES
-
-    def isend(self, buf: torch.Tensor, dst: int) -> Any:
-        req = _Send(buf.view(torch.uint8).numpy() if buf.numel() else np.empty(0, np.uint8), dst)
-        if not req.done:
-            self._sendq[dst].append(req)
-        return req
-
-    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
-        req = _Recv(buf, src, op)
-        if not req.done:
-            self._recvq[src].append(req)
-        return req
-
-    def _push(self, req: _Send) -> bool:
-        words, dst = self._words[self.rank], req.dst
-        sent_w, acked_w = self._chan_word(dst, 0), self._chan_word(dst, 16)
-        sent = words[sent_w]
-        moved = False
-        mm_np = self._ctl.array
-        while req.off < len(req.data) and ((sent - words[acked_w]) & _MASK) < SLOTS:
-            k = sent % SLOTS
-            frag = min(SLOT_BYTES, len(req.data) - req.off)
-            at = self._slot(dst, k)
-            np.copyto(mm_np[at:at + frag], req.data[req.off:req.off + frag])
-            words[self._chan_word(dst, 32 + k)] = frag
-            sent = (sent + 1) & _MASK
-            words[sent_w] = sent
-            req.off += frag
-            moved = True
-        if moved:
-            futex.add_and_wake(self._ctls[dst].address + 4 * _DOORBELL_WORD)
-        req.done = req.off >= len(req.data)
-        return moved
-
-    def _pull(self, req: _Recv) -> bool:
-        src = req.src
-        words = self._words[src]
-        sent_w, acked_w = self._chan_word(self.rank, 0), self._chan_word(self.rank, 16)
-        acked = words[acked_w]
-        moved = False
-        if words[sent_w] != acked and self._info is not None \
-                and self._checked[src] != self._info.seq:
-            self._check_sender(src)
-        while req.off < len(req.data) and words[sent_w] != acked:
-            k = acked % SLOTS
-            frag = words[self._chan_word(self.rank, 32 + k)]
-            want = min(SLOT_BYTES, len(req.data) - req.off)
-            if frag != want:
-                raise self._fail(f"message size mismatch: got a {frag}-byte fragment, "
-                                 f"expected {want}", [src])
-            at = self._slot(self.rank, k)
-            if req.op is None:
-                np.copyto(req.data[req.off:req.off + frag], self._ctls[src].array[at:at + frag])
-            else:
-                size = req.buf.element_size()
-                dst = req.buf[req.off // size:(req.off + frag) // size]
-                ops.combine(dst, dst, self._ctls[src].view(at, frag, req.buf.dtype), req.op)
-            acked = (acked + 1) & _MASK
-            words[acked_w] = acked
-            req.off += frag
-            moved = True
-        if moved:
-            futex.add_and_wake(self._ctls[src].address + 4 * _DOORBELL_WORD)
-        req.done = req.off >= len(req.data)
-        return moved
-
-    def _progress(self) -> bool:
-        moved = False
-        for queues, step in ((self._sendq, self._push), (self._recvq, self._pull)):
-            for q in queues.values():
-                while q:
-                    moved |= step(q[0])
-                    if not q[0].done:
-                        break
-                    q.popleft()
-        return moved
-
-    def wait_all(self, reqs: Sequence[Any]) -> None:
-        me = self.rank
-        while True:
-            bell = self._words[me][_DOORBELL_WORD]
-            moved = self._progress()
-            if all(r.done for r in reqs):
-                return
-            if moved:
-                continue
-            peers = sorted({getattr(r, "dst", getattr(r, "src", -1)) for r in reqs if not r.done})
-            self._block(me, _DOORBELL_WORD, lambda v, b=bell: v != b,
-                        "point-to-point messages", peers)
-
-
-def _slots_offset(world_size: int) -> int:
-    end = _CHAN_OFF + _CHAN_STRIDE * world_size
-    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def control_size(world_size: int) -> int:
-    return _slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
 
 
 def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
