@@ -17,6 +17,9 @@ def _model(kind):
     if kind == "branchy":
         from irregular_models import Branchy
         return Branchy()
+    if kind == "wide":  # a 530 KiB bucket: the homed two-shot (gradients left in .grad)
+        return nn.Sequential(nn.Linear(5, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                             nn.Linear(256, 2))
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
                          nn.Linear(8, 2))
 
@@ -59,6 +62,7 @@ def _close(a, b):
 @pytest.mark.parametrize("kind,kwargs", [
     ("mlp", {}),
     ("mlp", {"bucket_cap_mb": 0.0001, "gradient_as_bucket_view": True}),
+    ("wide", {}),
     ("bn", {}),
     ("branchy", {"find_unused_parameters": True}),
 ])
@@ -73,10 +77,13 @@ def test_uneven_inputs_match_torch(pools, world_size, counts, kind, kwargs):
     assert all(_close(first, r[0][0]) for r in results)
 
 
-def test_divide_by_current_world_size(pools):
+@pytest.mark.parametrize("kind", ["mlp", "wide"])
+def test_divide_by_current_world_size(pools, kind):
+    # "wide": joined ranks shadow with a plain all-reduce while the others run the
+    # homed one, each scaling its own share by its own divide factor
     kw = {"divide_by_initial_world_size": False}
     for (p_ours, _, e_ours), (p_torch, _, e_torch) in pools.run(
-            3, _both_join_flag, "mlp", [4, 1, 2], kw):
+            3, _both_join_flag, kind, [4, 1, 2], kw):
         assert e_ours is None and e_torch is None
         assert _close(p_ours, p_torch)
 
