@@ -205,19 +205,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                        [output_tensor], async_op,
                        lambda a: dist.all_gather_into_tensor(output_tensor, input_tensor,
                                                              group=group, async_op=a))
-    ctx = context(group)
-    if ctx is None:
-        return None
-    _check_sizes("all_gather_into_tensor", ctx, big=output_tensor, small=input_tensor,
-                 big_name="output", small_name="input")
-    if ctx.world_size == 1:
-        if output_tensor.numel():
-            output_tensor.view(-1).copy_(input_tensor.reshape(-1))
-        return _done(async_op, [output_tensor])
-    if input_tensor.numel() == 0:
-        return _done(async_op, [output_tensor])
-    return _issue(ctx, Kind.ALL_GATHER, output_tensor, input_tensor, ops.SUM, 0, async_op,
-                  [output_tensor])
+    return _issue_sized(group, Kind.ALL_GATHER, "all_gather_into_tensor", output_tensor,
+                        input_tensor, ops.SUM, async_op, big=output_tensor, small=input_tensor)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
@@ -233,18 +222,28 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
         return _native(group, Kind.REDUCE_SCATTER, input, [output, input], [output], async_op,
                        lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=group,
                                                             async_op=a))
+    return _issue_sized(group, Kind.REDUCE_SCATTER, "reduce_scatter_tensor", output, input,
+                        mine, async_op, big=input, small=output)
+
+
+def _issue_sized(group: Any, kind: Kind, name: str, output: torch.Tensor, inp: torch.Tensor,
+                 op: ops.Op, async_op: bool, *, big: torch.Tensor,
+                 small: torch.Tensor) -> Work | None:
+    """All-gather / reduce-scatter: check that ``big`` is W times ``small``; world 1
+    copies; an empty ``small`` is a no-op; everything else is issued."""
     ctx = context(group)
     if ctx is None:
         return None
-    _check_sizes("reduce_scatter_tensor", ctx, big=input, small=output,
-                 big_name="input", small_name="output")
+    _check_sizes(name, ctx, big=big, small=small,
+                 big_name="output" if big is output else "input",
+                 small_name="input" if big is output else "output")
     if ctx.world_size == 1:
         if output.numel():
-            output.view(-1).copy_(input.reshape(-1))
+            output.view(-1).copy_(inp.reshape(-1))
         return _done(async_op, [output])
-    if output.numel() == 0:
+    if small.numel() == 0:
         return _done(async_op, [output])
-    return _issue(ctx, Kind.REDUCE_SCATTER, output, input, mine, 0, async_op, [output])
+    return _issue(ctx, kind, output, inp, op, 0, async_op, [output])
 
 
 def barrier(group: Any = None, async_op: bool = False,

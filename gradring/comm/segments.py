@@ -133,17 +133,7 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
-        size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            unlink_quietly(name)
-            raise
-        os.close(fd)
-        return cls(name, mm, owner=True)
+        return cls(name, _create_mapping(name, size), owner=True)
 
     @classmethod
     def open(cls, name: str) -> Segment:
@@ -186,6 +176,12 @@ def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
     The tensor keeps the mapping alive; nothing else here holds it, so it is
     unmapped when the caller's last view goes.
     """
+    mm = _create_mapping(name, nbytes)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm
+
+
+def _create_mapping(name: str, nbytes: int) -> mmap.mmap:
+    """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages, and map it."""
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -196,4 +192,4 @@ def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
         unlink_quietly(name)
         raise
     os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm
+    return mm
