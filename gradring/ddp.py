@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradring import errors
+from gradring import autocap, errors
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from gradring.communicator import GroupComm
 from gradring.graph import iter_tensors
@@ -38,6 +38,21 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
+                     ) -> tuple[int, bool]:
+    """The constructor's cap in bytes, and whether ``"auto"`` picks it at the rebuild."""
+    if bucket_cap_mb_list:
+        return int(max(bucket_cap_mb_list) * MIB), False
+    auto = autocap.is_auto(bucket_cap_mb)
+    if bucket_cap_mb is None or auto:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number or 'auto', got "
+                         f"{bucket_cap_mb!r}")
+    return int(bucket_cap_mb * MIB), auto
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper with torch DDP's constructor and behaviour.
 
@@ -55,7 +70,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: bool = True,
         init_sync: bool = True,
         process_group: Any = None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -128,14 +143,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
         self.require_forward_param_sync = True
         self.static_graph = False
-        if bucket_cap_mb is None:
-            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-        if not bucket_cap_mb_list and (not isinstance(bucket_cap_mb, (int, float))
-                                       or bucket_cap_mb <= 0):
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-        self.bucket_bytes_cap = int(bucket_cap_mb * MIB)
-        if bucket_cap_mb_list:
-            self.bucket_bytes_cap = int(max(bucket_cap_mb_list) * MIB)
+        self.bucket_bytes_cap, auto_cap = bucket_cap_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
         self._module_buffers = [b for _, b in module.named_buffers()]
@@ -159,6 +167,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
+        if auto_cap:
+            self.reducer.auto_stamps = autocap.Stamps(len(params))
+            if find_unused_parameters and not static_graph:
+                warnings.warn("bucket_cap_mb='auto' picks the cap at the bucket rebuild, which "
+                              "find_unused_parameters=True skips (unless static_graph is set); "
+                              f"using {DEFAULT_BUCKET_CAP_MB} MiB", stacklevel=2)
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
         self._has_comm_hook = False
@@ -203,7 +217,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 global_flag(self._comm, sync, self.device)
             if sync:
                 self.reducer.prepare_for_forward()
-                self.reducer.rebuild_if_needed()
+                if self.reducer.rebuild_if_needed():
+                    self.bucket_bytes_cap = self.reducer.bucket_cap_bytes  # "auto" decided
             else:
                 self.reducer.note_unsynced_forward()
             self._sync_buffers(active=True)
@@ -285,7 +300,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """A joined rank mirrors one training iteration of the others ([Note: shadowing])."""
         should_sync = global_flag(self._comm, False, self.device)
         if should_sync:
-            self.reducer.rebuild_if_needed()
+            if self.reducer.rebuild_if_needed():
+                self.bucket_bytes_cap = self.reducer.bucket_cap_bytes
         self._sync_buffers(active=False)
         self.require_forward_param_sync = should_sync
         if should_sync:
@@ -325,7 +341,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             "device_ids": "" if not self.device_ids else str(self.device_ids[0]),
             "output_device": -1 if self.output_device is None else self.output_device,
             "broadcast_buffers": int(bool(self.broadcast_buffers)),
-            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "bucket_cap_bytes": r.bucket_cap_bytes,
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "static_graph": int(self.static_graph),

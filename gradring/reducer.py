@@ -21,6 +21,7 @@ stays unfinished, and the next forward raises, naming the parameters.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -94,6 +95,10 @@ class Reducer:
         self.has_rebuilt = False
         # Order in which gradients arrived, recorded once for the rebuild.
         self._arrival: list[int] = []
+        # bucket_cap_mb="auto": timings of the recorded backward, then the decision
+        # (see [Note: automatic bucket cap] in autocap.py).
+        self.auto_stamps: Any = None
+        self.auto_cap: Any = None
         # Optional communication hook and its state (register_comm_hook).
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
@@ -177,6 +182,13 @@ class Reducer:
         order = torch.tensor(self._arrival, dtype=torch.int64)
         # Every rank must bucket identically: rank 0's order wins.
         self.comm.broadcast_coalesced([order])
+        if self.auto_stamps is not None:
+            from gradring import autocap  # only for bucket_cap_mb="auto"
+
+            self.auto_cap = autocap.choose_cap(self.comm, self.names, self._sizes, self._keys,
+                                               *self.auto_stamps.parts())
+            self.bucket_cap_bytes = self.auto_cap.cap_bytes
+            self.auto_stamps = None
         caps = [DEFAULT_FIRST_BUCKET_BYTES, self.bucket_cap_bytes]
         groups = assign_buckets(self._sizes, caps, keys=self._keys, order=order.tolist())
         self._install(groups)
@@ -203,11 +215,15 @@ class Reducer:
         if self.require_finalize:
             self._raise_unfinished()
         self.num_forward += 1
+        if self.auto_stamps is not None and not self._arrival:
+            self.auto_stamps.t_forward = time.perf_counter()  # the backward to record is next
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | None) -> None:
         """Reset per-iteration state after a forward; find unused parameters if asked."""
         self.expect_hooks = True
         self._finalized_since_forward = False
+        if self.auto_stamps is not None and not self._arrival:
+            self.auto_stamps.t_backward = time.perf_counter()
         self._ready = [False] * len(self.params)
         self._first_hook_done = False
         self._delay_queued = False
@@ -301,6 +317,8 @@ class Reducer:
                     p.grad = view
         if self._recording_arrival():
             self._arrival.append(i)
+            if self.auto_stamps is not None:
+                self.auto_stamps.mark(i)
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.state = BucketState.READY
@@ -392,6 +410,8 @@ class Reducer:
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
         self.trace.mark("backward_end")
+        if self.auto_stamps is not None and self._recording_arrival():
+            self.auto_stamps.t_end = time.perf_counter()
         used: list[int] | None = self._static_used
         if self._used_future is not None:
             # Launched after every bucket, so waiting here waits for all of them.

@@ -117,7 +117,9 @@ def train_compare(rank: int, world_size: int, kind: str, ddp_kwargs: dict[str, A
     ours = gradring.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     theirs = None
     if against_torch:
-        tkw = {k: v for k, v in ddp_kwargs.items() if k != "bucket_cap_mb" or v is not None}
+        # torch has no bucket_cap_mb="auto": its default cap is the oracle there
+        tkw = {k: v for k, v in ddp_kwargs.items()
+               if k != "bucket_cap_mb" or isinstance(v, (int, float))}
         theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), **tkw)
     single = copy.deepcopy(base)
     models = {"ours": ours, "torch": theirs, "single": single if against_single else None}

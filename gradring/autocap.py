@@ -1,0 +1,126 @@
+"""``bucket_cap_mb="auto"``: pick the bucket cap at the rebuild, from this job's own backward.
+
+[Note: automatic bucket cap]
+``gradring tune`` decides offline ([Note: how the tuner decides] in
+``tune.py``). With ``bucket_cap_mb="auto"`` the reducer decides online, with
+the same simulator and the same rule, at the moment torch's DDP rebuilds its
+buckets (the second forward), so the choice costs no extra iteration:
+
+1. The first backward already runs with every gradient in one bucket, so its
+   gradients arrive undisturbed by communication. While it records the
+   arrival order for the rebuild, the reducer also stamps when each gradient
+   was ready (ms after the forward returned) and when backward ended.
+2. At the rebuild every rank times asynchronous all-reduces of a few sizes, up
+   to the whole model, on a ``comm.empty`` buffer of the DDP's own group
+   (about 5 calls per size; tens of ms once).
+3. Rank 0 simulates every cap of ``tune.DEFAULT_CAPS_MB`` over its stamps and
+   curve, takes the best (``tune.choose``), and broadcasts it: every rank
+   builds the same buckets. ``ddp.bucket_bytes_cap`` and
+   ``_get_ddp_logging_data()`` report the cap; ``ddp.reducer.auto_cap`` keeps
+   the predictions.
+
+The profile is one iteration (the first, with its warm-up costs), so the pick
+is rougher than ``gradring tune``'s, which times several. Without a rebuild
+(``find_unused_parameters=True`` without ``static_graph``) there is nothing
+to decide at and the default cap stays, with a warning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gradring import tune
+from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES
+
+AUTO = "auto"
+MIB = 1024 * 1024
+
+
+class AutoCap(NamedTuple):
+    """What ``bucket_cap_mb="auto"`` decided, and from what (rank 0's view)."""
+
+    cap_bytes: int
+    predictions: dict[float, float]  # cap (MiB) -> predicted step ms
+    exposed_ms: dict[float, float]   # cap (MiB) -> predicted exposed communication ms
+    curve: tune.CommCurve
+    backward_ms: float
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def curve_sizes(total_bytes: int, points: int = 6) -> list[int]:
+    """A handful of message sizes from 4 KiB up to the whole model (log-spaced)."""
+    sizes = tune.sweep_sizes(max(total_bytes, 4096))
+    if len(sizes) <= points:
+        return sizes
+    step = (len(sizes) - 1) / (points - 1)
+    return sorted({sizes[round(k * step)] for k in range(points)})
+
+
+def measure_curve(comm: Any, total_bytes: int, reps: int = 5) -> tune.CommCurve:
+    """Median time of one asynchronous all-reduce per size, on the group's own memory.
+    Collective: every rank of the group calls it at the same point."""
+    sizes = curve_sizes(total_bytes)
+    buf = comm.empty(max(sizes) // 4 + 1, torch.float32, torch.device("cpu"))
+    buf.zero_()
+    times = []
+    for size in sizes:
+        view = buf.narrow(0, 0, max(1, size // 4))
+        comm.all_reduce(view).wait()  # warm-up, first touch of the pages
+        samples = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            comm.all_reduce(view).wait()
+            samples.append((time.perf_counter() - t) * 1e3)
+        times.append(statistics.median(samples))
+    return tune.CommCurve(sizes, times)
+
+
+def decide(profile: tune.Profile, curve: tune.CommCurve,
+           caps_mb: Sequence[float] = tune.DEFAULT_CAPS_MB) -> AutoCap:
+    """Simulate every cap and pick one by ``tune.choose``'s rule. The per-bucket cost
+    is the smallest measured all-reduce, as in ``gradring tune``."""
+    per_bucket = curve.times_ms[0]
+    preds = [tune.simulate(profile, curve, cap, per_bucket_ms=per_bucket,
+                           first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES) for cap in caps_mb]
+    best = tune.choose(preds)
+    return AutoCap(int(best.cap_mb * MIB), {p.cap_mb: p.step_ms for p in preds},
+                   {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms)
+
+
+def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
+               ready_ms: list[float], backward_ms: float, step_ms: float) -> AutoCap:
+    """Steps 2 and 3 of [Note: automatic bucket cap]; collective over ``comm``'s group."""
+    curve = measure_curve(comm, sum(sizes))
+    profile = tune.Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
+    mine = decide(profile, curve)
+    chosen = torch.tensor([mine.cap_bytes], dtype=torch.int64)
+    comm.broadcast_coalesced([chosen])  # rank 0's pick for everyone
+    return mine._replace(cap_bytes=int(chosen.item()))
+
+
+class Stamps:
+    """Step 1 of [Note: automatic bucket cap]: the recorded backward's timings."""
+
+    def __init__(self, n: int) -> None:
+        self.t_forward = 0.0   # the forward started
+        self.t_backward = 0.0  # the forward returned (backward is next)
+        self.ready = [0.0] * n  # each gradient was ready
+        self.t_end = 0.0       # the backward's finalize started
+
+    def mark(self, i: int) -> None:
+        self.ready[i] = time.perf_counter()
+
+    def parts(self) -> tuple[list[float], float, float]:
+        """(ready ms, backward ms, step ms), all after the forward returned or began."""
+        t0 = self.t_backward
+        ready = [max(0.0, (t - t0) * 1e3) for t in self.ready]
+        backward = max((self.t_end - t0) * 1e3, max(ready, default=0.0))
+        return ready, backward, max(backward, (self.t_end - self.t_forward) * 1e3)

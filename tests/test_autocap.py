@@ -1,0 +1,113 @@
+"""bucket_cap_mb="auto" (gradring/autocap.py).
+
+- the decision against the simulator's own extremes: a slow collective next to
+  a long, evenly spread backward must pick a cap that splits the model; a
+  collective that is all fixed cost must pick the largest cap;
+- DDP with "auto" at world 2 and 3: gradients equal torch's DDP (the oracle),
+  every rank picks the same cap, and the rebuilt buckets are exactly what
+  assign_buckets makes of that cap and the recorded order;
+- bad values are refused, and find_unused_parameters without static_graph
+  warns that it cannot decide.
+"""
+
+from __future__ import annotations
+
+import oracle
+import pytest
+import torch
+
+import gradring
+from gradring import autocap, tune
+from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
+from gradring.ddp import bucket_cap_bytes
+
+
+def _profile(n: int, layer_bytes: int, backward_ms: float) -> tune.Profile:
+    # gradients arrive evenly over the backward, last layer first
+    ready = [backward_ms * (n - i) / n for i in range(n)]
+    return tune.Profile([f"p{i}" for i in range(n)], [layer_bytes] * n, ["f32"] * n,
+                        ready, backward_ms, backward_ms * 1.5)
+
+
+def test_slow_collective_over_a_long_backward_splits_the_model() -> None:
+    prof = _profile(24, 4 * MIB, backward_ms=100.0)
+    # 0.5 ms per MiB: one bucket at the end would expose ~48 ms of a 100 ms backward
+    curve = tune.CommCurve([4096, 96 * MIB], [0.1, 0.1 + 48.0])
+    pick = autocap.decide(prof, curve)
+    assert pick.cap_bytes <= 16 * MIB, pick
+    assert pick.exposed_ms[pick.cap_bytes / MIB] < 10.0 < pick.exposed_ms[100]
+    # tune.choose's rule: within 2% of the best predicted step, the largest cap
+    best = min(pick.predictions.values())
+    assert pick.predictions[pick.cap_bytes / MIB] <= best * 1.02
+
+
+def test_fixed_cost_collective_picks_the_largest_cap() -> None:
+    prof = _profile(24, 4 * MIB, backward_ms=100.0)
+    curve = tune.CommCurve([4096, 96 * MIB], [2.0, 2.0])  # size does not matter
+    assert autocap.decide(prof, curve).cap_bytes == int(max(tune.DEFAULT_CAPS_MB) * MIB)
+
+
+def test_curve_sizes_reach_the_model() -> None:
+    sizes = autocap.curve_sizes(48 * MIB)
+    assert len(sizes) <= 6 and sizes[0] == 4096 and sizes[-1] == 48 * MIB
+    assert sizes == sorted(sizes)
+
+
+def _auto_vs_torch(rank: int, world: int) -> dict:
+    res = oracle.train_compare(rank, world, "wide", {"bucket_cap_mb": "auto"}, steps=4,
+                               against_single=False)
+    # train_compare's own DDP is gone; build one more to read the decision
+    model = oracle.make_model("wide").double()
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb="auto")
+    order = None
+    for step in range(3):
+        x, _ = oracle.make_batch("wide", step, rank, world)
+        ddp(x.double()).sum().backward()
+        if step == 0:
+            order = list(ddp.reducer._arrival)
+    data = ddp._get_ddp_logging_data()
+    r = ddp.reducer
+    expect = assign_buckets(r._sizes, [DEFAULT_FIRST_BUCKET_BYTES, r.bucket_cap_bytes],
+                            keys=r._keys, order=order)
+    res.update(cap=data["bucket_cap_bytes"], attr=ddp.bucket_bytes_cap,
+               rebuilt=data["rebuilt_per_bucket_param_indices"], expect=expect,
+               curve=list(r.auto_cap.curve.sizes))
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_auto_matches_torch_and_agrees_across_ranks(pools, world) -> None:
+    results = pools.run(world, _auto_vs_torch)
+    caps = {r["cap"] for r in results}
+    assert len(caps) == 1, results
+    cap = caps.pop()
+    assert cap in {int(c * MIB) for c in tune.DEFAULT_CAPS_MB}
+    for r in results:
+        assert r["grad_torch"] < 1e-9 and r["param_torch"] < 1e-9, r
+        assert r["attr"] == cap
+        assert r["rebuilt"] == r["expect"]
+        assert r["curve"][-1] >= sum(p.numel() * 8 for p in oracle.make_model("wide").parameters())
+
+
+def test_bad_values_are_refused() -> None:
+    for bad in ("fast", -1, 0, True):
+        with pytest.raises(ValueError, match="bucket_cap_mb"):
+            bucket_cap_bytes(bad)
+    assert bucket_cap_bytes("AUTO") == (25 * MIB, True)
+    assert bucket_cap_bytes(None) == (25 * MIB, False)
+    assert bucket_cap_bytes("auto", [1, 4]) == (4 * MIB, False)
+
+
+def _warns(rank: int, world: int) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        gradring.DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb="auto",
+                                         find_unused_parameters=True)
+    return [str(x.message) for x in w]
+
+
+def test_find_unused_without_static_graph_warns(pools) -> None:
+    for msgs in pools.run(2, _warns):
+        assert any("bucket_cap_mb='auto'" in m for m in msgs), msgs
