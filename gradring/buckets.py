@@ -130,6 +130,7 @@ class Bucket:
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
         # pairs and their slots (see [Note: homed all-reduce] in comm/homes.py).
         self.own = (0, 0)
+        self.homable = False
         self.homes: list[tuple[int, torch.Tensor]] = []
         self.homed_slots: set[int] = set()
 

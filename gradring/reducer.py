@@ -156,6 +156,10 @@ class Reducer:
         for bi, idxs in enumerate(groups):
             bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], self.comm.empty)
             bucket.own = self.comm.own_range(bucket.buffer.numel())
+            # Fixed for the bucket's life; whether a hook is set is checked per call.
+            bucket.homable = (self.comm.world_size > 1 and not self.grad_as_view
+                              and bucket.buffer.dtype.is_floating_point
+                              and bucket.buffer.device.type == "cpu")
             for slot, i in enumerate(idxs):
                 locator[i] = (bi, slot)
             buckets.append(bucket)
@@ -325,14 +329,9 @@ class Reducer:
             self.trace.mark("ready", b)
             self._launch_ready()
 
-    def _homes_allowed(self, bucket: Bucket) -> bool:
-        buf = bucket.buffer
-        return self.comm_hook is None and self.comm.world_size > 1 and \
-            buf.dtype.is_floating_point and buf.device.type == "cpu"
-
     def _can_home(self, bucket: Bucket, grad: torch.Tensor, view: torch.Tensor) -> bool:
         """May this gradient stay where it is (see [Note: homed all-reduce])?"""
-        return (not self.grad_as_view and self._homes_allowed(bucket)
+        return (bucket.homable and self.comm_hook is None
                 and grad.layout is torch.strided and grad.is_contiguous()
                 and grad.dtype == view.dtype and grad.device == view.device
                 and grad.numel() == view.numel())
