@@ -16,13 +16,16 @@ interleaved order and ``--reps`` times over:
 
 A time is the slowest rank's mean over a batch of back-to-back calls; the
 table shows medians over repetitions. algbw = size / time and busbw = algbw ×
-2(N-1)/N, as nccl-tests define them. The *memory-traffic bound* is what an
-intra-host all-reduce cannot beat: every rank must at least read the W copies
-of its 1/W chunk and write the sum ((W+1)/W · size bytes at the measured
-in-place-add bandwidth) and copy the W-1 other reduced chunks (2(W-1)/W · size
-bytes at the measured copy bandwidth); both bandwidths are measured in the same
-run, on all ranks at once, with the kernels the collectives use (``add_``,
-``copy_``) on ordinary memory. Call :func:`run` and :func:`format_table` from code.
+2(N-1)/N, as nccl-tests define them. The *memory-traffic bound* is the time
+of the least memory traffic an intra-host all-reduce needs: every rank must at
+least read the W copies of its 1/W chunk and write the sum ((W+1)/W · size
+bytes at the measured in-place-add bandwidth) and copy the W-1 other reduced
+chunks (2(W-1)/W · size bytes at the measured copy bandwidth); both bandwidths
+are measured in the same run, on all ranks at once, with the kernels the
+collectives use (``add_``, ``copy_``) on ordinary memory. Each kernel is timed
+alone, so an algorithm can come in slightly under it (above 100%) by reusing
+cache lines between phases: the two-shot writes each sum into lines it has
+just read. Call :func:`run` and :func:`format_table` from code.
 """
 
 from __future__ import annotations

@@ -65,10 +65,11 @@ def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> float:
 
 
 def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
-    """(bytes of .grad storage not inside a bucket, bytes of bucket buffers)."""
+    """(bytes of .grad storage not inside a bucket, plus the spent gradients the
+    reducer keeps for reuse (see gradring/lending.py); bytes of bucket buffers)."""
     buffers = [b.buffer for b in ddp.reducer.buckets]
     spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
-    outside = 0
+    outside = sum(t.numel() * t.element_size() for t in ddp.reducer._recycled.values())
     for p in ddp.module.parameters():
         if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
             outside += p.grad.numel() * p.grad.element_size()
@@ -143,7 +144,7 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
             mib = 2.0**20
             lines.append(
                 f"{name}: gradient memory without bucket view "
-                f"{(out_plain + buck_plain) / mib:.1f} MiB (grads {out_plain / mib:.1f} + "
+                f"{(out_plain + buck_plain) / mib:.1f} MiB (private grads {out_plain / mib:.1f} + "
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
     return "\n".join(lines)

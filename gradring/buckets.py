@@ -104,7 +104,6 @@ class Bucket:
         self.param_indices = param_indices
         # The parameters themselves, in slot order.
         self.params = params
-        dtype, device = params[0].dtype, params[0].device
         self.numels = [p.numel() for p in params]
         # Element offset of each slot inside the flat buffer.
         self.offsets: list[int] = []
@@ -112,14 +111,9 @@ class Bucket:
         for n in self.numels:
             self.offsets.append(total)
             total += n
-        # The flat buffer the collective reduces; may live in shared memory.
-        self.buffer = allocate(total, dtype, device)
-        # Per-slot views shaped like the parameters (and, with
-        # gradient_as_bucket_view, what param.grad becomes).
-        self.views = [
-            self.buffer.narrow(0, off, n).view(p.shape)
-            for off, n, p in zip(self.offsets, self.numels, params)
-        ]
+        # Allocates the flat buffer (comm.empty: shared memory on one host).
+        self._allocate = allocate
+        self.buffer, self.views = self._make_buffer()
         # Gradients still missing in this backward.
         self.pending = len(params)
         # Lifecycle within one backward.
@@ -133,6 +127,25 @@ class Bucket:
         self.homable = False
         self.homes: list[tuple[int, torch.Tensor]] = []
         self.homed_slots: set[int] = set()
+        # Lent slots and the views handed out as .grad (see [Note: lent
+        # gradients] in lending.py); storage references the reducer itself holds.
+        self.lent: frozenset[int] = frozenset()
+        self.handed: dict[int, Any] = {}
+        self.base_refs = 0
+        self.lent_ever = False
+
+    def _make_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The flat buffer the collective reduces, and per-slot views shaped like
+        the parameters (with gradient_as_bucket_view, what param.grad becomes)."""
+        p0 = self.params[0]
+        buffer = self._allocate(sum(self.numels), p0.dtype, p0.device)
+        views = [buffer.narrow(0, off, n).view(p.shape)
+                 for off, n, p in zip(self.offsets, self.numels, self.params)]
+        return buffer, views
+
+    def reallocate(self) -> None:
+        """Move to a fresh buffer; whoever still holds the old one keeps it."""
+        self.buffer, self.views = self._make_buffer()
 
     @property
     def nbytes(self) -> int:

@@ -2,17 +2,18 @@
 
 [Note: direct algorithms]
 Every rank *exposes* one buffer and *exchanges* descriptors (one barrier);
-afterwards it reads peers' buffers in place. No bytes are sent: the only
-traffic is the memory traffic of the reduction itself, which is what bounds
-an intra-host all-reduce (MEASUREMENTS.md).
+afterwards it reads and writes peers' buffers in place. No bytes are sent: the
+only traffic is the memory traffic of the reduction itself, which is what
+bounds an intra-host all-reduce (MEASUREMENTS.md).
 
-- ``all_reduce_twoshot`` (large messages) = reduce-scatter + all-gather by
-  direct reads: rank ``r`` reduces chunk ``r`` of every rank's buffer into its
-  own exposed buffer, a barrier, then copies every other chunk from its
-  owner. With buffers from ``comm.empty`` and W=2 each rank moves the
-  minimum memory traffic, 2.5 buffer sizes (read 2 halves and write 1 to
-  reduce, read and write 1 half to copy); for W>2 the pairwise adds re-read the
-  running sum, (W-1)·3/W + 2(W-1)/W sizes against the minimum (3W-1)/W.
+- ``all_reduce_twoshot`` (large messages) = reduce-scatter by direct reads +
+  all-gather by direct writes: rank ``r`` reduces chunk ``r`` of every rank's
+  buffer (own data first, in place) and writes the result into chunk ``r`` of
+  every peer's buffer -- the very bytes it just read there, which only the
+  reducer of that chunk touches. One barrier later every rank holds the whole
+  result. With buffers from ``comm.empty`` and W=2 each rank moves 2.5
+  buffer sizes (read 2 halves and write 1 to reduce, read and write 1 half to
+  pass it on).
 - ``all_reduce_oneshot`` (small messages) = one barrier: every rank reduces
   the whole buffer from all ranks' staging copies, in rank order so every rank
   computes identical bits.
@@ -21,9 +22,10 @@ Staged versus zero-copy: a user tensor is copied into one of two alternating
 staging buffers before the exchange; a tensor from ``comm.empty`` is exposed
 as is. Staging buffers need no barrier at the end -- a rank reuses set ``k%2``
 only after the barrier of collective ``k+1``, which every peer reaches after
-it finished reading collective ``k``. Exposed *user* memory does: the caller
-may overwrite it as soon as we return, so when any rank exposed zero-copy
-memory, all ranks end with a barrier.
+it finished with collective ``k``. Exposed *user* memory does when peers read
+it after we may return (broadcast, all-gather, reduce-scatter): when any rank
+exposed zero-copy memory, all ranks end with a barrier. The two-shot needs
+none: after its second barrier nobody touches another rank's buffer.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def _staged_copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) 
 
 def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
                        op: Op, homes: Homes | None = None) -> None:
-    """Reduce-scatter then all-gather through direct reads; see [Note: direct algorithms].
-    With ``homes`` (SUM only), see [Note: homed all-reduce] in ``homes.py``.
+    """Reduce-scatter through direct reads, all-gather through direct writes; see
+    [Note: direct algorithms]. With ``homes`` (SUM only), see [Note: homed
+    all-reduce] in ``homes.py``.
 
     [Note: whole chunks, not pipelined blocks]
     Cutting chunks into blocks, with a signal per block so that peers copy a
@@ -64,28 +67,31 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
         _staged_copy_except(mine, flat, lo, hi)
     ex = t.exchange(info, mine, zero_copy=zero_copy)
     views: list[torch.Tensor] = ex.views  # type: ignore[assignment] # all ranks exposed
-    others = [p for p in range(w) if p != r]
     # Reduce chunk r, own data first so the output may alias it (every chunk
-    # has one reducer, so all ranks still end with the same bits).
-    peers = [views[p] for p in others]
+    # has one reducer, so all ranks still end with the same bits), then write
+    # it into every peer's exposed buffer.
+    peers = [views[p] for p in range(w) if p != r]
     if homes is None:
         # In place into our own tensor (its lines are in cache: they were just
-        # read), then published in the staging buffer if there is one: measured
-        # 5-15% faster at 4-25 MiB than summing into staging and copying back.
+        # read): measured 5-15% faster at 4-25 MiB than summing into staging.
         dst = flat[lo:hi]
         ops.reduce_into(dst, [dst] + [v[lo:hi] for v in peers], op)
         ops.finish(dst, op, w)
-        if not zero_copy:
-            ops.copy(mine[lo:hi], dst)
+        for v in peers:
+            ops.copy(v[lo:hi], dst)
     else:
-        reduce_own(flat, mine, peers, homes, lo, hi, out_is_flat=zero_copy)
+        reduce_own(flat, peers, homes, lo, hi)
     t.arrive()
     t.wait_arrivals()
-    for p in others:
-        for a, b, home in spans(homes, *bounds[p]):
-            ops.copy(flat[a:b] if home is None else home, views[p][a:b])
-    if ex.zero_copy:
-        t.barrier()
+    # Every other chunk's result now sits in our exposed buffer: where that is
+    # not its destination (staging, or a home), move it there.
+    for p in range(w):
+        if p != r:
+            for a, b, home in spans(homes, *bounds[p]):
+                if home is not None:
+                    ops.copy(home, mine[a:b])
+                elif not zero_copy:
+                    ops.copy(flat[a:b], mine[a:b])
 
 
 def all_reduce_oneshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,

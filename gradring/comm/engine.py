@@ -106,8 +106,15 @@ class Engine:
     def __init__(self, name: str) -> None:
         # Thread name, to find it in stack dumps.
         self._name = name
-        # Guards the queue and the busy flag; signalled whenever either changes.
-        self._cond = threading.Condition()
+        # One lock guards the queue and the busy flag, with two conditions on it:
+        # ``_work`` wakes the engine thread (a job queued, the engine free, or
+        # closing); ``_idle`` wakes callers waiting for the engine to be free. Kept
+        # apart so that a synchronous call ending inline does not wake the idle
+        # engine thread each time: that wake-up measured 2-4x the latency of a
+        # 4-byte all-reduce (27 us against 60-130 us).
+        lock = threading.Lock()
+        self._work = threading.Condition(lock)
+        self._idle = threading.Condition(lock)
         # Jobs issued and not yet started, oldest first.
         self._queue: deque[Job] = deque()
         # True while a job runs (on the engine thread or inline on a caller's).
@@ -118,14 +125,14 @@ class Engine:
         self._closing = False
 
     def submit(self, job: Job) -> None:
-        with self._cond:
+        with self._work:
             if self._closing:
                 raise RuntimeError(f"gradring: engine {self._name} is shut down")
             self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            self._work.notify()
 
     def run_now(self, run: Callable[..., None], *args: object) -> None:
         """Run ``run(*args)`` on this thread after every job issued before it."""
@@ -135,16 +142,18 @@ class Engine:
             self.help_until(fut)
             fut.wait()
             return
-        with self._cond:
+        with self._idle:
             while self._busy or self._queue:
-                self._cond.wait()
+                self._idle.wait()
             self._busy = True
         try:
             run(*args)
         finally:
-            with self._cond:
+            with self._idle:
                 self._busy = False
-                self._cond.notify_all()
+                self._idle.notify()
+                if self._queue:
+                    self._work.notify()
 
     def help_until(self, fut: torch.futures.Future) -> None:
         """On the engine thread itself (a callback waiting on a later job), run
@@ -152,7 +161,7 @@ class Engine:
         if threading.current_thread() is not self._thread:
             return
         while not fut.done():
-            with self._cond:
+            with self._work:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
@@ -168,19 +177,21 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
+            with self._work:
+                while (not self._queue or self._busy) and not self._closing:
+                    self._work.wait()
                 if not self._queue:
                     return
+                while self._busy:  # closing: still never beside an inline call
+                    self._work.wait()
                 job = self._queue.popleft()
                 self._busy = True
             try:
                 self._execute(job)
             finally:
-                with self._cond:
+                with self._work:
                     self._busy = False
-                    self._cond.notify_all()
+                    self._idle.notify_all()
 
     def alive(self) -> bool:
         """Whether the engine thread still runs (e.g. blocked inside a collective)."""
@@ -193,19 +204,19 @@ class Engine:
             thread.join(timeout)
 
     def pending(self) -> int:
-        with self._cond:
+        with self._work:
             return len(self._queue) + int(self._busy)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let queued jobs finish (up to ``timeout``), then stop the thread."""
-        with self._cond:
+        with self._work:
             self._closing = True
-            self._cond.notify_all()
+            self._work.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         deadline = time.monotonic() + 0.1
-        with self._cond:
+        with self._work:
             leftover = list(self._queue)
             self._queue.clear()
         for job in leftover:

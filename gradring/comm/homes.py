@@ -15,9 +15,11 @@ So a bucket may say, per parameter, where that parameter's gradient lives (its
   of each gradient outside its own chunk (``own_range``); inside it, the input
   is read straight from the home;
 - the sum lands in the homes, for the whole bucket: the own chunk is reduced
-  in place into its homes and copied to the flat buffer (which the peers
-  read); the other chunks are copied from their owners straight into the
-  homes.
+  in place into its homes and written into every peer's flat buffer; the
+  peers write the other chunks into this rank's flat buffer, from where the
+  homed parts are copied home. (Parameters wholly outside the own chunk need
+  no home at all: their ``.grad`` can be the flat buffer itself, see [Note:
+  lent gradients] in ``lending.py``.)
 
 Elements without a home behave as in a plain all-reduce (input and result in
 the flat buffer). Every algorithm other than the direct two-shot gets the same
@@ -106,27 +108,26 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
         torch.mul(src, scale, out=dst)
 
 
-def reduce_own(flat: torch.Tensor, out: torch.Tensor, peers: list[torch.Tensor],
-               homes: Homes, lo: int, hi: int, *, out_is_flat: bool) -> None:
-    """The own chunk ``[lo, hi)`` of a homed SUM into the homes and into ``out``
-    (what the peers read). ``peers`` are the other ranks' full buffers, in a
-    fixed order; the input of unhomed elements is ``flat`` (``out`` may be ``flat``).
+def reduce_own(flat: torch.Tensor, peers: list[torch.Tensor], homes: Homes,
+               lo: int, hi: int) -> None:
+    """The own chunk ``[lo, hi)`` of a homed SUM into the homes (or ``flat`` where
+    there is none) and into every peer's buffer in ``peers`` (their exposed
+    buffers, in a fixed order, which also hold their inputs for this chunk).
 
     Sums go in place into the input just read (its lines are in cache) and are
-    then copied out: measured 2-8% faster than summing into ``out`` and copying
-    home; cutting spans into L2-sized blocks measured no better.
+    then copied out: measured 2-8% faster than summing into a peer's buffer and
+    copying home; cutting spans into L2-sized blocks measured no better.
     """
     scale = homes.scale
     for a, b, home in spans(homes, lo, hi):
         if home is None:
-            ops.reduce_into(flat[a:b], [flat[a:b]] + [v[a:b] for v in peers], ops.SUM)
-            if not out_is_flat:
-                ops.copy(out[a:b], flat[a:b])
-            continue
-        if peers:
+            home = flat[a:b]
+            ops.reduce_into(home, [home] + [v[a:b] for v in peers], ops.SUM)
+        elif peers:
             torch.add(peers[0][a:b], home, alpha=scale, out=home)
             for v in peers[1:]:
                 home.add_(v[a:b])
         elif scale != 1.0:
             home.mul_(scale)
-        ops.copy(out[a:b], home)
+        for v in peers:
+            ops.copy(v[a:b], home)

@@ -1,0 +1,156 @@
+"""Lent gradients: ``.grad`` in bucket memory outside a rank's own chunk.
+
+[Note: lent gradients]
+Without ``gradient_as_bucket_view`` a homed bucket (see [Note: homed
+all-reduce] in ``comm/homes.py``) keeps its gradients in their own ``.grad``
+tensors. For the own chunk that costs nothing: this rank reduces it in place.
+But every other chunk is reduced by a peer, which writes the result into this
+rank's shared bucket, and a private ``.grad`` then needs one more copy out of
+the bucket.
+
+So a parameter whose slot lies wholly outside the own chunk is *lent* its
+bucket slot: its hook copies the (scaled) gradient into the slot, as always,
+and then sets ``.grad`` to a view of the slot. The peer's result lands in
+``.grad`` with no copy at all.
+
+What a user can observe, and how it stays what torch's DDP gives:
+
+- Values, shapes, dtype, strides and ``requires_grad`` are the same; ``.grad``
+  is a view (``._base`` is the bucket), as with ``gradient_as_bucket_view``.
+- ``zero_grad(set_to_none=False)`` and ``no_sync()`` accumulate in place into
+  the lent view, which is what torch's non-view mode does with an existing
+  ``.grad`` (and its copy-out also writes into it in place).
+- With ``set_to_none=True`` torch hands out a *new* tensor every iteration; a
+  reference kept to an old ``.grad`` keeps its values. Lending reuses the
+  slot, so before the first write of a backward into a bucket, :func:`claim`
+  counts the references to the bucket's storage. Expected are the reducer's
+  own (buffer and slot views) and the lent views that are still some
+  parameter's ``.grad``. Any other one (an old ``.grad`` kept, or a view
+  of it) moves the bucket to a fresh buffer and leaves the old memory to
+  whoever holds it: copy on write, at the price of one allocation.
+
+Lent slots are decided per bucket at install, for homable buckets only (CPU,
+floating point, world > 1, not view mode), and used while no comm hook is set.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+from gradring.buckets import Bucket
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+#: Lending needs to count storage references; torch builds without it never lend.
+SUPPORTED = _use_count is not None
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (a constant +1 for the temporary handle)."""
+    assert _use_count is not None
+    return int(_use_count(t.untyped_storage()._cdata))
+
+
+def _counts(t: torch.Tensor) -> tuple[int, int]:
+    return sys.getrefcount(t), storage_refs(t)
+
+
+def _probe_fresh() -> tuple[int, int]:
+    """Python and storage references of a gradient autograd has just stored,
+    seen from a post-accumulate hook through one call, as :func:`fresh` sees it."""
+    p = torch.zeros(2, requires_grad=True)
+    seen: list[tuple[int, int]] = []
+
+    def through_one_call(grad: torch.Tensor) -> tuple[int, int]:
+        return _counts(grad)
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        assert grad is not None
+        seen.append(through_one_call(grad))
+    handle = p.register_post_accumulate_grad_hook(hook)
+    try:
+        with torch.enable_grad():
+            p.sum().backward()
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+_FRESH: tuple[int, int] | None = None
+
+
+def fresh(grad: torch.Tensor) -> bool:
+    """Whether nobody but its parameter and the caller's one local reference
+    holds ``grad``, so that replacing it with a lent view is unobservable.
+    (Otherwise torch's DDP would write the result into that very tensor.)"""
+    assert _FRESH is not None, "install() probes first"
+    py, st = _counts(grad)
+    return py <= _FRESH[0] and st <= _FRESH[1]
+
+
+def lendable_slots(bucket: Bucket) -> frozenset[int]:
+    """Slots wholly outside the bucket's own chunk, of contiguous parameters."""
+    if not (SUPPORTED and bucket.homable):
+        return frozenset()
+    lo, hi = bucket.own
+    return frozenset(
+        s for s, (off, n, p) in enumerate(zip(bucket.offsets, bucket.numels, bucket.params))
+        if (off + n <= lo or off >= hi) and n > 0 and p.is_contiguous())
+
+
+def install(bucket: Bucket) -> None:
+    """Set the lending state of a new (or re-allocated) bucket."""
+    global _FRESH
+    bucket.lent = lendable_slots(bucket)
+    if bucket.lent and _FRESH is None:
+        _FRESH = _probe_fresh()
+    bucket.handed = {}
+    bucket.base_refs = storage_refs(bucket.buffer) if bucket.lent else 0
+
+
+def lend(bucket: Bucket, slot: int, grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """Copy ``grad`` (scaled) into ``slot`` and return the view to become ``.grad``."""
+    view = hand_out(bucket, slot)
+    torch.mul(grad, scale, out=view)
+    return view
+
+
+def hand_out(bucket: Bucket, slot: int) -> torch.Tensor:
+    """A fresh view of ``slot`` to become ``.grad`` (fresh, so that a kept one is seen)."""
+    view = bucket.buffer.narrow(0, bucket.offsets[slot], bucket.numels[slot]).view(
+        bucket.params[slot].shape)
+    bucket.handed[slot] = weakref.ref(view)
+    bucket.lent_ever = True
+    return view
+
+
+def lent_in_use(bucket: Bucket, slot: int) -> bool:
+    """Whether ``slot``'s parameter holds, as ``.grad``, the view lent to it."""
+    ref = bucket.handed.get(slot)
+    view = ref() if ref is not None else None
+    return view is not None and view is bucket.params[slot].grad
+
+
+def claim(bucket: Bucket) -> bool:
+    """Before a backward's first write into ``bucket``: if anybody but its
+    parameters' ``.grad`` still holds lent memory, move the bucket to a fresh
+    buffer (copying the ``.grad`` still lent, and pointing it at the new
+    slots). Returns True if it moved."""
+    if not bucket.lent_ever:
+        return False
+    attached = [s for s in bucket.handed if lent_in_use(bucket, s)]
+    if storage_refs(bucket.buffer) == bucket.base_refs + len(attached):
+        return False
+    old = [(s, bucket.params[s].grad) for s in attached]
+    bucket.reallocate()
+    install(bucket)
+    with torch.no_grad():
+        for s, grad in old:
+            view = hand_out(bucket, s)
+            view.copy_(grad)
+            bucket.params[s].grad = view
+    return True

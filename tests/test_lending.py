@@ -1,0 +1,118 @@
+"""Lent gradients (gradring/lending.py): .grad in bucket memory, without view mode.
+
+Differential against torch's DDP in the same ranks, step by step, and against
+torch's observable .grad semantics in non-view mode:
+- lending really happens (some .grad lies in a bucket on every rank) and the
+  gradients equal torch's;
+- an old .grad (or a view of it) kept across a backward keeps its values;
+- zero_grad(set_to_none=False) keeps each .grad object, as torch does;
+- a .grad referenced by the user before a synced backward (after no_sync) is
+  the tensor that receives the result, as in torch;
+- with a comm hook nothing is lent.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import oracle
+import pytest
+import torch
+
+import gradring
+from gradring.hooks import default as default_hooks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _in_bucket(ddp, t: torch.Tensor | None) -> bool:
+    if t is None:
+        return False
+    for b in ddp.reducer.buckets:
+        lo = b.buffer.data_ptr()
+        if lo <= t.data_ptr() < lo + b.buffer.numel() * b.buffer.element_size():
+            return True
+    return False
+
+
+def _grads(m) -> list[torch.Tensor | None]:
+    return [p.grad for p in m.parameters()]
+
+
+def _scenarios(rank: int, world: int, hook: bool) -> dict:
+    base = oracle.make_model("wide").double()
+    ours = gradring.DistributedDataParallel(copy.deepcopy(base))
+    if hook:
+        ours.register_comm_hook(None, default_hooks.allreduce_hook)
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    pairs = [(ours, torch.optim.SGD(ours.parameters(), lr=0.01)),
+             (theirs, torch.optim.SGD(theirs.parameters(), lr=0.01))]
+    out: dict = {"diff": 0.0}
+
+    def step(k: int, *, set_to_none: bool = True, zero: bool = True) -> None:
+        x, y = oracle.make_batch("wide", k, rank, world)
+        for m, opt in pairs:
+            if zero:
+                opt.zero_grad(set_to_none=set_to_none)
+            oracle.loss_of("wide", m(x.double()), y).backward()
+        out["diff"] = max(out["diff"], oracle.max_diff(_grads(ours.module),
+                                                       _grads(theirs.module)))
+
+    def apply() -> None:
+        for _, opt in pairs:
+            opt.step()
+
+    for k in range(3):  # the bucket rebuild happens after the first
+        step(k)
+        apply()
+    out["lent"] = sum(_in_bucket(ours, g) for g in _grads(ours.module))
+
+    # An old .grad, and a view of one, kept across the next backward.
+    old = _grads(ours.module)
+    snap = [g.clone() for g in old]
+    derived = old[0].view(-1)
+    step(3)
+    out["old_kept"] = all(torch.equal(a, b) for a, b in zip(old, snap))
+    out["derived_kept"] = torch.equal(derived, snap[0].view(-1))
+    del old, derived
+    apply()
+    step(4)  # nothing kept now: lending resumes in the fresh buffer
+    out["lent_again"] = sum(_in_bucket(ours, g) for g in _grads(ours.module))
+    apply()
+
+    # set_to_none=False: the same .grad objects, accumulated and reduced in place.
+    step(5, set_to_none=False)
+    ids = [id(g) for g in _grads(ours.module)]
+    apply()
+    step(6, set_to_none=False)
+    out["same_objects"] = ids == [id(g) for g in _grads(ours.module)]
+    apply()
+
+    # no_sync, then a reference taken, then the synced backward.
+    for _, opt in pairs:
+        opt.zero_grad(set_to_none=True)
+    x, y = oracle.make_batch("wide", 7, rank, world)
+    for m, _ in pairs:
+        with m.no_sync():
+            oracle.loss_of("wide", m(x.double()), y).backward()
+    held = _grads(ours.module)
+    step(8, zero=False)
+    out["held_is_result"] = all(a is b for a, b in zip(held, _grads(ours.module)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lent_gradients_keep_torch_semantics(pools, world):
+    for r in pools.run(world, _scenarios, False):
+        assert r["diff"] < 1e-12, r
+        assert r["lent"] > 0 and r["lent_again"] > 0, r  # lending happens on every rank
+        assert r["old_kept"] and r["derived_kept"], r
+        assert r["same_objects"], r
+        assert r["held_is_result"], r
+
+
+def test_nothing_is_lent_with_a_comm_hook(pools):
+    for r in pools.run(2, _scenarios, True):
+        assert r["diff"] < 1e-12, r
+        assert r["lent"] == 0 and r["lent_again"] == 0, r
+        assert r["old_kept"] and r["same_objects"] and r["held_is_result"], r
