@@ -411,6 +411,8 @@ class Reducer:
         """Join: issue this backward's collectives with zero gradients (see [Note: shadowing])."""
         kept = []
         for bucket in self.buckets:
+            if bucket.lent_ever:
+                lending.claim(bucket)  # an old .grad kept elsewhere keeps its values
             # The zeros and the peers' sums are not this rank's gradients: where
             # .grad lives in the bucket (view mode, lent), it is put back after.
             holds_grads = self.grad_as_view or any(

@@ -14,7 +14,8 @@ its W hops and runs 2(W-1) dependent steps; each host link carries
    L such all-reduces run at once, one per local rank, over the process
    group's point-to-point (:class:`SubsetTransport`);
 3. intra-host all-gather: a barrier, then every rank copies the other chunks
-   from their owners' exposed buffers (the second half of two-shot).
+   from their owners' exposed buffers (here the owners cannot write them into
+   the peers, as the two-shot does: their shard is only final after step 2).
 
 Each host link now carries 2(H-1)/H of the buffer (at W=4 as 2×2: 1.0
 against 1.5 for the flat ring) in 2(H-1) inter-host steps instead of 2(W-1).

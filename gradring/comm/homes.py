@@ -7,7 +7,8 @@ the peers read. Copying every gradient in and every result back out costs two
 full passes over the bucket, more than the two-shot reduction itself.
 
 But a rank's own chunk of a two-shot all-reduce (``chunk_bounds(n, W)[rank]``)
-is read by nobody else: this rank reduces it and then publishes the result.
+is read by nobody else: this rank reduces it and then writes the result into
+the peers' buffers.
 So a bucket may say, per parameter, where that parameter's gradient lives (its
 *home*):
 
