@@ -322,6 +322,8 @@ def _stress(rank: int, world: int, seed: int, steps: int) -> list[str]:
         count = rng.choice([1, 3, rng.randrange(1, 300), rng.randrange(300, 200_000)])
         dtype = rng.choice(DTYPES)
         zero_copy = rng.random() < 0.4
+        if rng.random() < 0.3:  # mixed: odd ranks expose the other kind of memory
+            zero_copy = zero_copy != (rank % 2 == 1)
         async_op = rng.random() < 0.5
         name = rng.choice(list(OPS))
         make = (lambda n, dt: comm.empty(n, dtype=dt)) if zero_copy else (
