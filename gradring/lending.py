@@ -61,7 +61,6 @@ def _counts(t: torch.Tensor) -> tuple[int, int]:
 def _probe_fresh() -> tuple[int, int]:
     """Python and storage references of a gradient autograd has just stored,
     seen from a post-accumulate hook through one call, as :func:`fresh` sees it."""
-    p = torch.zeros(2, requires_grad=True)
     seen: list[tuple[int, int]] = []
 
     def through_one_call(grad: torch.Tensor) -> tuple[int, int]:
@@ -71,12 +70,15 @@ def _probe_fresh() -> tuple[int, int]:
         grad = param.grad
         assert grad is not None
         seen.append(through_one_call(grad))
-    handle = p.register_post_accumulate_grad_hook(hook)
-    try:
-        with torch.enable_grad():
+    # The first rebuilt buckets may be installed inside a forward run under
+    # no_grad or inference_mode: the probe needs ordinary autograd.
+    with torch.inference_mode(False), torch.enable_grad():
+        p = torch.zeros(2, requires_grad=True)
+        handle = p.register_post_accumulate_grad_hook(hook)
+        try:
             p.sum().backward()
-    finally:
-        handle.remove()
+        finally:
+            handle.remove()
     return seen[0]
 
 
