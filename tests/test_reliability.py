@@ -49,6 +49,18 @@ def _say(**report: object) -> None:
     print(json.dumps(report), flush=True)
 
 
+def _wait_all(works: list) -> list[str]:
+    """Wait for every work; "ok" or "error: ..." for each, in order."""
+    outcomes = []
+    for w in works:
+        try:
+            w.wait()
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes.append(f"error: {exc}")
+    return outcomes
+
+
 def _ddp() -> tuple[gradring.DistributedDataParallel, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
@@ -148,13 +160,7 @@ def scenario_inflight(a: argparse.Namespace) -> None:
     works += [comm.all_reduce(torch.ones(1000), async_op=True) for _ in range(4)]
     t0 = time.monotonic()
     comm.shutdown()  # every rank: queued work finishes first
-    outcomes = []
-    for w in works:
-        try:
-            w.wait()
-            outcomes.append("ok")
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            outcomes.append(f"error: {exc}")
+    outcomes = _wait_all(works)
     _say(rank=r, case="shutdown", outcomes=outcomes, took=time.monotonic() - t0,
          value=float(big[0]))
     # Now only rank 1 shuts down while rank 0 still has work in flight.
@@ -178,13 +184,7 @@ def scenario_inflight(a: argparse.Namespace) -> None:
     with comm.label("test"):
         pending = [comm.all_reduce(torch.ones(1000), async_op=True) for _ in range(3)]
     dist.destroy_process_group()
-    outcomes = []
-    for w in pending:
-        try:
-            w.wait()
-            outcomes.append("ok")
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            outcomes.append(f"error: {exc}")
+    outcomes = _wait_all(pending)
     try:
         out.backward()
         outcomes.append("backward ok")
