@@ -3,10 +3,10 @@
     python benchmarks/autotune.py                        # mlp_b1 and deep_mlp, world 2, ~2 min
     python benchmarks/autotune.py --models mlp --rounds 5 --nproc 2
 
-For each model, ``gradring.tune.tune_bucket_cap`` measures the plain model's
+For each model, ``gradring.tools.tune.tune_bucket_cap`` measures the plain model's
 per-parameter gradient-ready times and the all-reduce time against message
 size, predicts the step time at every candidate cap (see [Note: how the tuner
-decides] in gradring/tune.py), and then *runs gradring DDP at every candidate
+decides] in gradring/tools/tune.py), and then *runs gradring DDP at every candidate
 cap*, rounds interleaved, so the prediction can be checked cap by cap.
 
 The last lines compare, measured in the same run, the tuned cap against the
@@ -24,7 +24,7 @@ import argparse
 import statistics
 import sys
 
-from gradring import tune
+from gradring.tools import tune
 
 CAPS_MB = (1, 2, 4, 8, 16, 25, 50, 100)
 

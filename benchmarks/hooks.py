@@ -213,7 +213,7 @@ def report(res: dict[str, Any], world: int, opts: dict[str, Any]) -> str:
 
 def run(nproc: int = 2, steps: int = 2, rounds: int = 5, batch: int = 64,
         setups: tuple[str, ...] = SETUPS, warmup: int = 3) -> str:
-    from gradring.launch import run_local
+    from gradring.tools.launch import run_local
 
     opts = {"steps": steps, "rounds": rounds, "batch": batch, "setups": list(setups),
             "warmup": max(warmup, 3)}

@@ -10,7 +10,7 @@ host (W=2) and 2 ranks per host (W=4, oversubscribed on a 2-core machine).
 
 Each run measures, on every rank at once:
 - all-reduce times over the link (flat ring; at W=4 also hierarchical) for
-  a few sizes; the W=2 times calibrate the α-β link model of gradring/sim.py;
+  a few sizes; the W=2 times calibrate the α-β link model of gradring/tools/plan.py;
 - a plain backward profile (``tune.profile_backward``: per-parameter ready times);
 - DDP steps for each set-up (no hook, bf16, PowerSGD rank 2; at W=4 each with
   the hierarchical and the flat ring all-reduce), interleaved in rounds;
@@ -126,7 +126,8 @@ def worker(steps: int, rounds: int, reps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from gradring import hooks, tune
+    from gradring import hooks
+    from gradring.tools import tune
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
@@ -182,7 +183,7 @@ def _summarise(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mean_profile(run: dict[str, Any]) -> Any:
-    from gradring.tune import Profile
+    from gradring.tools.tune import Profile
 
     ps = [r["profile"] for r in run["ranks"]]
     mean = statistics.fmean
@@ -193,7 +194,7 @@ def _mean_profile(run: dict[str, Any]) -> Any:
 
 
 def report(results: dict[str, dict[int, dict[str, Any]]]) -> str:
-    from gradring import sim
+    from gradring.tools import plan as sim
 
     lines = []
     for shape, raw in results.items():

@@ -31,7 +31,7 @@ class _NoTrace:
 
 def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, float]:
     import gradring
-    from gradring.trace import Trace
+    from gradring.observe.trace import Trace
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args(argv)
-    from gradring.launch import run_local
+    from gradring.tools.launch import run_local
 
     r = run_local(_rank, a.nproc, a.rounds, a.steps)[0]
     print(f"marks/iteration {r['marks']}, one mark {r['per_mark_us']:.2f} us, "

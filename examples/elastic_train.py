@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradring
-from gradring.checkpoint import load_if_exists, save_on_rank0
+from gradring.tools.checkpoint import load_if_exists, save_on_rank0
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

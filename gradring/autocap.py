@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradring import tune
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES
+from gradring.tools import tune
 
 AUTO = "auto"
 MIB = 1024 * 1024

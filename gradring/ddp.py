@@ -19,8 +19,8 @@ from torch import nn
 
 from gradring import autocap, errors
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
-from gradring.communicator import GroupComm
 from gradring.graph import iter_tensors
+from gradring.group_comm import GroupComm
 from gradring.join import DDPJoinHook, Joinable, global_flag, last_joiner_rank
 from gradring.output_boundary import wrap_outputs
 from gradring.reducer import CommHook, Reducer
@@ -359,7 +359,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def overlap_stats(self, last_n: int = 10) -> dict[str, Any]:
         """Backward/communication overlap of the last ``last_n`` iterations (docs/overlap.md)."""
-        from gradring.overlap import ddp_overlap_stats
+        from gradring.observe.overlap import ddp_overlap_stats
 
         return ddp_overlap_stats(self, last_n=last_n)
 

@@ -39,10 +39,10 @@ from gradring.buckets import (
     bucket_key,
 )
 from gradring.comm.homes import Homes
-from gradring.communicator import GroupComm
 from gradring.grad_bucket import GradBucket
 from gradring.graph import reachable_params
-from gradring.trace import Trace
+from gradring.group_comm import GroupComm
+from gradring.observe.trace import Trace
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import gradring
-from gradring import autocap, tune
+from gradring import autocap
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
+from gradring.tools import tune
 
 
 def _profile(n: int, layer_bytes: int, backward_ms: float) -> tune.Profile:

@@ -13,10 +13,11 @@ import random
 import pytest
 import torch
 
-from gradring.comm import direct, naive, ops, ring, tree
+from gradring.comm import ops
+from gradring.comm.algos import direct, naive, ring, tree
 from gradring.comm.ops import Op
-from gradring.comm.threaded import ThreadedWorld, run_ranks
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

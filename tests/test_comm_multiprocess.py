@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from gradring import comm
 from gradring.comm import context as comm_context
-from gradring.comm import naive, segments, select
+from gradring.comm import select
+from gradring.comm.algos import naive
 from gradring.comm.ops import Op
+from gradring.comm.transports.shm import segments
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -248,7 +250,7 @@ def test_subgroups_translate_ranks(pools) -> None:
 
 def _other_host(rank: int, world: int) -> dict[str, object]:
     """Ranks that do not share a host fall back to the torch transport, together."""
-    from gradring.comm import rendezvous
+    from gradring.comm.transports.shm import rendezvous
 
     real = rendezvous.host_identity
     if rank == 1:  # pretend rank 1 booted another machine
@@ -414,7 +416,7 @@ def _fork_then_exit(rank: int, world: int) -> dict[str, object]:
     down the parent's shared memory."""
     import weakref
 
-    from gradring.comm import shm as shm_transport
+    from gradring.comm.transports.shm import transport as shm_transport
 
     x = comm.empty(70_000)
     x.fill_(1)

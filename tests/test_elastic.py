@@ -34,7 +34,7 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path):
 
 
 def test_atomic_checkpoint_never_torn(tmp_path, monkeypatch):
-    from gradring import checkpoint
+    from gradring.tools import checkpoint
 
     path = tmp_path / "c.pt"
     checkpoint.save_atomic({"v": 1}, str(path))

@@ -19,6 +19,6 @@ def test_quickstart_single_process():
 
 def test_cli_help():
     for args in (["--help"], ["bench"]):
-        proc = subprocess.run([sys.executable, "-m", "gradring.cli", *args],
+        proc = subprocess.run([sys.executable, "-m", "gradring.tools.cli", *args],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert "usage" in proc.stdout

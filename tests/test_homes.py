@@ -19,10 +19,11 @@ import oracle
 import pytest
 import torch
 
-from gradring.comm import direct, homes, ring, tree
+from gradring.comm import homes
+from gradring.comm.algos import direct, ring, tree
 from gradring.comm.ops import SUM
-from gradring.comm.threaded import run_ranks
 from gradring.comm.transport import CollectiveInfo, Kind
+from gradring.comm.transports.threaded import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradring.overlap import (
+from gradring.observe.overlap import (
     BucketInfo,
     chrome_events,
     ddp_overlap_stats,
@@ -21,7 +21,7 @@ from gradring.overlap import (
     recent,
     summarize,
 )
-from gradring.trace import Event
+from gradring.observe.trace import Event
 
 
 def events(iteration: int, marks: list[tuple[str, int, float]]) -> list[Event]:

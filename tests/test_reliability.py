@@ -31,7 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gradring  # noqa: E402
-from gradring import comm, flight  # noqa: E402
+from gradring import comm  # noqa: E402
+from gradring.tools import flight  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -197,7 +198,7 @@ def scenario_exit_after_one(a: argparse.Namespace) -> None:
     """Rank 1 runs one staged all-reduce and exits at once; rank 0 is slow to map
     rank 1's staging segment (one-shot has no closing barrier)."""
     if a.rank == 0:
-        from gradring.comm import segments
+        from gradring.comm.transports.shm import segments
 
         opened = segments.Segment.open.__func__
 

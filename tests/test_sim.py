@@ -1,4 +1,4 @@
-"""The α-β cost model of gradring/sim.py: closed forms, choices, overlap, inputs, CLI."""
+"""The α-β cost model of gradring/tools/plan.py: closed forms, choices, overlap, inputs, CLI."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from gradring import sim
 from gradring.buckets import MIB
 from gradring.comm.select import TREE_MAX_BYTES
-from gradring.tune import Profile
+from gradring.tools import plan as sim
+from gradring.tools.tune import Profile
 
 LINK = sim.Link(bandwidth=1.25e8, latency=5e-4)  # 1 Gbit/s, 0.5 ms
 SHM = sim.Link(bandwidth=5e9, latency=2e-5)

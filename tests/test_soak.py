@@ -20,7 +20,7 @@ from torch import nn
 
 import gradring
 from gradring import hooks
-from gradring.launch import run_local
+from gradring.tools.launch import run_local
 
 ITERATIONS = 1000
 CYCLES = 5

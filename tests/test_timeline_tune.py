@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from gradring import timeline, tune
 from gradring.buckets import MIB
-from gradring.overlap import export_chrome_trace, merge_traces
+from gradring.observe import timeline
+from gradring.observe.overlap import export_chrome_trace, merge_traces
+from gradring.tools import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,7 +128,7 @@ def _tiny_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def test_workloads_from_names_specs_and_parts() -> None:
-    model, x, loss_fn = tune.load_workload("gradring.tune:tiny")
+    model, x, loss_fn = tune.load_workload("gradring.tools.tune:tiny")
     assert loss_fn(model(x)).ndim == 0
     parts = functools.partial(tune._from_parts, _tiny_model, _tiny_input, _tiny_loss)
     model, x, loss_fn = tune.load_workload(parts)
@@ -155,7 +156,7 @@ def test_demo_small_end_to_end(tmp_path) -> None:
     png, trace = tmp_path / "demo.png", tmp_path / "demo.json"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, "-m", "gradring.demo", "--small", "--timeline", str(png),
+        [sys.executable, "-m", "gradring.tools.demo", "--small", "--timeline", str(png),
          "--trace", str(trace)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -18,23 +18,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from gradring.comm import (
-    desync,
-    direct,
-    engine,
-    hierarchical,
-    homes,
-    rendezvous,
-    ring,
-    select,
-    shm,
-    tree,
-    watchdog,
-)
+from gradring.comm import desync, engine, homes, select, watchdog
+from gradring.comm.algos import direct, hierarchical, ring, tree
 from gradring.comm.homes import Homes
 from gradring.comm.ops import Op
-from gradring.comm.torchdist import TorchTransport
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, Transport
+from gradring.comm.transports.shm import rendezvous
+from gradring.comm.transports.shm import transport as shm
+from gradring.comm.transports.torchdist import TorchTransport
 
 #: torch's default for non-NCCL groups, used when the group's timeout is unknown.
 DEFAULT_TIMEOUT_S = 1800.0

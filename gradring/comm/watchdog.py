@@ -56,7 +56,8 @@ from typing import Any
 
 import torch
 
-from gradring.comm import desync, segments
+from gradring.comm import desync
+from gradring.comm.transports.shm import segments
 
 #: Seconds a rank waits before telling the board it has arrived (keeps the fast path silent).
 BOARD_AFTER_S = 0.5

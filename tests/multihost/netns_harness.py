@@ -168,7 +168,7 @@ class TwoHosts:
             return " ".join(spec) + " (netem)"
         if not rate:
             raise RuntimeError("this kernel has no netem qdisc: a delay cannot be emulated")
-        from gradring.sim import parse_bandwidth
+        from gradring.tools.plan import parse_bandwidth
 
         bps = parse_bandwidth(rate)
         burst = max(16 * 1024, int(bps / 1000))  # 1 ms worth (>= rate/HZ at HZ=1000)

@@ -52,15 +52,17 @@ from typing import Any
 
 import torch
 
-from gradring.comm import desync, futex, segments, shm_status
-from gradring.comm.segments import Segment
-from gradring.comm.shm_mailbox import (
+from gradring.comm import desync
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
+from gradring.comm.transports.shm import futex, segments
+from gradring.comm.transports.shm import status as shm_status
+from gradring.comm.transports.shm.mailbox import (
     Mailboxes,
     _Recv,
     _Send,
     slots_offset,
 )
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
+from gradring.comm.transports.shm.segments import Segment
 
 _MAGIC = 0x31676E6972647267  # "grdring1"
 _HEADER = struct.Struct("<QIIIIQ")  # magic, pid, rank, world, reserved, cookie

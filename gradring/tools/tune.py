@@ -255,7 +255,7 @@ def measure_allreduce(sizes: Sequence[int], *, budget_bytes: int = 64 * MIB) -> 
     """Median ms of one asynchronous all-reduce per size (float32), on a comm.empty buffer."""
     import torch.distributed as dist
 
-    from gradring.communicator import GroupComm
+    from gradring.group_comm import GroupComm
 
     comm = GroupComm(dist.group.WORLD)
     buf = comm.empty(max(sizes) // 4 + 1, torch.float32, torch.device("cpu"))
@@ -282,7 +282,7 @@ def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps
     import torch.distributed as dist
 
     import gradring
-    from gradring.overlap import ddp_overlap_stats
+    from gradring.observe.overlap import ddp_overlap_stats
 
     setups: dict[Any, tuple[nn.Module, Any, Any, torch.optim.Optimizer]] = {}
     for key in ["plain", *caps_mb]:
@@ -386,7 +386,7 @@ def tune_bucket_cap(model_fn: Callable[[], nn.Module] | None = None,
     returning ``(model, input, loss_fn)``). ``per_bucket_ms`` is the cost c of
     [Note: how the tuner decides] (None: the measured smallest all-reduce).
     """
-    from gradring.launch import run_local
+    from gradring.tools.launch import run_local
 
     if workload is None:
         if model_fn is None or input_fn is None or loss_fn is None:

@@ -34,7 +34,7 @@ fixed, so W ranks do W times the work of one).
 Backward timing comes from one of: a built-in or ``module:function`` workload
 profiled here on one process (``tune.profile_backward``: per-parameter
 gradient-ready times), a ``tune --json`` result, or a Chrome trace written by
-``gradring.overlap.export_chrome_trace`` (per-bucket ready times and sizes).
+``gradring.observe.overlap.export_chrome_trace`` (per-bucket ready times and sizes).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
 from gradring.comm.select import TREE_MAX_BYTES
-from gradring.tune import Profile, profile_backward, simulate
+from gradring.tools.tune import Profile, profile_backward, simulate
 
 ALGOS = ("auto", "ring", "tree", "hierarchical")
 DEFAULT_RANKS = tuple(2 ** k for k in range(1, 11))  # 2 .. 1024
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", nargs="?", default=None,
                     help="built-in workload (see gradring tune) or module:function to profile")
-    ap.add_argument("--trace", help="Chrome trace from gradring.overlap.export_chrome_trace")
+    ap.add_argument("--trace",
+                    help="Chrome trace from gradring.observe.overlap.export_chrome_trace")
     ap.add_argument("--tune-json", help="a `gradring tune --json` result (its profile)")
     ap.add_argument("--bandwidth", default="10gbit", help="between hosts, e.g. 1gbit, 10GB/s")
     ap.add_argument("--latency", default="50us", help="per message between hosts, e.g. 0.5ms")
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import functools
 
-        from gradring.tune import load_workload
+        from gradring.tools.tune import load_workload
         profile, fixed = profile_backward(functools.partial(load_workload, a.workload)), False
     cluster = Cluster(Link(parse_bandwidth(a.bandwidth), parse_seconds(a.latency)),
                       a.ranks_per_host,

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradring.comm import futex, ops
+from gradring.comm import ops
 from gradring.comm.ops import Op
+from gradring.comm.transports.shm import futex
 
 _DOORBELL_WORD = 128 // 4
 _CHAN_OFF = 640

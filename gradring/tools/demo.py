@@ -69,7 +69,7 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
                max_batches: int | None = None, trace_dir: str | None = None) -> dict[str, Any]:
     import gradring
-    from gradring.overlap import ddp_overlap_stats, export_chrome_trace
+    from gradring.observe.overlap import ddp_overlap_stats, export_chrome_trace
 
     xtr, ytr, xte, yte = load_digits_tensors()
     model = gradring.DistributedDataParallel(make_model(), bucket_cap_mb=0.1)
@@ -121,7 +121,7 @@ def train_single(world: int, epochs: int, per_rank: int, lr: float,
 
 
 def _overlap_summary(result: dict[str, Any]) -> list[str]:
-    from gradring.overlap import format_table
+    from gradring.observe.overlap import format_table
 
     ov, step = result["overlap"], result["step_ms"]
     if not ov or not ov.get("iterations"):
@@ -140,7 +140,7 @@ def _overlap_summary(result: dict[str, Any]) -> list[str]:
 def _draw(results: list[dict[str, Any]], image: str | None, trace_out: str | None,
           tmp: str) -> list[str]:
     """Merge the ranks' traces (kept at ``trace_out`` if given) and draw ``image`` from them."""
-    from gradring.overlap import merge_traces
+    from gradring.observe.overlap import merge_traces
 
     merged = merge_traces([r["trace"] for r in results],
                           trace_out or os.path.join(tmp, "merged.json"))
@@ -148,7 +148,7 @@ def _draw(results: list[dict[str, Any]], image: str | None, trace_out: str | Non
     if not image:
         return lines
     try:
-        from gradring.timeline import draw_timeline
+        from gradring.observe.timeline import draw_timeline
 
         draw_timeline(merged, image, last=3, title="gradring demo: last 3 steps")
     except ImportError:  # matplotlib is in the [demo] extra; keep the demo runnable
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, metavar="JSON",
                     help="also keep the merged Chrome trace here")
     a = ap.parse_args(argv)
-    from gradring.launch import run_local
+    from gradring.tools.launch import run_local
 
     epochs, max_batches = (1, 10) if a.small else (a.epochs, None)
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
     gradring timeline merged.json -o timeline.png            # the last 3 iterations
     gradring timeline merged.json -o all.png --last 0        # every iteration in the file
 
-The input is a Chrome trace written by ``gradring.overlap.merge_traces`` (or
+The input is a Chrome trace written by ``gradring.observe.overlap.merge_traces`` (or
 one rank's ``export_chrome_trace``). Each rank gets two lanes, like the
 chapter's §17.3.1 figure: *compute*, where the backward is cut at the moments
 buckets became ready and each piece has its bucket's colour (the work that
@@ -125,7 +125,8 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gradring timeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", help="merged Chrome-trace JSON (gradring.overlap.merge_traces)")
+    ap.add_argument("trace",
+                    help="merged Chrome-trace JSON (gradring.observe.overlap.merge_traces)")
     ap.add_argument("-o", "--output", default="timeline.png", help="image to write (PNG)")
     ap.add_argument("--last", type=int, default=3,
                     help="draw the newest N iterations (0: all; default 3)")

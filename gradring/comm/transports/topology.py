@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from gradring.comm import segments
+from gradring.comm.transports.shm import segments
 
 #: Store key counting arrivals, so each instance of a group gets fresh keys.
 _ARRIVALS = "gradring/topo/arrivals"

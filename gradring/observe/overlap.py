@@ -1,7 +1,7 @@
 """How much of the gradient communication the backward hid: statistics and trace export.
 
 Everything here is a pure function over the reducer's trace events
-(gradring/trace.py) plus bucket metadata, so it is tested with synthetic
+(gradring/observe/trace.py) plus bucket metadata, so it is tested with synthetic
 events and no process group. ``ddp_overlap_stats`` and ``export_chrome_trace``
 are the two entry points that read a live ``DistributedDataParallel``.
 
@@ -62,7 +62,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from gradring.trace import Event
+from gradring.observe.trace import Event
 
 COMPUTE_TID = 0  # Chrome-trace thread id of the compute lane
 COMM_TID = 1     # ... and of the communication lane

@@ -30,10 +30,10 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from gradring.comm import futex, segments
-from gradring.comm.segments import Segment
-from gradring.comm.shm import ShmTransport, control_matches, stamp_control
-from gradring.comm.shm_mailbox import control_size
+from gradring.comm.transports.shm import futex, segments
+from gradring.comm.transports.shm.mailbox import control_size
+from gradring.comm.transports.shm.segments import Segment
+from gradring.comm.transports.shm.transport import ShmTransport, control_matches, stamp_control
 
 _transport_counter = itertools.count()
 _cleaned = False

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.comm import ops, rendezvous, ring, select, tree
+from gradring.comm import ops, select
+from gradring.comm.algos import ring, tree
 from gradring.comm.ops import Op
-from gradring.comm.topology import Topology, exchange
 from gradring.comm.transport import (
     CollectiveError,
     CollectiveInfo,
@@ -47,6 +47,8 @@ from gradring.comm.transport import (
     Kind,
     Transport,
 )
+from gradring.comm.transports.shm import rendezvous
+from gradring.comm.transports.topology import Topology, exchange
 
 
 class SubsetTransport:

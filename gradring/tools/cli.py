@@ -7,12 +7,15 @@ import os
 import sys
 
 COMMANDS = {
-    "demo": ("gradring.demo", "train digits on N local processes and check the result"),
+    "demo": ("gradring.tools.demo", "train digits on N local processes and check the result"),
     "bench": (None, "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
-    "timeline": ("gradring.timeline", "draw a merged Chrome trace as a Gantt chart (PNG)"),
-    "tune": ("gradring.tune", "pick bucket_cap_mb by measuring, then check it by running DDP"),
-    "flight": ("gradring.flight", "merge flight-recorder dumps and name the stuck collective"),
-    "plan": ("gradring.sim", "predict step time and scaling, 2-1024 ranks (alpha-beta model)"),
+    "timeline": ("gradring.observe.timeline", "draw a merged Chrome trace as a Gantt chart (PNG)"),
+    "tune": ("gradring.tools.tune",
+             "pick bucket_cap_mb by measuring, then check it by running DDP"),
+    "flight": ("gradring.tools.flight",
+               "merge flight-recorder dumps and name the stuck collective"),
+    "plan": ("gradring.tools.plan",
+             "predict step time and scaling, 2-1024 ranks (alpha-beta model)"),
 }
 
 

@@ -1,0 +1,1 @@
+"""gradring/comm/transports/shm."""
