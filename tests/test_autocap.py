@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import oracle
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from gradring import autocap
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
 from gradring.tools import tune
+from tests import oracle
 
 
 def _profile(n: int, layer_bytes: int, backward_ms: float) -> tune.Profile:
