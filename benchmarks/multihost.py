@@ -183,7 +183,7 @@ def _summarise(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mean_profile(run: dict[str, Any]) -> Any:
-    from gradring.tools.tune import Profile
+    from gradring.step_model import Profile
 
     ps = [r["profile"] for r in run["ranks"]]
     mean = statistics.fmean

@@ -9,8 +9,8 @@ import pytest
 
 from gradring.buckets import MIB
 from gradring.comm.select import TREE_MAX_BYTES
+from gradring.step_model import Profile
 from gradring.tools import plan as sim
-from gradring.tools.tune import Profile
 
 LINK = sim.Link(bandwidth=1.25e8, latency=5e-4)  # 1 Gbit/s, 0.5 ms
 SHM = sim.Link(bandwidth=5e9, latency=2e-5)
