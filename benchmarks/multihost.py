@@ -248,8 +248,10 @@ def report(results: dict[str, dict[int, dict[str, Any]]]) -> str:
 
 def orchestrate(shapes: list[str], steps: int, rounds: int, reps: int,
                 timeout: float) -> dict[str, dict[int, dict[str, Any]]]:
-    sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
-    from netns_harness import TwoHosts, unavailable
+    # The namespace harness is the test suite's (tests/multihost/): a source checkout only.
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from tests.multihost.netns_harness import TwoHosts, unavailable
 
     why = unavailable()
     if why is not None:
