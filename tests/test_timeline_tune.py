@@ -20,6 +20,12 @@ from gradring.tools import tune, workloads
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _needs_matplotlib() -> None:
+    """Skip, saying why, where the optional timeline dependency is not installed."""
+    pytest.importorskip("matplotlib", reason="drawing the timeline needs matplotlib "
+                                             "(pip install 'gradring[demo]')")
+
+
 def train_and_export(rank: int, world: int, out_dir: str, steps: int) -> str:
     import gradring
 
@@ -44,6 +50,7 @@ def _distinct_colours(png: str, min_pixels: int = 300) -> int:
 
 
 def test_timeline_png_from_a_real_trace(pools, tmp_path) -> None:
+    _needs_matplotlib()
     paths = pools.run(2, train_and_export, str(tmp_path), 6)
     merged = merge_traces(paths, str(tmp_path / "merged.json"))
     out = str(tmp_path / "timeline.png")
@@ -57,6 +64,7 @@ def test_timeline_png_from_a_real_trace(pools, tmp_path) -> None:
 
 
 def test_timeline_rejects_a_trace_without_iterations(tmp_path) -> None:
+    _needs_matplotlib()
     empty = tmp_path / "empty.json"
     empty.write_text('{"traceEvents": []}')
     assert timeline.main([str(empty), "-o", str(tmp_path / "x.png")]) == 1
@@ -154,6 +162,7 @@ def test_tune_rank_on_real_ranks(pools) -> None:
 
 # ----------------------------------------------------------------- the demo, end to end
 def test_demo_small_end_to_end(tmp_path) -> None:
+    _needs_matplotlib()
     png, trace = tmp_path / "demo.png", tmp_path / "demo.json"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
