@@ -141,9 +141,9 @@ class SlotKind(enum.Enum):
     - ``HOMED``: the gradient stays in ``.grad``; the collective reads the own
       chunk from it and writes the result back into it ([Note: homed
       all-reduce] in ``comm/homes.py``).
-    - ``LENT``: the slot lies outside the own chunk; the gradient is copied in
-      and ``.grad`` becomes a view of the slot ([Note: lent gradients] in
-      ``lending.py``).
+    - ``LENT``: the slot lies outside the own chunk (or is small); the
+      gradient is copied in and ``.grad`` becomes a view of the slot ([Note:
+      lent gradients] in ``lending.py``).
     - ``COPIED``: copied into the slot and the result copied back out (comm
       hooks, CUDA, integer buckets, one rank).
 
@@ -183,6 +183,7 @@ class Bucket:
         # The parameters themselves, in slot order.
         self.params = params
         self.numels = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
         # Element offset of each slot inside the flat buffer.
         self.offsets: list[int] = []
         total = 0
@@ -192,8 +193,9 @@ class Bucket:
         # Allocates the flat buffer (comm.empty: shared memory on one host).
         self._allocate = allocate
         self.buffer, self.views = self._make_buffer()
-        # Gradients still missing in this backward.
-        self.pending = len(params)
+        # Gradients still missing in this backward, out of ``size``.
+        self.size = len(params)
+        self.pending = self.size
         # Lifecycle within one backward.
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
@@ -206,6 +208,9 @@ class Bucket:
         self.homable = False
         self.homes: list[tuple[int, torch.Tensor]] = []
         self.homed_slots: set[int] = set()
+        # This backward's slots whose result the reducer copies back into .grad
+        # at the end (copied in, or no gradient); the others already hold it.
+        self.to_write: list[int] = []
         # Lending state: which slots may hold .grad in this buffer, and the
         # views handed out (see [Note: lent gradients] in lending.py).
         self.lending = LentSlots(self)
@@ -253,8 +258,9 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
     def reset(self) -> None:
-        self.pending = len(self.params)
+        self.pending = self.size
         self.state = BucketState.FILLING
         self.future = None
         self.homes = []
         self.homed_slots = set()
+        self.to_write = []

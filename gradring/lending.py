@@ -1,4 +1,4 @@
-"""Lent gradients: ``.grad`` in bucket memory outside a rank's own chunk.
+"""Lent gradients: ``.grad`` in bucket memory (outside a rank's own chunk, or small).
 
 [Note: lent gradients]
 Without ``gradient_as_bucket_view`` a homed bucket (see [Note: homed
@@ -11,7 +11,11 @@ the bucket.
 So a parameter whose slot lies wholly outside the own chunk is *lent* its
 bucket slot: its hook copies the (scaled) gradient into the slot, as always,
 and then sets ``.grad`` to a view of the slot. The peer's result lands in
-``.grad`` with no copy at all.
+``.grad`` with no copy at all. Small slots (``SMALL_SLOT_NUMEL``) are lent
+inside the own chunk too: the collective then reduces them in the flat
+buffer, in one span with their neighbours, instead of piece by piece in
+their homes, which for thousands of tiny tensors costs far more than copying
+them in.
 
 What a user can observe, and how it stays what torch's DDP gives:
 
@@ -98,14 +102,36 @@ def fresh(grad: torch.Tensor) -> bool:
     return py <= _FRESH[0] and st <= _FRESH[1]
 
 
+#: Slots of at most this many elements are lent even inside the own chunk: copying
+#: a small gradient in costs less than the per-piece work of homing it (slicing,
+#: summing and copying each piece on its own inside the collective).
+SMALL_SLOT_NUMEL = 4096
+
+
+_SCALES: dict[float, torch.Tensor] = {}
+
+
+def scale_tensor(scale: float) -> torch.Tensor:
+    """``scale`` as a 0-dim float64 tensor, made once per value. ``torch.mul`` by
+    it gives the same bits as by the Python float (a 0-dim tensor does not change
+    the result dtype either), but skips wrapping the float into a new tensor on
+    every call, which measured about half the cost of a small tensor's multiply."""
+    t = _SCALES.get(scale)
+    if t is None:
+        t = _SCALES[scale] = torch.tensor(scale, dtype=torch.float64)
+    return t
+
+
 def lendable_slots(bucket: Bucket) -> frozenset[int]:
-    """Slots wholly outside the bucket's own chunk, of contiguous parameters."""
+    """Slots of contiguous parameters wholly outside the bucket's own chunk,
+    and small ones (see SMALL_SLOT_NUMEL) anywhere."""
     if not (SUPPORTED and bucket.homable):
         return frozenset()
     lo, hi = bucket.own
     return frozenset(
         s for s, (off, n, p) in enumerate(zip(bucket.offsets, bucket.numels, bucket.params))
-        if (off + n <= lo or off >= hi) and n > 0 and p.is_contiguous())
+        if (off + n <= lo or off >= hi or n <= SMALL_SLOT_NUMEL) and n > 0
+        and p.is_contiguous())
 
 
 class LentSlots:
@@ -143,13 +169,14 @@ class LentSlots:
     def lend(self, slot: int, grad: torch.Tensor, scale: float) -> torch.Tensor:
         """Copy ``grad`` (scaled) into ``slot`` and return the view to become ``.grad``."""
         view = self.hand_out(slot)
-        torch.mul(grad, scale, out=view)
+        torch.mul(grad, scale_tensor(scale), out=view)
         return view
 
     def hand_out(self, slot: int) -> torch.Tensor:
         """A fresh view of ``slot`` to become ``.grad`` (fresh, so that a kept one is seen)."""
         b = self.bucket
-        view = b.buffer.narrow(0, b.offsets[slot], b.numels[slot]).view(b.params[slot].shape)
+        # A new view of the bucket's own slot view: one call instead of narrow + view.
+        view = b.views[slot].view(b.shapes[slot])
         self.handed[slot] = weakref.ref(view)
         self.ever = True
         return view

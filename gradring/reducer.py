@@ -48,7 +48,7 @@ from gradring.buckets import (
 from gradring.grad_bucket import GradBucket
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
-from gradring.lending import fresh
+from gradring.lending import fresh, scale_tensor
 from gradring.observe.trace import Trace
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -107,6 +107,12 @@ class Reducer:
         self._recycled: dict[int, torch.Tensor] = {}
         # param index -> (bucket index, slot index)
         self._locator: list[tuple[int, int]] = []
+        # Per slot kind, how a gradient goes in (see [Note: slot kinds]).
+        self._put_in = {SlotKind.VIEW: self._put_view, SlotKind.LENT: self._put_lent,
+                        SlotKind.HOMED: self._put_homed, SlotKind.COPIED: self._put_copied}
+        # param index -> (its bucket, its slot, the _put_* method of the slot's
+        # kind), looked up once per gradient (see [Note: the per-gradient path]).
+        self._route: list[tuple[Bucket, int, Callable[..., None]]] = []
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
@@ -165,9 +171,8 @@ class Reducer:
         # Backward passes that ran with sync on (static_graph's iteration counter).
         self.num_backward = 0
         self.num_forward = 0
-        # Per slot kind, how a gradient goes in (see [Note: slot kinds]).
-        self._put_in = {SlotKind.VIEW: self._put_view, SlotKind.LENT: self._put_lent,
-                        SlotKind.HOMED: self._put_homed, SlotKind.COPIED: self._put_copied}
+        # Whether this backward records the gradients' arrival order (for the rebuild).
+        self._record_arrival = False
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -191,6 +196,7 @@ class Reducer:
         self.comm_hook, self.comm_hook_state = hook, state
         for bucket in self.buckets:
             bucket.decide_kinds(view_mode=self.grad_as_view, hooked=True)
+        self._build_routes()
 
     def set_divide_factor(self, factor: int) -> None:
         """What the default path divides gradients by (Join may lower it)."""
@@ -223,6 +229,7 @@ class Reducer:
                 locator[i] = (bi, slot)
             buckets.append(bucket)
         self.buckets, self._locator = buckets, locator
+        self._build_routes()
         self._recycled.clear()
         if self.grad_as_view:
             # Keep accumulated values (e.g. from no_sync) and point .grad at the new views.
@@ -234,6 +241,14 @@ class Reducer:
                         view.copy_(p.grad)
                         p.grad = view
         self._next_bucket = 0
+
+    def _build_routes(self) -> None:
+        """Each parameter's bucket, slot and put method, from the stored slot kinds."""
+        route = []
+        for b, s in self._locator:
+            bucket = self.buckets[b]
+            route.append((bucket, s, self._put_in[bucket.kinds[s]]))
+        self._route = route
 
     def rebuild_if_needed(self) -> bool:
         """At the start of a forward: rebuild buckets in gradient-arrival order, once."""
@@ -291,6 +306,7 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._first_hook_done = False
         self._delay_queued = False
+        self._record_arrival = self._recording_arrival()
         self._next_bucket = 0
         for b in self.buckets:
             b.reset()
@@ -347,30 +363,45 @@ class Reducer:
             return self._static_unused
         return self._unused if self.mode is GraphMode.FIND_UNUSED else []
 
+    # [Note: the per-gradient path]
+    # _mark_ready runs once per parameter per backward, so it does no more than
+    # it must: the bucket, slot and put method come from one precomputed route
+    # (rebuilt whenever slot kinds are decided), the arrival flag is decided
+    # once per backward, grad mode is switched off only when it is on (it is
+    # off inside an ordinary backward; on under create_graph), the scale is
+    # multiplied as a cached 0-dim tensor (see lending.scale_tensor), and
+    # tracing marks buckets, never parameters.
     def _mark_ready(self, i: int) -> None:
-        if self._ready[i]:
+        ready = self._ready
+        if ready[i]:
             raise self._fail(errors.marked_twice(i, self.names[i]))
-        self._ready[i] = True
+        ready[i] = True
         self.require_finalize = True
-        b, s = self._locator[i]
-        bucket = self.buckets[b]
-        if bucket.pending == len(bucket.params):
+        bucket, s, put = self._route[i]
+        if bucket.pending == bucket.size:
             bucket.lending.claim()  # the backward's first write into this bucket
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
-        with torch.no_grad():
+        grad_mode = torch.is_grad_enabled()
+        if grad_mode:
+            torch._C._set_grad_enabled(False)
+        try:
             if self.params[i].grad is None:
                 bucket.views[s].zero_()
+                bucket.to_write.append(s)
             else:
                 # No local reference to the gradient here: lending counts them.
-                self._put_in[bucket.kinds[s]](bucket, s, i, scale)
-        if self._recording_arrival():
+                put(bucket, s, i, scale)
+        finally:
+            if grad_mode:
+                torch._C._set_grad_enabled(True)
+        if self._record_arrival:
             self._arrival.append(i)
             if self.auto_stamps is not None:
                 self.auto_stamps.mark(i)
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.state = BucketState.READY
-            self.trace.mark("ready", b)
+            self.trace.mark("ready", bucket.index)
             self._launch_ready()
 
     # How a gradient goes into its slot, one method per SlotKind; each falls
@@ -382,7 +413,7 @@ class Reducer:
         view = bucket.views[s]
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
-                view.mul_(scale)
+                view.mul_(scale_tensor(scale))
             return
         self._put_copied(bucket, s, i, scale)
         self.params[i].grad = view
@@ -392,7 +423,7 @@ class Reducer:
         view = bucket.views[s]
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
-                view.mul_(scale)
+                view.mul_(scale_tensor(scale))
         elif grad.layout is torch.strided and fresh(grad):
             self.params[i].grad = bucket.lending.lend(s, grad, scale)
             self._recycled[i] = grad
@@ -416,7 +447,8 @@ class Reducer:
         lo, hi = bucket.own
         for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
             if a < b:
-                torch.mul(flat[a - start:b - start], scale, out=bucket.buffer[a:b])
+                torch.mul(flat[a - start:b - start], scale_tensor(scale),
+                          out=bucket.buffer[a:b])
         bucket.homes.append((start, flat))
         bucket.homed_slots.add(s)
 
@@ -424,9 +456,10 @@ class Reducer:
         grad = self.params[i].grad
         view = bucket.views[s]
         if scale != 1.0:
-            torch.mul(grad, scale, out=view)
+            torch.mul(grad, scale_tensor(scale), out=view)
         else:
             view.copy_(grad)
+        bucket.to_write.append(s)  # the result goes back into .grad at finalize
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
@@ -524,6 +557,7 @@ class Reducer:
                             bucket.buffer.copy_(value.reshape(-1))
                         self._write_grads(bucket, used)
                         bucket.homes, bucket.homed_slots = [], set()  # no refs to old grads
+                        bucket.to_write = []
                     if self.post_reduce is not None:
                         self.post_reduce(bucket)
                     self.trace.mark("written", bucket.index)
@@ -549,11 +583,15 @@ class Reducer:
             raise self._fail(f"{exc}\n{where}") from exc
 
     def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
+        # Only the slots whose put left the result to be written back (copied in,
+        # or no gradient): homed, lent and view slots already hold it in .grad.
         homed = bucket.homed_slots
         kinds = bucket.kinds
-        for slot, i in enumerate(bucket.param_indices):
+        indices = bucket.param_indices
+        for slot in bucket.to_write:
             if slot in homed:
                 continue  # the collective wrote the result into .grad itself
+            i = indices[slot]
             if used is not None and used[i] == 0:
                 continue  # unused on every rank: leave .grad untouched
             p = self.params[i]

@@ -29,8 +29,13 @@ class Trace:
         self.events: collections.deque[Event] = collections.deque(maxlen=capacity)
         # Iteration number stamped on new events (the reducer advances it).
         self.iteration = 0
+        # Internal switch for measuring what tracing costs (``gradring bench ddp``
+        # compares both); overlap statistics and timelines need it on.
+        self.enabled = True
 
     def mark(self, kind: str, bucket: int = -1, iteration: int | None = None) -> None:
+        if not self.enabled:
+            return
         it = self.iteration if iteration is None else iteration
         self.events.append(Event(it, kind, bucket, time.perf_counter()))
 

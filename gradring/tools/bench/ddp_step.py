@@ -1,21 +1,32 @@
 """DDP step time: gradring vs torch DDP, side by side in one run.
 
     gradring bench ddp                 # world 2, all models
-    gradring bench ddp --nproc 2 --steps 10 --rounds 5 --models mlp64
+    gradring bench ddp --nproc 2 --steps 10 --rounds 5 --models mlp64 small2000
 
 (``python benchmarks/ddp_step.py`` in a source checkout runs the same.)
 
-Each rank runs, round after round, the same model under three set-ups:
+Each rank runs, round after round, the same model under these set-ups:
 ``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
-the process group, and gradring's DDP. Rounds interleave the set-ups so that
-machine noise hits all of them alike; figures are medians over rounds.
-One intra-op thread per rank.
+the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
+and gradring's with its always-on trace switched off (``notrace``). Rounds
+interleave the set-ups so that machine noise hits all of them alike; figures
+are medians over rounds. One intra-op thread per rank.
+
+Models: ``mlp64``/``mlp8`` (12 x Linear(1024), batch 64 / 8 per rank),
+``transformer`` (4 torch encoder layers, d 256, seq 128), ``gpt`` (GPT-shaped:
+4 pre-norm blocks, d 256, 4 heads, seq 64, vocab 512, batch 4; 53 tensors),
+``resnet`` (ResNet-shaped: 8 basic blocks with BatchNorm, 32x32 images,
+batch 8; 62 tensors) and ``small2000`` (2,000 tensors of 64 floats: what the
+reducer costs per parameter, with almost no compute or bytes).
 
 Overhead = DDP ms/step - pair ms/step. A DDP step cannot end before its slowest
 rank has computed, and on a loaded 2-core VM one core is often a few ms
 slower than the other, so a round's pair time is the slower rank's (its DDP
 times agree across ranks: every step ends in a collective). The last column
-shows the ratio against rank 0's pair time alone, for comparison.
+shows the ratio against rank 0's pair time alone, for comparison. The
+second table gives, per model, the overhead ratio's spread across rounds
+(each round's ratio, min-max), and the overhead in microseconds per parameter
+per step for torch, gradring, and gradring without tracing.
 """
 
 from __future__ import annotations
@@ -36,11 +47,89 @@ import torch.multiprocessing as mp
 from torch import nn
 
 MODELS = {
-    # name: (builder, per-rank input maker)
+    # name: (builder, per-rank batch)
     "mlp64": ("mlp", 64),
     "mlp8": ("mlp", 8),
     "transformer": ("transformer", 16),
+    "gpt": ("gpt", 4),
+    "resnet": ("resnet", 8),
+    "small2000": ("small", 4),
 }
+
+
+class _Block(nn.Module):
+    """A pre-norm GPT block: causal self-attention and a 4x MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class _Gpt(nn.Module):
+    def __init__(self, vocab: int = 512, d: int = 256, heads: int = 4, blocks: int = 4,
+                 seq: int = 64) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[_Block(d, heads) for _ in range(blocks)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln(self.blocks(x)))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.short: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                       nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))
+        return torch.relu(y + self.short(x))
+
+
+def _resnet() -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16),
+                               nn.ReLU()]
+    cin = 16
+    for stage, cout in enumerate((16, 32, 64, 128)):
+        for j in range(2):
+            layers.append(_BasicBlock(cin, cout, 2 if stage and j == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    return nn.Sequential(*layers)
+
+
+class _ManySmall(nn.Module):
+    """``n`` parameters of ``d`` floats, each added once: the reducer's cost per parameter."""
+
+    def __init__(self, n: int = 2000, d: int = 64) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(d) * 0.01) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for p in self.ps:
+            x = x + p
+        return x
 
 
 def build(kind: str) -> tuple[nn.Module, Any]:
@@ -50,6 +139,12 @@ def build(kind: str) -> tuple[nn.Module, Any]:
         for _ in range(12):
             layers += [nn.Linear(1024, 1024), nn.ReLU()]
         return nn.Sequential(*layers), lambda b: torch.randn(b, 1024)
+    if kind == "gpt":
+        return _Gpt(), lambda b: torch.randint(0, 512, (b, 64))
+    if kind == "resnet":
+        return _resnet(), lambda b: torch.randn(b, 3, 32, 32)
+    if kind == "small":
+        return _ManySmall(), lambda b: torch.randn(b, 64)
     enc = nn.TransformerEncoder(
         nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True), 4,
         enable_nested_tensor=False)
@@ -95,7 +190,9 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             "gradring": gradring.DistributedDataParallel(copy.deepcopy(base)),
             "gradring_view": gradring.DistributedDataParallel(
                 copy.deepcopy(base), gradient_as_bucket_view=True),
+            "notrace": gradring.DistributedDataParallel(copy.deepcopy(base)),
         }
+        setups["notrace"].reducer.trace.enabled = False
         for m in setups.values():
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
         res: dict[str, list[float]] = {k: [] for k in setups}
@@ -104,10 +201,14 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
                 dist.barrier()
                 res[key].append(time_steps(m, x, args.steps))
         results[name] = res
+        res["_nparams"] = [float(sum(1 for p in base.parameters() if p.requires_grad))]
         if rank == 0:
             results[name]["_mem"] = [float(v) for v in
                                      grad_bytes_outside_buckets(setups["gradring"])
                                      + grad_bytes_outside_buckets(setups["gradring_view"])]
+        for m in setups.values():  # free the buffers before the next model
+            m.zero_grad(set_to_none=True)
+        del setups
     out_q.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
@@ -140,6 +241,21 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
             f"{name:<12}{med['pair']:>8.1f}{med['torch']:>8.1f}{med['gradring']:>10.1f}"
             f"{med['gradring'] / med['torch']:>9.2f}{ot:>11.1f}{og:>14.1f}{ratio:>11.2f}"
             f"{med['gradring_view']:>8.1f}{ratio0:>21.2f}")
+    lines += ["", "per parameter and step (overhead / tensors), ratio spread = each round's "
+              "overhead ratio, min-max",
+              f"{'model':<12}{'tensors':>8}{'ratio':>7}{'spread':>14}{'us torch':>10}"
+              f"{'us gradring':>13}{'us notrace':>12}{'trace us':>10}"]
+    for name, res in results.items():
+        n = res["_nparams"][0]
+        med = {k: statistics.median(v) for k, v in res.items() if not k.startswith("_m")}
+        ot, og = med["torch"] - med["pair"], med["gradring"] - med["pair"]
+        on = med["notrace"] - med["pair"]
+        per_round = [(g - p) / (t - p) for p, t, g in zip(res["pair"], res["torch"],
+                                                          res["gradring"]) if t > p]
+        spread = (f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "n/a")
+        ratio = og / ot if ot > 0 else float("nan")
+        lines.append(f"{name:<12}{n:>8.0f}{ratio:>7.2f}{spread:>14}{ot * 1e3 / n:>10.2f}"
+                     f"{og * 1e3 / n:>13.2f}{on * 1e3 / n:>12.2f}{(og - on) * 1e3 / n:>10.2f}")
     for name, res in results.items():
         if "_mem" in res:
             out_plain, buck_plain, out_view, buck_view = res["_mem"]
