@@ -62,17 +62,14 @@ def storage_refs(t: torch.Tensor) -> int:
     return int(_use_count(t.untyped_storage()._cdata))
 
 
-def _counts(t: torch.Tensor) -> tuple[int, int]:
-    return sys.getrefcount(t), storage_refs(t)
-
-
 def _probe_fresh() -> tuple[int, int]:
     """Python and storage references of a gradient autograd has just stored,
     seen from a post-accumulate hook through one call, as :func:`fresh` sees it."""
     seen: list[tuple[int, int]] = []
 
     def through_one_call(grad: torch.Tensor) -> tuple[int, int]:
-        return _counts(grad)
+        # Counted exactly as fresh() counts: the caller's local, one parameter.
+        return sys.getrefcount(grad), storage_refs(grad)
 
     def hook(param: torch.Tensor) -> None:
         grad = param.grad
@@ -97,9 +94,12 @@ def fresh(grad: torch.Tensor) -> bool:
     """Whether nobody but its parameter and the caller's one local reference
     holds ``grad``, so that replacing it with a lent view is unobservable.
     (Otherwise torch's DDP would write the result into that very tensor.)"""
-    assert _FRESH is not None, "install() probes first"
-    py, st = _counts(grad)
-    return py <= _FRESH[0] and st <= _FRESH[1]
+    expected = _FRESH
+    assert expected is not None, "install() probes first"
+    # Counted as the probe counts (one call, no helper frames: this runs per gradient).
+    if sys.getrefcount(grad) > expected[0]:
+        return False
+    return _use_count(grad.untyped_storage()._cdata) <= expected[1]  # type: ignore[misc]
 
 
 #: Slots of at most this many elements are lent even inside the own chunk: copying
@@ -108,17 +108,21 @@ def fresh(grad: torch.Tensor) -> bool:
 SMALL_SLOT_NUMEL = 4096
 
 
-_SCALES: dict[float, torch.Tensor] = {}
+_SCALES: dict[tuple[float, bool], torch.Tensor] = {}
+_DOUBLE = (torch.float64, torch.complex128)
 
 
-def scale_tensor(scale: float) -> torch.Tensor:
-    """``scale`` as a 0-dim float64 tensor, made once per value. ``torch.mul`` by
-    it gives the same bits as by the Python float (a 0-dim tensor does not change
-    the result dtype either), but skips wrapping the float into a new tensor on
-    every call, which measured about half the cost of a small tensor's multiply."""
-    t = _SCALES.get(scale)
+def scale_tensor(scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` as a 0-dim tensor to multiply ``dtype`` gradients by, made once per
+    value: float64 for double gradients, float32 for the others (the precision
+    the kernels compute a Python float in, so the bits are the same, and a 0-dim
+    tensor does not change the result dtype). It skips wrapping the float into
+    a new tensor on every call: a 64-float multiply measured 1.4 us against 6.3."""
+    double = dtype in _DOUBLE
+    t = _SCALES.get((scale, double))
     if t is None:
-        t = _SCALES[scale] = torch.tensor(scale, dtype=torch.float64)
+        t = _SCALES[(scale, double)] = torch.tensor(
+            scale, dtype=torch.float64 if double else torch.float32)
     return t
 
 
@@ -169,7 +173,7 @@ class LentSlots:
     def lend(self, slot: int, grad: torch.Tensor, scale: float) -> torch.Tensor:
         """Copy ``grad`` (scaled) into ``slot`` and return the view to become ``.grad``."""
         view = self.hand_out(slot)
-        torch.mul(grad, scale_tensor(scale), out=view)
+        torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
         return view
 
     def hand_out(self, slot: int) -> torch.Tensor:

@@ -413,7 +413,7 @@ class Reducer:
         view = bucket.views[s]
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
-                view.mul_(scale_tensor(scale))
+                view.mul_(scale_tensor(scale, view.dtype))
             return
         self._put_copied(bucket, s, i, scale)
         self.params[i].grad = view
@@ -423,7 +423,7 @@ class Reducer:
         view = bucket.views[s]
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
-                view.mul_(scale_tensor(scale))
+                view.mul_(scale_tensor(scale, view.dtype))
         elif grad.layout is torch.strided and fresh(grad):
             self.params[i].grad = bucket.lending.lend(s, grad, scale)
             self._recycled[i] = grad
@@ -447,7 +447,7 @@ class Reducer:
         lo, hi = bucket.own
         for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
             if a < b:
-                torch.mul(flat[a - start:b - start], scale_tensor(scale),
+                torch.mul(flat[a - start:b - start], scale_tensor(scale, flat.dtype),
                           out=bucket.buffer[a:b])
         bucket.homes.append((start, flat))
         bucket.homed_slots.add(s)
@@ -456,7 +456,7 @@ class Reducer:
         grad = self.params[i].grad
         view = bucket.views[s]
         if scale != 1.0:
-            torch.mul(grad, scale_tensor(scale), out=view)
+            torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
         else:
             view.copy_(grad)
         bucket.to_write.append(s)  # the result goes back into .grad at finalize
