@@ -7,9 +7,10 @@ for its left neighbour, stuck or not. Ranks that have been blocked for
 the group's store; a rank whose collective failed posts "failed in #k" (with
 the reason) and a rank that shuts gradring down (``comm.shutdown()``, or at
 exit) posts "left after #k". Nothing is posted on the fast path. ``<gen>``
-comes from an atomic counter, so a re-created group or a restarted job on
-the same store never reads stale markers.
-
+comes from an atomic counter (``store.instance_prefix``), so a re-created
+group or a restarted job on the same store never reads stale markers. Each
+rank also posts its pid and host key (``topology.host_key``): a peer's pid
+says whether it still lives only when both share a host.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The flight recorder: the last collectives of this process, and the labels they carry.
 
-Flight recorder: each process keeps its last ``GRADRING_FLIGHT_SIZE`` (256)
+Each process keeps its last ``GRADRING_FLIGHT_SIZE`` (256)
 collectives in a ring buffer (:class:`Entry`: seq, kind, bytes, dtype, shape,
 label -- e.g. the DDP bucket -- times, state). With
 ``GRADRING_FLIGHT_RECORDER=<dir>`` it is written to ``<dir>/rank<R>.json`` on

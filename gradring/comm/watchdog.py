@@ -8,7 +8,7 @@ seconds. Who enforces it depends on where the bytes move:
 - shm: the waiting thread itself sleeps in 50 ms futex slices and, each
   slice, checks the deadline, whether peer pids live, and the peers' state
   words in their control segments (a peer that shut gradring down or failed
-  says so there, see ``shm.py``);
+  says so there, see ``transports/shm/status.py``);
 - torch transport (gloo send/recv): ``wait_all`` waits in slices too and asks
   the group's :class:`PeerBoard` whether a peer has failed or left;
 - native (``GRADRING_ALGO=native`` and the ops gradring hands to gloo): gloo's

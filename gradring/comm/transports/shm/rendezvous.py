@@ -32,7 +32,7 @@ from typing import Any
 
 from gradring.comm.store import instance_prefix
 from gradring.comm.transports.shm import futex, segments
-from gradring.comm.transports.shm.mailbox import control_size
+from gradring.comm.transports.shm.layout import control_size
 from gradring.comm.transports.shm.segments import Segment
 from gradring.comm.transports.shm.transport import ShmTransport, control_matches, stamp_control
 from gradring.comm.transports.topology import host_identity
