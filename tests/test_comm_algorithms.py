@@ -320,6 +320,26 @@ def test_selection_thresholds_and_overrides(monkeypatch) -> None:
         select.overrides()
 
 
+def test_registry_has_every_algorithm_select_can_choose() -> None:
+    """Every (algorithm, kind) pair ``select.choose`` can return runs through the
+    one registry; a pair that does not exist is refused by name, not run."""
+    from gradring.comm import select
+
+    chosen = set()
+    for kind in Kind:
+        for transport in ("shm", "torch", select.HOSTS):
+            for algo in (None, "ring", "tree", "hierarchical"):
+                for nbytes in (4, 64 << 20):
+                    for world in (2, 4):
+                        c = select.choose(kind, nbytes, world, transport, algo)
+                        chosen.add((c.algo, kind))
+                        assert (c.algo, kind) in algos.ALGORITHMS, (c, kind, transport, algo)
+    assert ("hierarchical", Kind.ALL_REDUCE) in chosen and ("direct", Kind.BARRIER) in chosen
+    with pytest.raises(ValueError, match=r"no broadcast algorithm 'ring'.*known: \['direct', "
+                                         r"'tree'\]"):
+        algos.lookup("ring", Kind.BROADCAST)
+
+
 def test_engine_runs_in_order_and_reports_failures() -> None:
     from gradring.comm.engine import Engine, Job, Work
 

@@ -24,6 +24,7 @@ import torch
 
 from gradring.comm import homes as _homes
 from gradring.comm import ops
+from gradring.comm.algos import direct, hierarchical, naive, ring, tree
 from gradring.comm.homes import Homes
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveInfo, Kind
@@ -42,9 +43,6 @@ class Call(NamedTuple):
 
 #: The one signature every registered algorithm has.
 Algorithm = Callable[[Any, Call], None]
-
-# The modules import Call's neighbours, not this package's table: import them last.
-from gradring.comm.algos import direct, hierarchical, naive, ring, tree  # noqa: E402
 
 ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER = (
     Kind.ALL_REDUCE, Kind.BROADCAST, Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.BARRIER)
