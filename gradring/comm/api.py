@@ -48,7 +48,7 @@ def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
 def _entry(ctx: GroupContext, kind: Kind, inp: torch.Tensor) -> Entry:
     """Number the collective and give it a flight-recorder entry."""
     return RECORDER.issue(ctx.name, ctx.next_seq(), kind.label,
-                                   inp.numel() * inp.element_size(), inp.dtype, inp.shape)
+                          inp.numel() * inp.element_size(), inp.dtype, inp.shape)
 
 
 def _refused(ctx: GroupContext, entry: Entry, async_op: bool) -> Work | None:
