@@ -16,10 +16,14 @@ where each bucket's first tensor sits in the walk. DDP calls this twice:
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from gradring.lending import LentSlots
 
 #: First bucket's cap after a rebuild: small, so the first all-reduce starts early.
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -75,9 +79,83 @@ def assign_buckets(
     return sealed
 
 
+@dataclass(frozen=True)
+class BucketCaps:
+    """The byte caps DDP's constructor arguments imply, for both assignments.
+
+    As in torch 2.13: ``bucket_cap_mb`` left at None means a 25 MiB cap with a
+    1 MiB first bucket (so the first all-reduce starts early); an explicit
+    ``bucket_cap_mb`` is also the first bucket's cap; ``bucket_cap_mb_list``
+    gives every bucket its own cap (the last repeats), at construction and at
+    the rebuild alike.
+    """
+
+    cap: int  # bucket_cap_mb in bytes (the largest of bucket_cap_mb_list)
+    first: int  # the first bucket's cap after the rebuild
+    per_bucket: tuple[int, ...] = ()  # bucket_cap_mb_list in bytes
+
+    @classmethod
+    def from_args(cls, bucket_cap_mb: float | None,
+                  bucket_cap_mb_list: Sequence[float] | None = None) -> BucketCaps:
+        if bucket_cap_mb_list:
+            per = tuple(int(mb * MIB) for mb in bucket_cap_mb_list)
+            if any(c <= 0 for c in per):
+                raise ValueError(f"bucket_cap_mb_list must hold positive sizes, got "
+                                 f"{list(bucket_cap_mb_list)}")
+            return cls(max(per), max(per), per)
+        if bucket_cap_mb is None:
+            return cls(DEFAULT_BUCKET_CAP_MB * MIB, DEFAULT_FIRST_BUCKET_BYTES)
+        cap = int(bucket_cap_mb * MIB)
+        return cls(cap, cap)
+
+    def initial(self, *, find_unused: bool) -> list[int]:
+        """Caps of the construction-time assignment (definition order, then reversed)."""
+        if self.per_bucket:
+            return list(self.per_bucket)
+        if not find_unused:
+            return [sys.maxsize]  # one bucket until the rebuild has seen a backward
+        return [self.first, self.cap] if self.first < self.cap else [self.cap]
+
+    def rebuild(self, cap: int | None = None) -> list[int]:
+        """Caps of the rebuild; ``cap`` replaces the cap (bucket_cap_mb="auto")."""
+        if self.per_bucket:
+            return list(self.per_bucket)
+        if cap is not None:
+            return [min(DEFAULT_FIRST_BUCKET_BYTES, cap), cap]
+        return [self.first, self.cap] if self.first < self.cap else [self.cap]
+
+
 def bucket_key(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
     """The key that decides which tensors may share a flat buffer."""
     return (t.dtype, t.device)
+
+
+class SlotKind(enum.Enum):
+    """How one parameter's gradient travels through its bucket slot.
+
+    [Note: slot kinds]
+    Decided once per bucket, when it is installed (and again if a comm hook is
+    registered), so the per-gradient hook follows a stored decision:
+
+    - ``VIEW``: gradient_as_bucket_view; ``.grad`` *is* the slot.
+    - ``HOMED``: the gradient stays in ``.grad``; the collective reads the own
+      chunk from it and writes the result back into it ([Note: homed
+      all-reduce] in ``comm/homes.py``).
+    - ``LENT``: the slot lies outside the own chunk; the gradient is copied in
+      and ``.grad`` becomes a view of the slot ([Note: lent gradients] in
+      ``lending.py``).
+    - ``COPIED``: copied into the slot and the result copied back out (comm
+      hooks, CUDA, integer buckets, one rank).
+
+    A gradient that does not fit its slot's kind at run time (no gradient,
+    a non-contiguous or sparse one, a kept old ``.grad``) falls back to the
+    next simpler kind: LENT -> HOMED -> COPIED.
+    """
+
+    VIEW = "view"
+    HOMED = "homed"
+    LENT = "lent"
+    COPIED = "copied"
 
 
 class BucketState(enum.Enum):
@@ -124,15 +202,38 @@ class Bucket:
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
         # pairs and their slots (see [Note: homed all-reduce] in comm/homes.py).
         self.own = (0, 0)
+        # Whether gradients may stay in .grad (CPU, floating point, world > 1, not view mode).
         self.homable = False
         self.homes: list[tuple[int, torch.Tensor]] = []
         self.homed_slots: set[int] = set()
-        # Lent slots and the views handed out as .grad (see [Note: lent
-        # gradients] in lending.py); storage references the reducer itself holds.
-        self.lent: frozenset[int] = frozenset()
-        self.handed: dict[int, Any] = {}
-        self.base_refs = 0
-        self.lent_ever = False
+        # Lending state: which slots may hold .grad in this buffer, and the
+        # views handed out (see [Note: lent gradients] in lending.py).
+        self.lending = LentSlots(self)
+        # Per slot, how its gradient travels (see [Note: slot kinds]).
+        self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
+
+    def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
+              hooked: bool) -> None:
+        """Set the own chunk and whether the bucket may be homed, then decide
+        every slot's kind (see [Note: slot kinds])."""
+        self.own = own
+        self.homable = homable
+        self.lending.reset_memory()
+        self.decide_kinds(view_mode=view_mode, hooked=hooked)
+
+    def decide_kinds(self, *, view_mode: bool, hooked: bool) -> None:
+        """Decide each slot's kind: a comm hook sees plain copies, never homes or loans."""
+        lent = self.lending.slots
+        for s in range(len(self.params)):
+            if view_mode:
+                kind = SlotKind.VIEW
+            elif hooked or not self.homable:
+                kind = SlotKind.COPIED
+            elif s in lent:
+                kind = SlotKind.LENT
+            else:
+                kind = SlotKind.HOMED
+            self.kinds[s] = kind
 
     def _make_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer the collective reduces, and per-slot views shaped like
