@@ -2,8 +2,8 @@
 
 The grid follows Gloo's tests: world size × element count × dtype × op, with
 integer-valued data so that every summation order gives the same exact
-result, then a random fuzz with changing sizes (the hazard MEASUREMENTS.md
-reports for reused buffer sets).
+result, then a random fuzz with changing sizes (an early prototype gave wrong
+sums when buffer sets were reused across changing sizes).
 """
 
 from __future__ import annotations
