@@ -26,7 +26,10 @@ times agree across ranks: every step ends in a collective). The last column
 shows the ratio against rank 0's pair time alone, for comparison. The
 second table gives, per model, the overhead ratio's spread across rounds
 (each round's ratio, min-max), and the overhead in microseconds per parameter
-per step for torch, gradring, and gradring without tracing.
+per step for torch, gradring, and gradring without tracing. The third gives
+the same overheads in CPU time (``time.process_time`` of rank 0's process,
+every thread): on a loaded machine wall-clock overheads swing by more than
+they are worth, while CPU time still counts the work each reducer does.
 """
 
 from __future__ import annotations
@@ -151,14 +154,16 @@ def build(kind: str) -> tuple[nn.Module, Any]:
     return enc, lambda b: torch.randn(b, 128, 256)
 
 
-def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> float:
+def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(wall ms/step, this process's CPU ms/step, all its threads)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         model(x).float().pow(2).mean().backward()
         opt.step()
-    return (time.perf_counter() - t0) / steps * 1e3
+    return ((time.perf_counter() - t0) / steps * 1e3,
+            (time.process_time() - c0) / steps * 1e3)
 
 
 def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
@@ -196,10 +201,13 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
         for m in setups.values():
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
         res: dict[str, list[float]] = {k: [] for k in setups}
+        res.update({"_cpu_" + k: [] for k in setups})
         for _ in range(args.rounds):
             for key, m in setups.items():
                 dist.barrier()
-                res[key].append(time_steps(m, x, args.steps))
+                wall, cpu = time_steps(m, x, args.steps)
+                res[key].append(wall)
+                res["_cpu_" + key].append(cpu)
         results[name] = res
         res["_nparams"] = [float(sum(1 for p in base.parameters() if p.requires_grad))]
         if rank == 0:
@@ -256,6 +264,17 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
         ratio = og / ot if ot > 0 else float("nan")
         lines.append(f"{name:<12}{n:>8.0f}{ratio:>7.2f}{spread:>14}{ot * 1e3 / n:>10.2f}"
                      f"{og * 1e3 / n:>13.2f}{on * 1e3 / n:>12.2f}{(og - on) * 1e3 / n:>10.2f}")
+    lines += ["", "CPU time per step (rank 0's process, all threads: waiting and a loaded "
+              "machine's stalls do not count)",
+              f"{'model':<12}{'pair':>8}{'torch':>8}{'gradring':>10}{'ovh ratio':>11}"
+              f"{'us torch':>10}{'us gradring':>13}"]
+    for name, res in results.items():
+        n = res["_nparams"][0]
+        cpu = {k: statistics.median(res["_cpu_" + k]) for k in ("pair", "torch", "gradring")}
+        ot, og = cpu["torch"] - cpu["pair"], cpu["gradring"] - cpu["pair"]
+        ratio = og / ot if ot > 0 else float("nan")
+        lines.append(f"{name:<12}{cpu['pair']:>8.1f}{cpu['torch']:>8.1f}{cpu['gradring']:>10.1f}"
+                     f"{ratio:>11.2f}{ot * 1e3 / n:>10.2f}{og * 1e3 / n:>13.2f}")
     for name, res in results.items():
         if "_mem" in res:
             out_plain, buck_plain, out_view, buck_view = res["_mem"]
