@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gradring.lending import LentSlots
+
 #: First bucket's cap after a rebuild: small, so the first all-reduce starts early.
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 #: bucket_cap_mb's default.
@@ -80,6 +82,34 @@ def bucket_key(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
     return (t.dtype, t.device)
 
 
+class SlotKind(enum.Enum):
+    """How one parameter's gradient travels through its bucket slot.
+
+    [Note: slot kinds]
+    Decided once per bucket, when it is installed (and again if a comm hook is
+    registered), so the per-gradient hook follows a stored decision:
+
+    - ``VIEW``: gradient_as_bucket_view; ``.grad`` *is* the slot.
+    - ``HOMED``: the gradient stays in ``.grad``; the collective reads the own
+      chunk from it and writes the result back into it ([Note: homed
+      all-reduce] in ``comm/homes.py``).
+    - ``LENT``: the slot lies outside the own chunk; the gradient is copied in
+      and ``.grad`` becomes a view of the slot ([Note: lent gradients] in
+      ``lending.py``).
+    - ``COPIED``: copied into the slot and the result copied back out (comm
+      hooks, CUDA, integer buckets, one rank).
+
+    A gradient that does not fit its slot's kind at run time (no gradient,
+    a non-contiguous or sparse one, a kept old ``.grad``) falls back to the
+    next simpler kind: LENT -> HOMED -> COPIED.
+    """
+
+    VIEW = "view"
+    HOMED = "homed"
+    LENT = "lent"
+    COPIED = "copied"
+
+
 class BucketState(enum.Enum):
     """Where a bucket is in one backward pass."""
 
@@ -124,15 +154,38 @@ class Bucket:
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
         # pairs and their slots (see [Note: homed all-reduce] in comm/homes.py).
         self.own = (0, 0)
+        # Whether gradients may stay in .grad (CPU, floating point, world > 1, not view mode).
         self.homable = False
         self.homes: list[tuple[int, torch.Tensor]] = []
         self.homed_slots: set[int] = set()
-        # Lent slots and the views handed out as .grad (see [Note: lent
-        # gradients] in lending.py); storage references the reducer itself holds.
-        self.lent: frozenset[int] = frozenset()
-        self.handed: dict[int, Any] = {}
-        self.base_refs = 0
-        self.lent_ever = False
+        # Lending state: which slots may hold .grad in this buffer, and the
+        # views handed out (see [Note: lent gradients] in lending.py).
+        self.lending = LentSlots(self)
+        # Per slot, how its gradient travels (see [Note: slot kinds]).
+        self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
+
+    def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
+              hooked: bool) -> None:
+        """Set the own chunk and whether the bucket may be homed, then decide
+        every slot's kind (see [Note: slot kinds])."""
+        self.own = own
+        self.homable = homable
+        self.lending.reset_memory()
+        self.decide_kinds(view_mode=view_mode, hooked=hooked)
+
+    def decide_kinds(self, *, view_mode: bool, hooked: bool) -> None:
+        """Decide each slot's kind: a comm hook sees plain copies, never homes or loans."""
+        lent = self.lending.slots
+        for s in range(len(self.params)):
+            if view_mode:
+                kind = SlotKind.VIEW
+            elif hooked or not self.homable:
+                kind = SlotKind.COPIED
+            elif s in lent:
+                kind = SlotKind.LENT
+            else:
+                kind = SlotKind.HOMED
+            self.kinds[s] = kind
 
     def _make_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer the collective reduces, and per-slot views shaped like

@@ -19,7 +19,7 @@ from torch import nn
 
 from gradring import autocap, errors
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
-from gradring.graph import iter_tensors
+from gradring.graph import GraphMode, iter_tensors
 from gradring.group_comm import GroupComm
 from gradring.join import DDPJoinHook, Joinable, global_flag, last_joiner_rank
 from gradring.output_boundary import wrap_outputs
@@ -48,8 +48,7 @@ def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = 
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
             or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number or 'auto', got "
-                         f"{bucket_cap_mb!r}")
+        raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
     return int(bucket_cap_mb * MIB), auto
 
 
@@ -96,17 +95,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         }
         for name, given in unsupported.items():
             if given:
-                raise NotImplementedError(
-                    f"gradring.DistributedDataParallel does not support `{name}` yet; "
-                    "leave it at its default or use torch.nn.parallel.DistributedDataParallel."
-                )
+                raise NotImplementedError(errors.unsupported_argument(name))
         if check_reduction:
-            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module "
-                          "is deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
+            warnings.warn(errors.check_reduction_deprecated(), FutureWarning, stacklevel=2)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(errors.not_initialized())
         if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("device_ids can only be None or contain a single element.")
+            raise ValueError(errors.too_many_device_ids())
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -119,12 +114,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # The single device every parameter lives on.
         self.device = named[0][1].device
         if device_ids is not None and self.device.type == "cpu":
-            raise ValueError(
-                "DistributedDataParallel device_ids and output_device arguments only work "
-                f"with single-device/multiple-device GPU modules or CPU modules, but got "
-                f"device_ids {device_ids}, output_device {output_device}, and module "
-                f"parameters {devices}."
-            )
+            raise ValueError(errors.device_ids_on_cpu(device_ids, output_device, devices))
         # Where inputs are moved before forward (torch moves them for device_ids).
         self.device_ids = None if device_ids is None else [torch.device(self.device)]
         self.output_device = output_device
@@ -142,7 +132,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
         self.require_forward_param_sync = True
-        self.static_graph = False
         self.bucket_bytes_cap, auto_cap = bucket_cap_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self._param_names = [n for n, _ in named]
         params = [p for _, p in named]
@@ -155,24 +144,22 @@ class DistributedDataParallel(nn.Module, Joinable):
                 + (self._module_buffers if broadcast_buffers is not False else [])
             )
 
+        mode = GraphMode.of(find_unused=find_unused_parameters, static_graph=static_graph)
         if bucket_cap_mb_list:
             initial_caps = [int(c * MIB) for c in bucket_cap_mb_list]
-        elif find_unused_parameters and not static_graph:
+        elif mode is GraphMode.FIND_UNUSED:
             initial_caps = [DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap]
         else:
             initial_caps = [sys.maxsize]
+        # static_graph=True is applied below through _set_static_graph(), as torch does.
         self.reducer = Reducer(
             params, self._param_names, self._comm,
             bucket_cap_bytes=self.bucket_bytes_cap, initial_caps=initial_caps,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
+            mode=GraphMode.of(find_unused=find_unused_parameters, static_graph=False),
+            gradient_as_bucket_view=gradient_as_bucket_view, auto_cap=auto_cap,
         )
-        if auto_cap:
-            self.reducer.auto_stamps = autocap.Stamps(len(params))
-            if find_unused_parameters and not static_graph:
-                warnings.warn("bucket_cap_mb='auto' picks the cap at the bucket rebuild, which "
-                              "find_unused_parameters=True skips (unless static_graph is set); "
-                              f"using {DEFAULT_BUCKET_CAP_MB} MiB", stacklevel=2)
+        if auto_cap and mode is GraphMode.FIND_UNUSED:
+            warnings.warn(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB), stacklevel=2)
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
         self._has_comm_hook = False
@@ -196,16 +183,17 @@ class DistributedDataParallel(nn.Module, Joinable):
                         raise RuntimeError(errors.param_shape_mismatch(
                             i, names[i], what, mine, want, rank))
 
+    @property
+    def static_graph(self) -> bool:
+        """Whether the graph is declared the same every iteration (stored by the reducer)."""
+        return self.reducer.static_graph
+
     def _set_static_graph(self) -> None:
-        """Declare that the graph is the same every iteration (see SPEC S7)."""
+        """Declare that the graph is the same every iteration (docs/design.md)."""
         if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.",
-                          stacklevel=2)
+            warnings.warn(errors.static_graph_twice(), stacklevel=2)
             return
-        if self.reducer.num_forward > 0:
-            raise RuntimeError("_set_static_graph() must be called before the first forward.")
-        self.static_graph = True
-        self.reducer.static_graph = True
+        self.reducer.set_static_graph()
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -232,7 +220,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = sync
         if not sync:
             return out
-        find_unused = self.find_unused_parameters and not self.static_graph
+        find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
         self.reducer.prepare_for_backward(list(iter_tensors(out)) if find_unused else None)
         if find_unused or self.reducer.static_first_backward():
             out = wrap_outputs(out, self.reducer)
@@ -243,8 +231,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after leaving reduces the sum."""
         if self._fused_optim is not None:
-            raise RuntimeError("no_sync() cannot be used with a fused optimizer "
-                               "(_register_fused_optim): it steps during every backward.")
+            raise RuntimeError(errors.no_sync_with_fused_optim())
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -256,26 +243,22 @@ class DistributedDataParallel(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``."""
         if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+            raise TypeError(errors.hook_not_callable(hook))
         if self._has_comm_hook:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
-                               "called once.")
+            raise RuntimeError(errors.comm_hook_twice())
         if self._fused_optim is not None:
-            raise RuntimeError("A communication hook cannot be combined with a fused optimizer "
-                               "(_register_fused_optim).")
+            raise RuntimeError(errors.comm_hook_with_fused_optim())
         self._has_comm_hook = True
-        self.reducer.comm_hook = hook
-        self.reducer.comm_hook_state = state
+        self.reducer.set_comm_hook(hook, state)
 
     def _register_fused_optim(self, optim_cls: type, *args: Any, **kwargs: Any) -> Any:
         """Step each parameter as soon as its bucket is reduced; returns the fused optimizer."""
         from gradring.fused_optim import attach_fused_optimizer
 
         if self._fused_optim is not None:
-            raise RuntimeError("_register_fused_optim can only be called once per DDP instance.")
+            raise RuntimeError(errors.fused_optim_twice())
         if self._has_comm_hook:
-            raise RuntimeError("_register_fused_optim cannot be combined with a communication "
-                               "hook (register_comm_hook).")
+            raise RuntimeError(errors.fused_optim_with_comm_hook())
         self._fused_optim = attach_fused_optimizer(self.reducer, optim_cls, *args, **kwargs)
         return self._fused_optim
 
@@ -294,7 +277,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def set_join_division(self, *, initial: bool) -> None:
         self.divide_by_initial_world_size = initial
         if initial:
-            self.reducer.divide_factor = self._comm.world_size
+            self.reducer.set_divide_factor(self._comm.world_size)
 
     def shadow_iteration(self) -> None:
         """A joined rank mirrors one training iteration of the others ([Note: shadowing])."""

@@ -133,3 +133,77 @@ def bucket_context(index: int, nbytes: int, param_indices: Sequence[int],
         f"gradring DDP: this was the all-reduce of bucket {index} ({nbytes} bytes) in "
         f"iteration {iteration}, holding parameters {_names(param_indices, names, limit=12)}."
     )
+
+
+def static_graph_too_late() -> str:
+    return ("set_static_graph() should be called before training loop starts and after "
+            "DistributedDataParallel is constructed.")
+
+
+def nothing_unused() -> str:
+    return ("find_unused_parameters=True was specified in DDP constructor, but did not find "
+            "any unused parameters in the forward pass. This flag results in an extra "
+            "traversal of the autograd graph every iteration, which can adversely affect "
+            "performance. If your model indeed never has any unused parameters in the forward "
+            "pass, consider turning this flag off.")
+
+
+def static_graph_twice() -> str:
+    return "You've set static_graph to be True, no need to set it again."
+
+
+def unsupported_argument(name: str) -> str:
+    return (f"gradring.DistributedDataParallel does not support `{name}` yet; leave it at "
+            "its default or use torch.nn.parallel.DistributedDataParallel.")
+
+
+def check_reduction_deprecated() -> str:
+    return ("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+            "Please avoid using it.")
+
+
+def too_many_device_ids() -> str:
+    return "device_ids can only be None or contain a single element."
+
+
+def device_ids_on_cpu(device_ids: object, output_device: object, devices: object) -> str:
+    return ("DistributedDataParallel device_ids and output_device arguments only work with "
+            "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+            f"{device_ids}, output_device {output_device}, and module parameters {devices}.")
+
+
+def auto_cap_without_rebuild(default_mb: float) -> str:
+    return ("bucket_cap_mb='auto' picks the cap at the bucket rebuild, which "
+            "find_unused_parameters=True skips (unless static_graph is set); "
+            f"using {default_mb} MiB")
+
+
+def bad_bucket_cap(value: object) -> str:
+    return f"bucket_cap_mb must be a positive number or 'auto', got {value!r}"
+
+
+def no_sync_with_fused_optim() -> str:
+    return ("no_sync() cannot be used with a fused optimizer (_register_fused_optim): it "
+            "steps during every backward.")
+
+
+def hook_not_callable(hook: object) -> str:
+    return f"Communication hook must be callable (got {type(hook).__name__})."
+
+
+def comm_hook_twice() -> str:
+    return "register_comm_hook or register_builtin_comm_hook can only be called once."
+
+
+def comm_hook_with_fused_optim() -> str:
+    return ("A communication hook cannot be combined with a fused optimizer "
+            "(_register_fused_optim).")
+
+
+def fused_optim_twice() -> str:
+    return "_register_fused_optim can only be called once per DDP instance."
+
+
+def fused_optim_with_comm_hook() -> str:
+    return ("_register_fused_optim cannot be combined with a communication hook "
+            "(register_comm_hook).")

@@ -1,4 +1,4 @@
-"""Optimizer fused into backward (SPEC S13): each bucket's parameters step as
+"""Optimizer fused into backward : each bucket's parameters step as
 soon as that bucket's reduced gradients are written, while later buckets may
 still be in flight.
 
@@ -167,5 +167,5 @@ def attach_fused_optimizer(reducer: Any, optim_cls: type, *args: Any,
                            "optimizer was registered before)")
     params, names = _select(reducer.params, reducer.names, optim_params)
     fused = FusedOptimizer(params, names, optim_cls, *args, **kwargs)
-    reducer.post_reduce = fused.step_bucket
+    reducer.set_post_reduce(fused.step_bucket)
     return fused

@@ -1,11 +1,36 @@
-"""Walking the autograd graph to find the parameters a forward did not use."""
+"""The reducer's graph modes, and the autograd-graph walk that finds unused parameters."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+
+class GraphMode(enum.Enum):
+    """How the reducer learns which parameters take part in a backward.
+
+    ``DEFAULT``: every parameter, every iteration (``find_unused_parameters``
+    off). Buckets are rebuilt once, in the order gradients arrived.
+    ``FIND_UNUSED``: after each forward, walk the graph from the outputs; the
+    parameters not reached are marked ready at the first hook and a bitmap of
+    locally used parameters is all-reduced. Buckets are never rebuilt.
+    ``STATIC``: ``static_graph``: iteration 1 counts hook firings and reduces
+    everything at its end; later iterations reuse the counts. Buckets are
+    rebuilt once, from the second backward's arrival order.
+    """
+
+    DEFAULT = "default"
+    FIND_UNUSED = "find_unused"
+    STATIC = "static"
+
+    @classmethod
+    def of(cls, *, find_unused: bool, static_graph: bool) -> GraphMode:
+        if static_graph:
+            return cls.STATIC
+        return cls.FIND_UNUSED if find_unused else cls.DEFAULT
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -8,7 +8,8 @@ buffers where the collectives can reach them without a copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,15 +29,37 @@ class GroupComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Sum ``tensor`` in place across the group; the future resolves to ``[tensor]``."""
-        return comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
+    def all_reduce(self, tensor: torch.Tensor, *, label: str | None = None,
+                   ) -> torch.futures.Future:
+        """Sum ``tensor`` in place across the group; the future resolves to ``[tensor]``.
+        ``label`` names the collective in errors, desync checks and the flight recorder."""
+        with self.labelled(label):
+            return comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
 
-    def all_reduce_homed(self, flat: torch.Tensor, homes: Homes) -> torch.futures.Future:
-        """DDP's bucket all-reduce with gradients left in ``.grad`` (comm/homes.py)."""
-        work = comm.api.all_reduce_homed(flat, homes, group=self.group)
+    def all_reduce_homed(self, flat: torch.Tensor, pieces: list[tuple[int, torch.Tensor]],
+                         scale: float, *, label: str | None = None) -> torch.futures.Future:
+        """DDP's bucket all-reduce with gradients left in ``.grad``: ``pieces`` are
+        (element offset, flat gradient) pairs sorted by offset, each multiplied by
+        ``scale`` where the collective reads it (see [Note: homed all-reduce])."""
+        with self.labelled(label):
+            work = comm.api.all_reduce_homed(flat, Homes(pieces, scale), group=self.group)
         assert work is not None
         return work.get_future()
+
+    @contextlib.contextmanager
+    def labelled(self, label: str | None) -> Iterator[None]:
+        """Label the collectives issued inside (nothing when ``label`` is None)."""
+        if label is None:
+            yield
+        else:
+            with comm.label(label):
+                yield
+
+    def exchange_lists(self, tag: str, mine: list[int]) -> dict[int, list[int]]:
+        """Swap small integer lists with the other ranks through the store (error paths)."""
+        from gradring._store import exchange_lists  # local: only on the error path
+
+        return exchange_lists(self, tag, mine)
 
     def own_range(self, numel: int) -> tuple[int, int]:
         """The part of a ``numel``-element bucket this rank reduces itself."""

@@ -1,4 +1,4 @@
-"""Uneven inputs: gradring's DDP as a Joinable (SPEC S10).
+"""Uneven inputs: gradring's DDP as a Joinable.
 
 [Note: shadowing]
 Inside ``Join([ddp])`` a rank that ran out of data keeps issuing, once per
@@ -30,14 +30,7 @@ Join = _torch_join.Join
 Joinable = _torch_join.Joinable
 JoinHook = _torch_join.JoinHook
 
-__all__ = ["Join", "Joinable", "JoinHook", "DDPJoinHook", "JoinConfig"]
-
-
-def JoinConfig() -> Any:  # noqa: N802 - mirrors torch's disabled-config constructor
-    """A disabled join config (what a Joinable holds outside a Join context)."""
-    from torch.distributed.algorithms.join import _JoinConfig
-
-    return _JoinConfig.construct_disabled_join_config()
+__all__ = ["Join", "Joinable", "JoinHook", "DDPJoinHook"]
 
 
 class DDPJoinHook(JoinHook):
@@ -55,7 +48,7 @@ class DDPJoinHook(JoinHook):
         work = Join.notify_join_context(ddp)
         if work is not None and not ddp.divide_by_initial_world_size:
             work.wait()
-            ddp.reducer.divide_factor = int(work.result()[0].item())
+            ddp.reducer.set_divide_factor(int(work.result()[0].item()))
         elif work is not None:
             work.wait()
 

@@ -30,17 +30,21 @@ What a user can observe, and how it stays what torch's DDP gives:
   whoever holds it: copy on write, at the price of one allocation.
 
 Lent slots are decided per bucket at install, for homable buckets only (CPU,
-floating point, world > 1, not view mode), and used while no comm hook is set.
+floating point, world > 1, not view mode), and used while no comm hook is set:
+the bucket stores ``SlotKind.LENT`` for them (see [Note: slot kinds] in
+``buckets.py``).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
-from gradring.buckets import Bucket
+if TYPE_CHECKING:
+    from gradring.buckets import Bucket
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -104,55 +108,78 @@ def lendable_slots(bucket: Bucket) -> frozenset[int]:
         if (off + n <= lo or off >= hi) and n > 0 and p.is_contiguous())
 
 
-def install(bucket: Bucket) -> None:
-    """Set the lending state of a new (or re-allocated) bucket."""
-    global _FRESH
-    bucket.lent = lendable_slots(bucket)
-    if bucket.lent and _FRESH is None:
-        _FRESH = _probe_fresh()
-    bucket.handed = {}
-    bucket.base_refs = storage_refs(bucket.buffer) if bucket.lent else 0
+class LentSlots:
+    """A bucket's lending state: which slots may be lent, and the views handed out.
 
+    Owned by its :class:`~gradring.buckets.Bucket`; the reducer asks it to lend,
+    hand out and claim, and never touches its fields.
+    """
 
-def lend(bucket: Bucket, slot: int, grad: torch.Tensor, scale: float) -> torch.Tensor:
-    """Copy ``grad`` (scaled) into ``slot`` and return the view to become ``.grad``."""
-    view = hand_out(bucket, slot)
-    torch.mul(grad, scale, out=view)
-    return view
+    __slots__ = ("bucket", "slots", "handed", "base_refs", "ever")
 
+    def __init__(self, bucket: Bucket) -> None:
+        # The bucket whose memory is lent (its buffer may be replaced by claim()).
+        self.bucket = bucket
+        # Slots whose parameter may hold its .grad in bucket memory.
+        self.slots: frozenset[int] = frozenset()
+        # slot -> weak reference to the view last handed out as .grad.
+        self.handed: dict[int, weakref.ref] = {}
+        # Storage references the bucket itself holds (buffer and slot views).
+        self.base_refs = 0
+        # Whether any view was ever handed out (claim() has nothing to do before).
+        self.ever = False
+        self.reset_memory()
 
-def hand_out(bucket: Bucket, slot: int) -> torch.Tensor:
-    """A fresh view of ``slot`` to become ``.grad`` (fresh, so that a kept one is seen)."""
-    view = bucket.buffer.narrow(0, bucket.offsets[slot], bucket.numels[slot]).view(
-        bucket.params[slot].shape)
-    bucket.handed[slot] = weakref.ref(view)
-    bucket.lent_ever = True
-    return view
+    def reset_memory(self) -> None:
+        """Start over on the bucket's current buffer (new or re-allocated)."""
+        global _FRESH
+        bucket = self.bucket
+        self.slots = lendable_slots(bucket)
+        if self.slots and _FRESH is None:
+            _FRESH = _probe_fresh()
+        self.handed = {}
+        self.base_refs = storage_refs(bucket.buffer) if self.slots else 0
 
+    def lend(self, slot: int, grad: torch.Tensor, scale: float) -> torch.Tensor:
+        """Copy ``grad`` (scaled) into ``slot`` and return the view to become ``.grad``."""
+        view = self.hand_out(slot)
+        torch.mul(grad, scale, out=view)
+        return view
 
-def lent_in_use(bucket: Bucket, slot: int) -> bool:
-    """Whether ``slot``'s parameter holds, as ``.grad``, the view lent to it."""
-    ref = bucket.handed.get(slot)
-    view = ref() if ref is not None else None
-    return view is not None and view is bucket.params[slot].grad
+    def hand_out(self, slot: int) -> torch.Tensor:
+        """A fresh view of ``slot`` to become ``.grad`` (fresh, so that a kept one is seen)."""
+        b = self.bucket
+        view = b.buffer.narrow(0, b.offsets[slot], b.numels[slot]).view(b.params[slot].shape)
+        self.handed[slot] = weakref.ref(view)
+        self.ever = True
+        return view
 
+    def in_use(self, slot: int) -> bool:
+        """Whether ``slot``'s parameter holds, as ``.grad``, the view lent to it."""
+        ref = self.handed.get(slot)
+        view = ref() if ref is not None else None
+        return view is not None and view is self.bucket.params[slot].grad
 
-def claim(bucket: Bucket) -> bool:
-    """Before a backward's first write into ``bucket``: if anybody but its
-    parameters' ``.grad`` still holds lent memory, move the bucket to a fresh
-    buffer (copying the ``.grad`` still lent, and pointing it at the new
-    slots). Returns True if it moved."""
-    if not bucket.lent_ever:
-        return False
-    attached = [s for s in bucket.handed if lent_in_use(bucket, s)]
-    if storage_refs(bucket.buffer) == bucket.base_refs + len(attached):
-        return False
-    old = [(s, bucket.params[s].grad) for s in attached]
-    bucket.reallocate()
-    install(bucket)
-    with torch.no_grad():
-        for s, grad in old:
-            view = hand_out(bucket, s)
-            view.copy_(grad)
-            bucket.params[s].grad = view
-    return True
+    def any_in_use(self) -> bool:
+        return any(self.in_use(s) for s in self.handed)
+
+    def claim(self) -> bool:
+        """Before a backward's first write into the bucket: if anybody but its
+        parameters' ``.grad`` still holds lent memory, move the bucket to a fresh
+        buffer (copying the ``.grad`` still lent, and pointing it at the new
+        slots). Returns True if it moved."""
+        if not self.ever:
+            return False
+        bucket = self.bucket
+        attached = [s for s in self.handed if self.in_use(s)]
+        if storage_refs(bucket.buffer) == self.base_refs + len(attached):
+            return False
+        old = [(s, bucket.params[s].grad) for s in attached]
+        bucket.reallocate()
+        self.reset_memory()
+        with torch.no_grad():
+            for s, grad in old:
+                view = self.hand_out(s)
+                view.copy_(grad)
+                bucket.params[s].grad = view
+        return True

@@ -1,4 +1,4 @@
-"""The autograd Function placed around the forward's outputs (SPEC S9).
+"""The autograd Function placed around the forward's outputs.
 
 It is an identity in forward. In backward it does two things:
 - grads of outputs the loss never used arrive as None and are passed on as

@@ -1,19 +1,25 @@
 """The Reducer: per-iteration state machine that averages gradients across ranks.
 
 [Note: one backward, as the reducer sees it]
-1. ``prepare_for_backward`` (after forward) resets pending counts and, with
-   find_unused_parameters, records which parameters the forward never reached.
-2. Each parameter's post-accumulate-grad hook calls ``_on_grad``: its gradient
-   is copied (scaled by 1/world_size) into its slot of a flat bucket, and the
-   bucket's pending count drops. The first hook of a backward also marks the
-   unused parameters ready (their slots are zeroed).
+1. ``prepare_for_backward`` (after forward) resets pending counts and, in
+   ``GraphMode.FIND_UNUSED``, records which parameters the forward never
+   reached (``graph.py``).
+2. Each parameter's post-accumulate-grad hook calls ``_on_grad``. The gradient
+   is scaled by 1/world_size and put where its slot's kind says (decided once
+   per bucket, see [Note: slot kinds] in ``buckets.py``): left in ``.grad``
+   with only the part the peers read copied into the bucket (HOMED), copied
+   into the slot with ``.grad`` pointed at it (LENT, VIEW), or plainly copied
+   (COPIED). The bucket's pending count drops. The first hook of a backward
+   also marks the unused parameters ready (their slots are zeroed).
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
    ready ones go together. Launching is asynchronous, so bucket k's collective
-   overlaps the backward of earlier layers.
+   overlaps the backward of earlier layers. Each launch is labelled
+   ``DDP bucket <k>`` for errors, desync checks and the flight recorder.
 4. When the last bucket launches, a callback is queued on the autograd engine.
-   At the end of the backward it waits for every future and writes the result
-   into ``param.grad``. When ``loss.backward()`` returns, gradients are reduced.
+   At the end of the backward it waits for every future bucket by bucket and
+   writes the results where ``.grad`` needs them (nothing to write for HOMED,
+   LENT and VIEW slots). When ``loss.backward()`` returns, gradients are reduced.
 If a backward ends with a bucket that never became ready (an unused parameter
 without find_unused_parameters), the callback is never queued, the reduction
 stays unfinished, and the next forward raises, naming the parameters.
@@ -30,18 +36,19 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-from gradring import errors, lending
+from gradring import errors
 from gradring.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
     Bucket,
     BucketState,
+    SlotKind,
     assign_buckets,
     bucket_key,
 )
-from gradring.comm.homes import Homes
 from gradring.grad_bucket import GradBucket
-from gradring.graph import reachable_params
+from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
+from gradring.lending import fresh
 from gradring.observe.trace import Trace
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -62,8 +69,9 @@ class Reducer:
         *,
         bucket_cap_bytes: int,
         initial_caps: Sequence[int],
-        find_unused_parameters: bool,
+        mode: GraphMode,
         gradient_as_bucket_view: bool,
+        auto_cap: bool = False,
     ) -> None:
         # Parameters that require grad, in the module's definition order.
         self.params = list(params)
@@ -75,10 +83,13 @@ class Reducer:
         self.comm = comm
         # bucket_cap_mb in bytes; caps after the rebuild are [1 MiB, this, ...].
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.find_unused = find_unused_parameters
+        # How parameters' participation is learnt (see GraphMode); the one
+        # place static_graph is stored.
+        self.mode = mode
         self.grad_as_view = gradient_as_bucket_view
-        # Set by DDP before the first iteration (static_graph=True or _set_static_graph()).
-        self.static_graph = False
+        # Optional communication hook and its state (set_comm_hook).
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
         # Sizes in bytes and (dtype, device) keys, fixed for the module's life.
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [bucket_key(p) for p in self.params]
@@ -106,9 +117,10 @@ class Reducer:
         # (see [Note: automatic bucket cap] in autocap.py).
         self.auto_stamps: Any = None
         self.auto_cap: Any = None
-        # Optional communication hook and its state (register_comm_hook).
-        self.comm_hook: CommHook | None = None
-        self.comm_hook_state: Any = None
+        if auto_cap:
+            from gradring import autocap  # only for bucket_cap_mb="auto"
+
+            self.auto_stamps = autocap.Stamps(len(self.params))
         # Optional per-bucket callback run after a bucket is reduced (fused optimizer).
         self.post_reduce: Callable[[Bucket], None] | None = None
         # Ring buffer of timestamped events (overlap statistics, timelines).
@@ -128,25 +140,28 @@ class Reducer:
         self._next_bucket = 0
         # The first hook of a backward marks unused parameters ready.
         self._first_hook_done = False
-        # find_unused_parameters: parameters the forward did not reach.
+        # FIND_UNUSED: parameters the forward did not reach.
         self._unused: list[int] = []
-        # find_unused_parameters: 1 where this rank produced a gradient.
+        # FIND_UNUSED: 1 where this rank produced a gradient.
         self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
         self._used_future: Any = None
         self._warned_nothing_unused = False
-        # static_graph: hook firings per parameter counted in iteration 1.
+        # STATIC: hook firings per parameter counted in iteration 1.
         self._static_counts = [0] * len(self.params)
         self._static_remaining = [0] * len(self.params)
         self._static_unused: list[int] = []
-        # static_graph: 0 for parameters no rank used in iteration 1 (their .grad stays put).
+        # STATIC: 0 for parameters no rank used in iteration 1 (their .grad stays put).
         self._static_used: list[int] | None = None
         # True while delay_all_reduce marks everything ready (it finalizes itself).
         self._delayed = False
-        # static_graph: the delayed all-reduce is queued once per first backward.
+        # STATIC: the delayed all-reduce is queued once per first backward.
         self._delay_queued = False
         # Backward passes that ran with sync on (static_graph's iteration counter).
         self.num_backward = 0
         self.num_forward = 0
+        # Per slot kind, how a gradient goes in (see [Note: slot kinds]).
+        self._put_in = {SlotKind.VIEW: self._put_view, SlotKind.LENT: self._put_lent,
+                        SlotKind.HOMED: self._put_homed, SlotKind.COPIED: self._put_copied}
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -154,20 +169,44 @@ class Reducer:
         # A reducer dropped without remove_hooks() takes its hooks with it.
         weakref.finalize(self, _remove_handles, self._hook_handles)
 
+    # ------------------------------------------------------------ configuration
+    @property
+    def static_graph(self) -> bool:
+        return self.mode is GraphMode.STATIC
+
+    def set_static_graph(self) -> None:
+        """Switch to GraphMode.STATIC; only before the first forward."""
+        if self.num_forward > 0:
+            raise RuntimeError(errors.static_graph_too_late())
+        self.mode = GraphMode.STATIC
+
+    def set_comm_hook(self, hook: CommHook, state: Any) -> None:
+        """Let ``hook(state, bucket)`` reduce each bucket instead of the built-in all-reduce."""
+        self.comm_hook, self.comm_hook_state = hook, state
+        for bucket in self.buckets:
+            bucket.decide_kinds(view_mode=self.grad_as_view, hooked=True)
+
+    def set_divide_factor(self, factor: int) -> None:
+        """What the default path divides gradients by (Join may lower it)."""
+        self.divide_factor = factor
+
+    def set_post_reduce(self, fn: Callable[[Bucket], None] | None) -> None:
+        """Run ``fn(bucket)`` right after each bucket's result is written (fused optimizer)."""
+        self.post_reduce = fn
+
     # ------------------------------------------------------------------ buckets
     def _install(self, groups: list[list[int]]) -> None:
-        old = {i: (self.buckets[b].views[s]) for i, (b, s) in enumerate(self._locator)} \
-            if self.buckets else {}
+        comm = self.comm
+        hooked = self.comm_hook is not None
         buckets = []
         locator: list[tuple[int, int]] = [(0, 0)] * len(self.params)
         for bi, idxs in enumerate(groups):
-            bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], self.comm.empty)
-            bucket.own = self.comm.own_range(bucket.buffer.numel())
-            # Fixed for the bucket's life; whether a hook is set is checked per call.
-            bucket.homable = (self.comm.world_size > 1 and not self.grad_as_view
-                              and bucket.buffer.dtype.is_floating_point
-                              and bucket.buffer.device.type == "cpu")
-            lending.install(bucket)
+            bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], comm.empty)
+            homable = (comm.world_size > 1 and not self.grad_as_view
+                       and bucket.buffer.dtype.is_floating_point
+                       and bucket.buffer.device.type == "cpu")
+            bucket.place(comm.own_range(bucket.buffer.numel()), homable=homable,
+                         view_mode=self.grad_as_view, hooked=hooked)
             for slot, i in enumerate(idxs):
                 locator[i] = (bi, slot)
             buckets.append(bucket)
@@ -177,18 +216,16 @@ class Reducer:
             # Keep accumulated values (e.g. from no_sync) and point .grad at the new views.
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    b, s = locator[i]
-                    view = buckets[b].views[s]
                     if p.grad is not None:
+                        b, s = locator[i]
+                        view = buckets[b].views[s]
                         view.copy_(p.grad)
                         p.grad = view
-                    elif i in old:
-                        pass
         self._next_bucket = 0
 
     def rebuild_if_needed(self) -> bool:
         """At the start of a forward: rebuild buckets in gradient-arrival order, once."""
-        if self.has_rebuilt or self.find_unused and not self.static_graph:
+        if self.has_rebuilt or self.mode is GraphMode.FIND_UNUSED:
             return False
         if len(self._arrival) != len(self.params):
             return False
@@ -212,11 +249,11 @@ class Reducer:
         return True
 
     def _recording_arrival(self) -> bool:
-        if self.has_rebuilt or (self.find_unused and not self.static_graph):
+        if self.has_rebuilt or self.mode is GraphMode.FIND_UNUSED:
             return False
         # static_graph's first backward marks everything ready at once, in index
         # order; the real arrival order is only seen in the second backward.
-        return not (self.static_graph and self.num_backward == 0)
+        return not (self.mode is GraphMode.STATIC and self.num_backward == 0)
 
     # ---------------------------------------------------------------- iteration
     def note_unsynced_forward(self) -> None:
@@ -243,22 +280,15 @@ class Reducer:
         self._next_bucket = 0
         for b in self.buckets:
             b.reset()
-        if self.static_graph:
+        if self.mode is GraphMode.STATIC:
             self._static_remaining = list(self._static_counts)
-        if self.find_unused and not self.static_graph:
+        elif self.mode is GraphMode.FIND_UNUSED:
             self._local_used.zero_()
             reached = reachable_params(outputs or [], self._index_of)
             self._unused = [i for i in range(len(self.params)) if i not in reached]
             if not self._unused and not self._warned_nothing_unused:
                 self._warned_nothing_unused = True
-                warnings.warn(
-                    "find_unused_parameters=True was specified in DDP constructor, but did "
-                    "not find any unused parameters in the forward pass. This flag results "
-                    "in an extra traversal of the autograd graph every iteration, which can "
-                    "adversely affect performance. If your model indeed never has any unused "
-                    "parameters in the forward pass, consider turning this flag off.",
-                    stacklevel=3,
-                )
+                warnings.warn(errors.nothing_unused(), stacklevel=3)
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         # The hook lives in the parameter's C++ autograd metadata, where Python's
@@ -277,7 +307,8 @@ class Reducer:
             if self._finalized_since_forward:
                 raise RuntimeError(errors.backward_twice())
             return  # no_sync, or a backward not preceded by a DDP forward
-        if self.static_graph:
+        mode = self.mode
+        if mode is GraphMode.STATIC:
             if self.num_backward == 0:
                 self._static_counts[i] += 1  # iteration 1: count only, reduce at the end
                 return
@@ -291,16 +322,16 @@ class Reducer:
             self.trace.mark("backward_start")
             for j in self._unused_for_iteration():
                 self._mark_ready(j)
-        if self.find_unused and self.params[i].grad is not None:
+        if mode is GraphMode.FIND_UNUSED and self.params[i].grad is not None:
             # A hook can fire with no gradient (its output was not used in the
             # loss); such a parameter is not "used" and its .grad stays put.
             self._local_used[i] = 1
         self._mark_ready(i)
 
     def _unused_for_iteration(self) -> list[int]:
-        if self.static_graph:
+        if self.mode is GraphMode.STATIC:
             return self._static_unused
-        return self._unused if self.find_unused else []
+        return self._unused if self.mode is GraphMode.FIND_UNUSED else []
 
     def _mark_ready(self, i: int) -> None:
         if self._ready[i]:
@@ -309,32 +340,15 @@ class Reducer:
         self.require_finalize = True
         b, s = self._locator[i]
         bucket = self.buckets[b]
-        p = self.params[i]
-        view = bucket.views[s]
-        if bucket.pending == len(bucket.params) and bucket.lent_ever:
-            lending.claim(bucket)  # the backward's first write into this bucket
-            view = bucket.views[s]
-        grad = p.grad
+        if bucket.pending == len(bucket.params):
+            bucket.lending.claim()  # the backward's first write into this bucket
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
-        lend = s in bucket.lent and self.comm_hook is None
         with torch.no_grad():
-            if grad is None:
-                view.zero_()
-            elif (self.grad_as_view or lend) and grad.data_ptr() == view.data_ptr():
-                if scale != 1.0:
-                    view.mul_(scale)
-            elif lend and grad.layout is torch.strided and lending.fresh(grad):
-                p.grad = lending.lend(bucket, s, grad, scale)
-                self._recycled[i] = grad
-            elif self._can_home(bucket, grad, view):
-                self._home(bucket, s, grad, scale)
+            if self.params[i].grad is None:
+                bucket.views[s].zero_()
             else:
-                if scale != 1.0:
-                    torch.mul(grad, scale, out=view)
-                else:
-                    view.copy_(grad)
-                if self.grad_as_view:
-                    p.grad = view
+                # No local reference to the gradient here: lending counts them.
+                self._put_in[bucket.kinds[s]](bucket, s, i, scale)
         if self._recording_arrival():
             self._arrival.append(i)
             if self.auto_stamps is not None:
@@ -345,25 +359,60 @@ class Reducer:
             self.trace.mark("ready", b)
             self._launch_ready()
 
-    def _can_home(self, bucket: Bucket, grad: torch.Tensor, view: torch.Tensor) -> bool:
-        """May this gradient stay where it is (see [Note: homed all-reduce])?"""
-        return (bucket.homable and self.comm_hook is None
-                and grad.layout is torch.strided and grad.is_contiguous()
-                and grad.dtype == view.dtype and grad.device == view.device
-                and grad.numel() == view.numel())
+    # How a gradient goes into its slot, one method per SlotKind; each falls
+    # back to the next simpler kind when the gradient does not fit its own.
+    # Each reads .grad itself and holds it in exactly one local, because
+    # lending.fresh() compares reference counts against a probe made the same way.
+    def _put_view(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        if grad.data_ptr() == view.data_ptr():
+            if scale != 1.0:
+                view.mul_(scale)
+            return
+        self._put_copied(bucket, s, i, scale)
+        self.params[i].grad = view
 
-    def _home(self, bucket: Bucket, slot: int, grad: torch.Tensor, scale: float) -> None:
+    def _put_lent(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        if grad.data_ptr() == view.data_ptr():
+            if scale != 1.0:
+                view.mul_(scale)
+        elif grad.layout is torch.strided and fresh(grad):
+            self.params[i].grad = bucket.lending.lend(s, grad, scale)
+            self._recycled[i] = grad
+        else:
+            del grad
+            self._put_homed(bucket, s, i, scale)
+
+    def _put_homed(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
         """Copy in (scaled) only what the peers read, the part outside this rank's
         own chunk; the collective reads the rest from ``.grad`` and writes the
         whole result back into it."""
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        if not (grad.layout is torch.strided and grad.is_contiguous()
+                and grad.dtype == view.dtype and grad.device == view.device
+                and grad.numel() == view.numel()):
+            self._put_copied(bucket, s, i, scale)
+            return
         flat = grad.view(-1)
-        start, n = bucket.offsets[slot], bucket.numels[slot]
+        start, n = bucket.offsets[s], bucket.numels[s]
         lo, hi = bucket.own
         for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
             if a < b:
                 torch.mul(flat[a - start:b - start], scale, out=bucket.buffer[a:b])
         bucket.homes.append((start, flat))
-        bucket.homed_slots.add(slot)
+        bucket.homed_slots.add(s)
+
+    def _put_copied(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        if scale != 1.0:
+            torch.mul(grad, scale, out=view)
+        else:
+            view.copy_(grad)
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
@@ -372,8 +421,9 @@ class Reducer:
             self._launch(buckets[self._next_bucket])
             self._next_bucket += 1
         if self._next_bucket == len(buckets):
-            if self.find_unused and not self.static_graph:
-                self._used_future = self.comm.all_reduce(self._local_used)
+            if self.mode is GraphMode.FIND_UNUSED:
+                self._used_future = self.comm.all_reduce(self._local_used,
+                                                         label="DDP unused-parameter map")
             if not self._delayed:
                 _queue_engine_callback(self._finalize)
 
@@ -381,15 +431,18 @@ class Reducer:
         bucket.state = BucketState.LAUNCHED
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
+        label = f"DDP bucket {index}"
         with record_function(f"gradring::bucket_all_reduce#{index}"):
             if bucket.homes:
-                homes = Homes(sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor)
-                bucket.future = self.comm.all_reduce_homed(bucket.buffer, homes)
+                bucket.future = self.comm.all_reduce_homed(
+                    bucket.buffer, sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor,
+                    label=label)
             elif self.comm_hook is None:
-                bucket.future = self.comm.all_reduce(bucket.buffer)
+                bucket.future = self.comm.all_reduce(bucket.buffer, label=label)
             else:
                 gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
-                bucket.future = self.comm_hook(self.comm_hook_state, gb)
+                with self.comm.labelled(label):
+                    bucket.future = self.comm_hook(self.comm_hook_state, gb)
         it = trace.iteration  # the callback may run after finalize moved on
         bucket.future.add_done_callback(lambda _f: trace.mark("comm_done", index, it))
 
@@ -404,19 +457,17 @@ class Reducer:
         finally:
             self._delayed = False
         # Learn once which parameters no rank uses; their .grad is never written.
-        self._used_future = self.comm.all_reduce(used)
+        self._used_future = self.comm.all_reduce(used, label="DDP unused-parameter map")
         self._finalize()
 
     def shadow_backward(self) -> None:
         """Join: issue this backward's collectives with zero gradients (see [Note: shadowing])."""
         kept = []
         for bucket in self.buckets:
-            if bucket.lent_ever:
-                lending.claim(bucket)  # an old .grad kept elsewhere keeps its values
+            bucket.lending.claim()  # an old .grad kept elsewhere keeps its values
             # The zeros and the peers' sums are not this rank's gradients: where
             # .grad lives in the bucket (view mode, lent), it is put back after.
-            holds_grads = self.grad_as_view or any(
-                lending.lent_in_use(bucket, s) for s in bucket.handed)
+            holds_grads = self.grad_as_view or bucket.lending.any_in_use()
             kept.append(bucket.buffer.clone() if holds_grads else None)
             bucket.buffer.zero_()
             self._launch(bucket)
@@ -425,8 +476,9 @@ class Reducer:
             if saved is not None:
                 bucket.buffer.copy_(saved)
             bucket.reset()
-        if self.find_unused and not self.static_graph:
-            self.comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32)).wait()
+        if self.mode is GraphMode.FIND_UNUSED:
+            zeros = torch.zeros(len(self.params), dtype=torch.int32)
+            self.comm.all_reduce(zeros, label="DDP unused-parameter map").wait()
         if self._recording_arrival() and len(self._arrival) != len(self.params):
             # Rebuild in step with the others; rank 0's order is what counts.
             self._arrival = list(range(len(self.params)))
@@ -443,7 +495,7 @@ class Reducer:
             used_t = self._used_future.wait()
             used = (used_t[0] if isinstance(used_t, (list, tuple)) else used_t).tolist()
             self._used_future = None
-            if self.static_graph:
+            if self.mode is GraphMode.STATIC:
                 self._static_used = used
         try:
             with torch.no_grad():
@@ -481,6 +533,7 @@ class Reducer:
 
     def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
         homed = bucket.homed_slots
+        kinds = bucket.kinds
         for slot, i in enumerate(bucket.param_indices):
             if slot in homed:
                 continue  # the collective wrote the result into .grad itself
@@ -488,18 +541,20 @@ class Reducer:
                 continue  # unused on every rank: leave .grad untouched
             p = self.params[i]
             view = bucket.views[slot]
-            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == view.data_ptr():
                 continue  # .grad is the slot itself (view mode, or lent)
-            if self.grad_as_view:
+            kind = kinds[slot]
+            if kind is SlotKind.VIEW:
                 p.grad = view
-            elif p.grad is None:
-                lend = slot in bucket.lent and self.comm_hook is None
-                p.grad = lending.hand_out(bucket, slot) if lend else view.clone()
+            elif grad is None:
+                p.grad = bucket.lending.hand_out(slot) if kind is SlotKind.LENT \
+                    else view.clone()
             else:
-                p.grad.copy_(view)
+                grad.copy_(view)
 
     def static_first_backward(self) -> bool:
-        return self.static_graph and self.num_backward == 0
+        return self.mode is GraphMode.STATIC and self.num_backward == 0
 
     def on_boundary_backward(self) -> None:
         """The output boundary's backward ran: in static_graph's first
@@ -534,9 +589,7 @@ class Reducer:
         which collectives they issued, and a collective here could pair with
         the wrong one. Ranks that do not answer quickly are simply left out.
         """
-        from gradring._store import exchange_lists  # local: only on the error path
-
-        return exchange_lists(self.comm, f"unused/{self.num_forward}", missing)
+        return self.comm.exchange_lists(f"unused/{self.num_forward}", missing)
 
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)

@@ -93,9 +93,9 @@ def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> HookResult:
 class _CastBucket:
     """A bucket whose buffer is a low-precision copy of another bucket's.
 
-    Handed to the inner hook of a compress wrapper. It does not depend on how
-    the real bucket implements ``set_buffer`` (gradring's copies into its
-    shared-memory buffer, which would silently undo a cast).
+    Handed to the inner hook of a compress wrapper: the inner hook reads,
+    and may replace with ``set_buffer``, only the low-precision copy; the
+    wrapper casts the result back into the real bucket's dtype itself.
     """
 
     __slots__ = ("_outer", "_buffer", "_shapes", "_offsets")
