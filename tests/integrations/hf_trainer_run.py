@@ -104,6 +104,7 @@ def main() -> None:
                     _reset_accelerate()
         results["installed_after"] = (
             torch.nn.parallel.DistributedDataParallel is gradring.DistributedDataParallel)
+        dist.barrier()  # nobody closes its connections while a peer still reads
     finally:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         gradring.comm.shutdown()

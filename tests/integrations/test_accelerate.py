@@ -61,12 +61,23 @@ def _handlers(case: str) -> list[Any]:
         return [DistributedDataParallelKwargs(gradient_as_bucket_view=True, bucket_cap_mb=1)]
     if case == "fp16":
         return [DistributedDataParallelKwargs(comm_hook=Hook.FP16)]
+    if case == "bf16":
+        return [DistributedDataParallelKwargs(comm_hook=Hook.BF16)]
     if case in ("powersgd", "powersgd_fp16"):
         return [DistributedDataParallelKwargs(
             comm_hook=Hook.POWER_SGD, comm_wrapper=Hook.FP16 if case.endswith("16") else Hook.NO,
             comm_state_option={"matrix_approximation_rank": 1, "start_powerSGD_iter": 3,
                                "min_compression_rate": 1.0})]
     raise ValueError(case)
+
+
+def _torch_bf16_under_another_name(state, bucket):  # noqa: ANN001, ANN202
+    """torch's own bf16 hook. torch's DDP refuses it by name unless the backend is
+    NCCL, so the torch side registers it under this name (without annotations,
+    which torch also checks); gradring's DDP takes it as Accelerate passes it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
 
 
 def _epoch(acc: Any, model: Any, opt: Any, loader: Any, out: dict[str, list[Any]]) -> None:
@@ -90,11 +101,14 @@ def _script(impl: str, case: str, ckpt: str) -> dict[str, Any]:
     _fresh_state()
     switch = install() if impl == "gradring" else contextlib.nullcontext()
     with switch:
+        by_hand = case == "bf16" and impl == "torch"
         acc = Accelerator(cpu=True, gradient_accumulation_steps=2,
-                          kwargs_handlers=_handlers(case))
+                          kwargs_handlers=_handlers("plain" if by_hand else case))
         model = _model()
         model, opt, loader = acc.prepare(
             model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), _loader())
+        if by_hand:
+            model.register_comm_hook(None, _torch_bf16_under_another_name)
         rec: dict[str, Any] = {"losses": [], "norms": [], "wrapper": type(model).__module__,
                                "is_torch_ddp": isinstance(
                                    model, torch.nn.parallel.distributed.DistributedDataParallel)}
@@ -119,6 +133,8 @@ def accelerate_case(rank: int, world: int, case: str, root: str) -> dict[str, An
     import gradring
 
     out = {impl: _script(impl, case, os.path.join(root, impl)) for impl in ("torch", "gradring")}
+    if case in ("fp16", "bf16"):  # the hook must change something: compare to none
+        out["no_hook"] = _script("torch", "plain", os.path.join(root, "plain"))
     out["uninstalled"] = all(
         home.DistributedDataParallel is not gradring.DistributedDataParallel
         for home in (torch.nn.parallel, torch.nn.parallel.distributed))
@@ -135,7 +151,7 @@ _WRAPPER_BUG = pytest.mark.xfail(
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("case", ["plain", "bucket_view", "fp16", "powersgd",
+@pytest.mark.parametrize("case", ["plain", "bucket_view", "fp16", "bf16", "powersgd",
                                   pytest.param("powersgd_fp16", marks=_WRAPPER_BUG)])
 def test_accelerate_matches_torch_ddp(integ_pool, tmp_path, case: str) -> None:
     results = integ_pool.run(accelerate_case, case, str(tmp_path))
@@ -157,4 +173,6 @@ def test_accelerate_matches_torch_ddp(integ_pool, tmp_path, case: str) -> None:
             a, b = res["torch"][key], res["gradring"][key]
             assert exactly_equal(a, b), f"rank {rank}, {key}: {first_difference(a, b)}"
     assert exactly_equal(results[0]["gradring"]["params"], results[1]["gradring"]["params"])
+    if "no_hook" in results[0]:
+        assert not exactly_equal(results[0]["gradring"]["params"], results[0]["no_hook"]["params"])
     assert results[0]["gradring"]["losses"] != results[1]["gradring"]["losses"]
