@@ -8,7 +8,9 @@ host, its own shared-memory collectives.
 from gradring import comm
 from gradring.ddp import DistributedDataParallel
 from gradring.join import Join, Joinable, JoinHook
+from gradring.nn import SyncBatchNorm
 
 DDP = DistributedDataParallel
 
-__all__ = ["DDP", "DistributedDataParallel", "Join", "JoinHook", "Joinable", "comm"]
+__all__ = ["DDP", "DistributedDataParallel", "Join", "JoinHook", "Joinable", "SyncBatchNorm",
+           "comm"]

@@ -16,7 +16,9 @@ where each bucket's first tensor sits in the walk. DDP calls this twice:
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,6 +77,52 @@ def assign_buckets(
     position = {idx: pos for pos, idx in enumerate(walk)}
     sealed.sort(key=lambda b: position[b[0]])
     return sealed
+
+
+@dataclass(frozen=True)
+class BucketCaps:
+    """The byte caps DDP's constructor arguments imply, for both assignments.
+
+    As in torch 2.13: ``bucket_cap_mb`` left at None means a 25 MiB cap with a
+    1 MiB first bucket (so the first all-reduce starts early); an explicit
+    ``bucket_cap_mb`` is also the first bucket's cap; ``bucket_cap_mb_list``
+    gives every bucket its own cap (the last repeats), at construction and at
+    the rebuild alike.
+    """
+
+    cap: int  # bucket_cap_mb in bytes (the largest of bucket_cap_mb_list)
+    first: int  # the first bucket's cap after the rebuild
+    per_bucket: tuple[int, ...] = ()  # bucket_cap_mb_list in bytes
+
+    @classmethod
+    def from_args(cls, bucket_cap_mb: float | None,
+                  bucket_cap_mb_list: Sequence[float] | None = None) -> BucketCaps:
+        if bucket_cap_mb_list:
+            per = tuple(int(mb * MIB) for mb in bucket_cap_mb_list)
+            if any(c <= 0 for c in per):
+                raise ValueError(f"bucket_cap_mb_list must hold positive sizes, got "
+                                 f"{list(bucket_cap_mb_list)}")
+            return cls(max(per), max(per), per)
+        if bucket_cap_mb is None:
+            return cls(DEFAULT_BUCKET_CAP_MB * MIB, DEFAULT_FIRST_BUCKET_BYTES)
+        cap = int(bucket_cap_mb * MIB)
+        return cls(cap, cap)
+
+    def initial(self, *, find_unused: bool) -> list[int]:
+        """Caps of the construction-time assignment (definition order, then reversed)."""
+        if self.per_bucket:
+            return list(self.per_bucket)
+        if not find_unused:
+            return [sys.maxsize]  # one bucket until the rebuild has seen a backward
+        return [self.first, self.cap] if self.first < self.cap else [self.cap]
+
+    def rebuild(self, cap: int | None = None) -> list[int]:
+        """Caps of the rebuild; ``cap`` replaces the cap (bucket_cap_mb="auto")."""
+        if self.per_bucket:
+            return list(self.per_bucket)
+        if cap is not None:
+            return [min(DEFAULT_FIRST_BUCKET_BYTES, cap), cap]
+        return [self.first, self.cap] if self.first < self.cap else [self.cap]
 
 
 def bucket_key(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:

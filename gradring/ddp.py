@@ -1,6 +1,10 @@
 """gradring.DistributedDataParallel: construction, forward pre/post, no_sync, hooks.
 
-A plain ``nn.Module`` wrapping the user's module. The gradient averaging is
+The class is a subclass of ``torch.nn.parallel.DistributedDataParallel`` so
+that code checking ``isinstance(m, DistributedDataParallel)`` takes its DDP
+path (Lightning, Accelerate, Dynamo, distributed checkpoint do). See [Note:
+type identity] in ``ddp_surface.py``: torch's ``__init__`` never runs and every
+method torch's class defines is overridden here or there. The averaging is
 done by gradring's own Reducer (reducer.py); this file decides *when* the
 reducer is told what, mirroring torch's DDP so a user switches by one import.
 """
@@ -8,7 +12,6 @@ reducer is told what, mirroring torch's DDP so a user switches by one import.
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradring import autocap, errors
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
+from gradring.ddp_surface import TorchDDP, TorchSurface
 from gradring.graph import GraphMode, iter_tensors
 from gradring.group_comm import GroupComm
 from gradring.join import DDPJoinHook, Joinable, global_flag, last_joiner_rank
@@ -38,21 +42,42 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
+                ) -> tuple[BucketCaps, bool]:
+    """The constructor's caps, and whether ``"auto"`` picks the cap at the rebuild."""
+    auto = autocap.is_auto(bucket_cap_mb) and not bucket_cap_mb_list
+    if autocap.is_auto(bucket_cap_mb):
+        bucket_cap_mb = None
+    if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+            or bucket_cap_mb <= 0):
+        raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
+    return BucketCaps.from_args(bucket_cap_mb, bucket_cap_mb_list), auto
+
+
 def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
                      ) -> tuple[int, bool]:
     """The constructor's cap in bytes, and whether ``"auto"`` picks it at the rebuild."""
-    if bucket_cap_mb_list:
-        return int(max(bucket_cap_mb_list) * MIB), False
-    auto = autocap.is_auto(bucket_cap_mb)
-    if bucket_cap_mb is None or auto:
-        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-            or bucket_cap_mb <= 0:
-        raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
-    return int(bucket_cap_mb * MIB), auto
+    caps, auto = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+    return caps.cap, auto
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+def _group_of(process_group: Any, device_mesh: Any) -> Any:
+    """The process group to average over, from ``process_group`` or a 1-D ``device_mesh``."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is not None:
+        return process_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(errors.not_initialized())
+    return dist.group.WORLD
+
+
+class DistributedDataParallel(TorchSurface, TorchDDP):
     """Data-parallel wrapper with torch DDP's constructor and behaviour.
 
     Gradients are averaged across the process group when ``loss.backward()``
@@ -66,7 +91,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: Any = None,
         bucket_cap_mb: float | str | None = None,
@@ -83,89 +108,112 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ) -> None:
+        # torch's DDP.__init__ is never called (see [Note: type identity]).
         nn.Module.__init__(self)
         Joinable.__init__(self)
         unsupported = {
             "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
             "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
             "mixed_precision": mixed_precision is not None,
-            "device_mesh": device_mesh is not None,
             "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
             "batched_grad_copy": bool(batched_grad_copy),
         }
         for name, given in unsupported.items():
             if given:
                 raise NotImplementedError(errors.unsupported_argument(name))
+        # The error DDP last raised, for _get_ddp_logging_data (as torch's logger keeps it).
+        self._error: str | None = None
+        # Group the gradients are averaged over.
+        self.process_group = _group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         if check_reduction:
             warnings.warn(errors.check_reduction_deprecated(), FutureWarning, stacklevel=2)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(errors.not_initialized())
         if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(errors.too_many_device_ids())
-
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self._log_and_throw(ValueError, errors.too_many_device_ids())
+        # Names (module-relative) of parameters and buffers DDP leaves alone.
+        self.parameters_to_ignore: set[str] = set(
+            getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
-            raise RuntimeError(errors.no_trainable_params())
+            self._log_and_throw(RuntimeError, errors.no_trainable_params())
         devices = {str(p.device) for _, p in named}
         if len(devices) > 1:
-            raise ValueError(errors.mixed_devices([str(p.device) for _, p in named]))
+            self._log_and_throw(ValueError, errors.mixed_devices([str(p.device)
+                                                                  for _, p in named]))
         # The wrapped module; state_dict keys get the usual "module." prefix.
         self.module = module
         # The single device every parameter lives on.
         self.device = named[0][1].device
+        self.device_type = self.device.type
         if device_ids is not None and self.device.type == "cpu":
-            raise ValueError(errors.device_ids_on_cpu(device_ids, output_device, devices))
+            self._log_and_throw(ValueError,
+                                errors.device_ids_on_cpu(device_ids, output_device, devices))
         # Where inputs are moved before forward (torch moves them for device_ids).
         self.device_ids = None if device_ids is None else [torch.device(self.device)]
         self.output_device = output_device
         self.dim = dim
-        # Group the gradients are averaged over (default group when None).
-        self.process_group = process_group if process_group is not None \
-            else dist.group.WORLD
         self._comm = GroupComm(self.process_group)
-        # Broadcast rank 0's buffers before each forward (torch's broadcast_buffers).
-        self.broadcast_buffers = broadcast_buffers if forward_sync_buffers is None \
-            else forward_sync_buffers
+        # Buffers: broadcast rank 0's before each forward (forward_sync_buffers;
+        # broadcast_buffers is torch 2.13's deprecated name for it).
+        init_sync_buffers = self._buffer_flags(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         # Set by no_sync(): when False, backward only accumulates locally.
         self.require_backward_grad_sync = True
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
         self.require_forward_param_sync = True
-        self.bucket_bytes_cap, auto_cap = bucket_cap_bytes(bucket_cap_mb, bucket_cap_mb_list)
+        # Bucket caps as torch 2.13 derives them; the byte cap is reported by the reducer.
+        self._caps, self._auto_cap = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.bucket_bytes_cap_list = list(self._caps.per_bucket)
+        # Bucket size of the buffer and init broadcasts (torch's attribute; ours
+        # coalesces per dtype).
+        self.broadcast_bucket_size = 250 * 1024 * 1024
         self._param_names = [n for n, _ in named]
-        params = [p for _, p in named]
-        self._module_buffers = [b for _, b in module.named_buffers()]
-
+        self._module_parameters = [p for _, p in named]
+        self._assign_modules_buffers()
         if init_sync:
-            self._verify_same_model(params)
+            self._verify_same_model(self._module_parameters)
             self._comm.broadcast_coalesced(
-                [p.data for p in module.parameters()]
-                + (self._module_buffers if broadcast_buffers is not False else [])
-            )
-
-        mode = GraphMode.of(find_unused=find_unused_parameters, static_graph=static_graph)
-        if bucket_cap_mb_list:
-            initial_caps = [int(c * MIB) for c in bucket_cap_mb_list]
-        elif mode is GraphMode.FIND_UNUSED:
-            initial_caps = [DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap]
-        else:
-            initial_caps = [sys.maxsize]
-        # static_graph=True is applied below through _set_static_graph(), as torch does.
-        self.reducer = Reducer(
-            params, self._param_names, self._comm,
-            bucket_cap_bytes=self.bucket_bytes_cap, initial_caps=initial_caps,
-            mode=GraphMode.of(find_unused=find_unused_parameters, static_graph=False),
-            gradient_as_bucket_view=gradient_as_bucket_view, auto_cap=auto_cap,
-        )
-        if auto_cap and mode is GraphMode.FIND_UNUSED:
+                [p.data for n, p in module.named_parameters()
+                 if n not in self.parameters_to_ignore]
+                + (self.modules_buffers if init_sync_buffers else []))
+        self._static_at_init = static_graph
+        self.reducer = self._build_reducer(static_graph=static_graph)
+        if self._auto_cap and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
             warnings.warn(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB), stacklevel=2)
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
         self._has_comm_hook = False
         self._fused_optim: Any = None
+        # Whether the current forward will be followed by a reducing backward.
+        self._sync_this_forward = False
+        self._lazy_init_ran = False
         if static_graph:
             self._set_static_graph()
+
+    def _build_reducer(self, *, static_graph: bool) -> Reducer:
+        find_unused = self.find_unused_parameters and not static_graph
+        return Reducer(
+            self._module_parameters, self._param_names, self._comm, caps=self._caps,
+            initial_caps=self._caps.initial(find_unused=find_unused),
+            mode=GraphMode.of(find_unused=self.find_unused_parameters, static_graph=False),
+            gradient_as_bucket_view=self.gradient_as_bucket_view, auto_cap=self._auto_cap,
+        )
+
+    def _buffer_flags(self, broadcast_buffers: bool | None,
+                      forward_sync_buffers: bool | None) -> bool:
+        """Set forward_sync_buffers the way torch 2.13 does; returns whether to sync at init."""
+        if broadcast_buffers is not None:
+            warnings.warn(errors.broadcast_buffers_deprecated(
+                both=forward_sync_buffers is not None), FutureWarning, stacklevel=3)
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers = forward_sync_buffers
+            return True
+        effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.forward_sync_buffers = effective
+        return effective
 
     # ------------------------------------------------------------ construction
     def _verify_same_model(self, params: list[torch.Tensor]) -> None:
@@ -174,13 +222,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         everyone = self._comm.all_gather_object((meta, self._param_names))
         counts = [len(m) for m, _ in everyone]
         if any(c != counts[0] for c in counts):
-            raise RuntimeError(errors.param_count_mismatch(counts))
+            self._log_and_throw(RuntimeError, errors.param_count_mismatch(counts))
         ref = everyone[0][0]
         for rank, (theirs, names) in enumerate(everyone):
             for i, ((shape, stride), (rshape, rstride)) in enumerate(zip(theirs, ref)):
                 for what, mine, want in (("sizes", shape, rshape), ("strides", stride, rstride)):
                     if mine != want:
-                        raise RuntimeError(errors.param_shape_mismatch(
+                        self._log_and_throw(RuntimeError, errors.param_shape_mismatch(
                             i, names[i], what, mine, want, rank))
 
     @property
@@ -188,43 +236,71 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Whether the graph is declared the same every iteration (stored by the reducer)."""
         return self.reducer.static_graph
 
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes (what bucket_cap_mb="auto" chose, once it has)."""
+        return self.reducer.bucket_cap_bytes
+
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (docs/design.md)."""
         if self.static_graph:
             warnings.warn(errors.static_graph_twice(), stacklevel=2)
             return
-        self.reducer.set_static_graph()
+        try:
+            self.reducer.set_static_graph()
+        except RuntimeError as exc:
+            self._log_and_throw(RuntimeError, str(exc))
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("gradring::forward"):
-            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            if self._join_config.enable:
-                DDPJoinHook.notify(self)
-                # Tells joined ranks whether this iteration reduces gradients.
-                global_flag(self._comm, sync, self.device)
-            if sync:
-                self.reducer.prepare_for_forward()
-                if self.reducer.rebuild_if_needed():
-                    self.bucket_bytes_cap = self.reducer.bucket_cap_bytes  # "auto" decided
-            else:
-                self.reducer.note_unsynced_forward()
-            self._sync_buffers(active=True)
-            if self.device_ids:
-                inputs = _move_to(inputs, self.device_ids[0])
-                kwargs = _move_to(kwargs, self.device_ids[0])
-            out = self.module(*inputs, **kwargs)
-            return self._post_forward(out, sync)
+            inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            out = self._run_ddp_forward(*inputs, **kwargs)
+            return self._post_forward(out)
 
-    def _post_forward(self, out: Any, sync: bool) -> Any:
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Before the module runs: rebuild buckets once, sync buffers, move inputs."""
+        if not self._lazy_init_ran:
+            self._lazy_init()
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._sync_this_forward = sync
+        if self._join_config.enable:
+            DDPJoinHook.notify(self)
+            # Tells joined ranks whether this iteration reduces gradients.
+            global_flag(self._comm, sync, self.device)
+        if sync:
+            self._guarded(self.reducer.prepare_for_forward)
+            self.reducer.rebuild_if_needed()
+        else:
+            self.reducer.note_unsynced_forward()
+        if self._check_sync_bufs_pre_fwd():
+            self._sync_buffers(active=True)
+        if self.device_ids:
+            inputs = _move_to(inputs, self.device_ids[0])
+            kwargs = _move_to(kwargs, self.device_ids[0])
+        return inputs, kwargs
+
+    def _post_forward(self, output: Any) -> Any:
+        """After the module ran: prepare the reducer for the backward to come."""
+        sync = self._sync_this_forward
+        if self._check_sync_bufs_post_fwd():
+            self._sync_buffers(active=True)
         self.require_forward_param_sync = sync
         if not sync:
-            return out
+            return output
         find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
-        self.reducer.prepare_for_backward(list(iter_tensors(out)) if find_unused else None)
+        self.reducer.prepare_for_backward(list(iter_tensors(output)) if find_unused else None)
         if find_unused or self.reducer.static_first_backward():
-            out = wrap_outputs(out, self.reducer)
-        return out
+            output = wrap_outputs(output, self.reducer)
+        return output
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """Run a reducer step; an error it raises is recorded for the logging data."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._error = str(exc)
+            raise
 
     # ------------------------------------------------------------------- sync
     @contextlib.contextmanager
@@ -242,12 +318,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ hooks
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``."""
-        if not callable(hook):
-            raise TypeError(errors.hook_not_callable(hook))
+        self._check_comm_hook(hook)
         if self._has_comm_hook:
-            raise RuntimeError(errors.comm_hook_twice())
+            self._log_and_throw(RuntimeError, errors.comm_hook_twice())
         if self._fused_optim is not None:
-            raise RuntimeError(errors.comm_hook_with_fused_optim())
+            self._log_and_throw(RuntimeError, errors.comm_hook_with_fused_optim())
         self._has_comm_hook = True
         self.reducer.set_comm_hook(hook, state)
 
@@ -256,9 +331,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         from gradring.fused_optim import attach_fused_optimizer
 
         if self._fused_optim is not None:
-            raise RuntimeError(errors.fused_optim_twice())
+            self._log_and_throw(RuntimeError, errors.fused_optim_twice())
         if self._has_comm_hook:
-            raise RuntimeError(errors.fused_optim_with_comm_hook())
+            self._log_and_throw(RuntimeError, errors.fused_optim_with_comm_hook())
         self._fused_optim = attach_fused_optimizer(self.reducer, optim_cls, *args, **kwargs)
         return self._fused_optim
 
@@ -283,29 +358,32 @@ class DistributedDataParallel(nn.Module, Joinable):
         """A joined rank mirrors one training iteration of the others ([Note: shadowing])."""
         should_sync = global_flag(self._comm, False, self.device)
         if should_sync:
-            if self.reducer.rebuild_if_needed():
-                self.bucket_bytes_cap = self.reducer.bucket_cap_bytes
-        self._sync_buffers(active=False)
+            self.reducer.rebuild_if_needed()
+        if self.will_sync_module_buffers():
+            self._sync_buffers(active=False)
         self.require_forward_param_sync = should_sync
         if should_sync:
             self.reducer.shadow_backward()
 
-    def _sync_buffers(self, *, active: bool) -> None:
-        """Broadcast buffers before a forward. Under Join the source is the highest
-        rank still training (as torch does); otherwise rank 0."""
-        if not (self.require_forward_param_sync and self.broadcast_buffers
-                and self._module_buffers):
+    def _sync_buffers(self, *, active: bool = True) -> None:
+        """Sync buffers before (or after) a forward. Under Join the source is the
+        highest rank still training (as torch does); otherwise rank 0. Buffers
+        are read from the module each time: a reassigned one is the one sent."""
+        if not self.will_sync_module_buffers():
             return
         src = 0
         if self._join_config.enable:
             src = last_joiner_rank(self._comm, active, self.device)
-        self._comm.broadcast_coalesced(self._module_buffers, src=src)
+        self._assign_modules_buffers()
+        self._sync_module_buffers(src)
 
     def sync_final_model(self, *, is_last_joiner: bool) -> None:
         """After everyone joined: the last joiner's parameters and buffers win."""
         src = last_joiner_rank(self._comm, is_last_joiner, self.device)
+        self._assign_modules_buffers()
         self._comm.broadcast_coalesced(
-            [p.data for p in self.module.parameters()] + self._module_buffers, src=src)
+            [p.data for n, p in self.module.named_parameters()
+             if n not in self.parameters_to_ignore] + self.modules_buffers, src=src)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Any:
@@ -317,13 +395,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -------------------------------------------------------------- introspection
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         r = self.reducer
-        return {
+        data: dict[str, Any] = {
             "world_size": self._comm.world_size,
             "rank": self._comm.rank,
             "module_name": type(self.module).__name__,
             "device_ids": "" if not self.device_ids else str(self.device_ids[0]),
             "output_device": -1 if self.output_device is None else self.output_device,
-            "broadcast_buffers": int(bool(self.broadcast_buffers)),
+            "broadcast_buffers": int(bool(self.forward_sync_buffers)),
             "bucket_cap_bytes": r.bucket_cap_bytes,
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
@@ -338,7 +416,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             "comm_hook": "" if r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
             "backend_name": dist.get_backend(self.process_group),
             "iteration": r.num_backward,
+            "has_error": int(self._error is not None or r.error is not None),
         }
+        error = self._error or r.error
+        if error is not None:
+            data["error"] = error
+        return data
 
     def overlap_stats(self, last_n: int = 10) -> dict[str, Any]:
         """Backward/communication overlap of the last ``last_n`` iterations (docs/overlap.md)."""
@@ -348,15 +431,27 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ---------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
+        self._check_default_group()
         state = self.__dict__.copy()
         for key in ("process_group", "_comm", "reducer"):
             state.pop(key, None)
+        # What the reducer knew and a new one needs; hooks and fused optimizers,
+        # like torch's, are not pickled.
+        state["_static_at_init"] = self.static_graph
         state["_has_comm_hook"] = False
         state["_fused_optim"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.process_group = dist.group.WORLD if dist.is_initialized() else None
-        self._comm = None
-        self.reducer = None
+        nn.Module.__setstate__(self, state)
+        # As in torch: an unpickled DDP runs over the default group, with a new reducer.
+        self.process_group = _group_of(None, None)
+        self._comm = GroupComm(self.process_group)
+        self._module_parameters = [p for n, p in self.module.named_parameters()
+                                   if p.requires_grad and n not in self.parameters_to_ignore]
+        self._assign_modules_buffers()
+        static = self.__dict__.pop("_static_at_init", False)
+        self._static_at_init = static
+        self.reducer = self._build_reducer(static_graph=static)
+        if static:
+            self.reducer.set_static_graph()

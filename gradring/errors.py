@@ -207,3 +207,31 @@ def fused_optim_twice() -> str:
 def fused_optim_with_comm_hook() -> str:
     return ("_register_fused_optim cannot be combined with a communication hook "
             "(register_comm_hook).")
+
+
+def broadcast_buffers_deprecated(*, both: bool) -> str:
+    if both:
+        return ("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided.")
+    return ("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+            "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+            "syncs buffers at init. If you rely on buffers NOT being synced at init (e.g. "
+            "rank-local buffers), keep using `broadcast_buffers=False` until "
+            "`init_sync_buffers` is available.")
+
+
+def torch_internal(name: str) -> str:
+    return (f"gradring.DistributedDataParallel does not implement torch's internal `{name}`: "
+            "it belongs to torch's C++ reducer machinery, which gradring replaces. If a "
+            "library needs it, please report which one.")
+
+
+def reducer_not_finalized() -> str:
+    return ("Expected to have finished reduction in the prior iteration before starting a new "
+            "one: the last backward did not reduce every bucket.")
+
+
+def in_backward_optim_with_hook() -> str:
+    return ("Parameters with optimizers applied in backward (_apply_optimizer_in_backward) "
+            "cannot be combined with a communication hook or _register_fused_optim.")

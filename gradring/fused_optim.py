@@ -1,4 +1,4 @@
-"""Optimizer fused into backward : each bucket's parameters step as
+"""Optimizer fused into backward: each bucket's parameters step as
 soon as that bucket's reduced gradients are written, while later buckets may
 still be in flight.
 

@@ -38,8 +38,8 @@ from torch.autograd.profiler import record_function
 
 from gradring import errors
 from gradring.buckets import (
-    DEFAULT_FIRST_BUCKET_BYTES,
     Bucket,
+    BucketCaps,
     BucketState,
     SlotKind,
     assign_buckets,
@@ -67,7 +67,7 @@ class Reducer:
         names: Sequence[str],
         comm: GroupComm,
         *,
-        bucket_cap_bytes: int,
+        caps: BucketCaps,
         initial_caps: Sequence[int],
         mode: GraphMode,
         gradient_as_bucket_view: bool,
@@ -81,8 +81,10 @@ class Reducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         # Collectives over the DDP process group.
         self.comm = comm
-        # bucket_cap_mb in bytes; caps after the rebuild are [1 MiB, this, ...].
-        self.bucket_cap_bytes = bucket_cap_bytes
+        # The caps the constructor arguments imply (see BucketCaps).
+        self.caps = caps
+        # The cap in force: bucket_cap_mb in bytes, or what "auto" chose at the rebuild.
+        self.bucket_cap_bytes = caps.cap
         # How parameters' participation is learnt (see GraphMode); the one
         # place static_graph is stored.
         self.mode = mode
@@ -123,6 +125,10 @@ class Reducer:
             self.auto_stamps = autocap.Stamps(len(self.params))
         # Optional per-bucket callback run after a bucket is reduced (fused optimizer).
         self.post_reduce: Callable[[Bucket], None] | None = None
+        # The text of the last error the reducer raised (DDP's logging data shows it).
+        self.error: str | None = None
+        # Futures to wait for at the end of this backward (buffer comm hooks).
+        self._post_backward_futures: list[torch.futures.Future] = []
         # Ring buffer of timestamped events (overlap statistics, timelines).
         self.trace = Trace()
         # Division factor for the default path; Join may change it per iteration.
@@ -177,7 +183,7 @@ class Reducer:
     def set_static_graph(self) -> None:
         """Switch to GraphMode.STATIC; only before the first forward."""
         if self.num_forward > 0:
-            raise RuntimeError(errors.static_graph_too_late())
+            raise self._fail(errors.static_graph_too_late())
         self.mode = GraphMode.STATIC
 
     def set_comm_hook(self, hook: CommHook, state: Any) -> None:
@@ -189,6 +195,12 @@ class Reducer:
     def set_divide_factor(self, factor: int) -> None:
         """What the default path divides gradients by (Join may lower it)."""
         self.divide_factor = factor
+
+    def install_post_backward_futures(self, futures: Sequence[torch.futures.Future]) -> None:
+        """Wait for ``futures`` at the end of the coming backward (torch's buffer hooks)."""
+        self._post_backward_futures.extend(futures)
+
+    _install_post_backward_futures = install_post_backward_futures  # torch's name
 
     def set_post_reduce(self, fn: Callable[[Bucket], None] | None) -> None:
         """Run ``fn(bucket)`` right after each bucket's result is written (fused optimizer)."""
@@ -239,7 +251,9 @@ class Reducer:
                                                *self.auto_stamps.parts())
             self.bucket_cap_bytes = self.auto_cap.cap_bytes
             self.auto_stamps = None
-        caps = [DEFAULT_FIRST_BUCKET_BYTES, self.bucket_cap_bytes]
+            caps = self.caps.rebuild(self.bucket_cap_bytes)
+        else:
+            caps = self.caps.rebuild()
         groups = assign_buckets(self._sizes, caps, keys=self._keys, order=order.tolist())
         self._install(groups)
         self.has_rebuilt = True
@@ -305,7 +319,7 @@ class Reducer:
     def _on_grad(self, i: int) -> None:
         if not self.expect_hooks:
             if self._finalized_since_forward:
-                raise RuntimeError(errors.backward_twice())
+                raise self._fail(errors.backward_twice())
             return  # no_sync, or a backward not preceded by a DDP forward
         mode = self.mode
         if mode is GraphMode.STATIC:
@@ -313,7 +327,7 @@ class Reducer:
                 self._static_counts[i] += 1  # iteration 1: count only, reduce at the end
                 return
             if self._static_counts[i] == 0:
-                raise RuntimeError(errors.static_graph_newly_used(i, self.names[i]))
+                raise self._fail(errors.static_graph_newly_used(i, self.names[i]))
             self._static_remaining[i] -= 1
             if self._static_remaining[i] > 0:
                 return
@@ -335,7 +349,7 @@ class Reducer:
 
     def _mark_ready(self, i: int) -> None:
         if self._ready[i]:
-            raise RuntimeError(errors.marked_twice(i, self.names[i]))
+            raise self._fail(errors.marked_twice(i, self.names[i]))
         self._ready[i] = True
         self.require_finalize = True
         b, s = self._locator[i]
@@ -513,6 +527,9 @@ class Reducer:
                     if self.post_reduce is not None:
                         self.post_reduce(bucket)
                     self.trace.mark("written", bucket.index)
+            futures, self._post_backward_futures = self._post_backward_futures, []
+            for fut in futures:
+                fut.wait()
         finally:
             self.trace.iteration += 1
             self.expect_hooks = False
@@ -529,7 +546,7 @@ class Reducer:
             self.require_finalize = False
             where = errors.bucket_context(bucket.index, bucket.nbytes, bucket.param_indices,
                                           self.names, self.num_backward + 1)
-            raise RuntimeError(f"{exc}\n{where}") from exc
+            raise self._fail(f"{exc}\n{where}") from exc
 
     def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
         homed = bucket.homed_slots
@@ -577,10 +594,15 @@ class Reducer:
                     pass
         self.require_finalize = False
         self.expect_hooks = False
-        raise RuntimeError(
+        raise self._fail(
             errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
                                         world_size=self.comm.world_size)
         )
+
+    def _fail(self, message: str) -> RuntimeError:
+        """The error to raise, recorded for DDP's logging data."""
+        self.error = message
+        return RuntimeError(message)
 
     def _peer_missing(self, missing: list[int]) -> dict[int, list[int]]:
         """Swap the missing-gradient lists with the other ranks through the store.
@@ -593,6 +615,17 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
+
+    # --------------------------------------------- torch's Reducer, as libraries call it
+    # Lightning's manual optimization calls these on ``ddp.reducer`` with the
+    # meaning of torch's C++ Reducer methods of the same names.
+    def _rebuild_buckets(self) -> bool:
+        """torch's name for :meth:`rebuild_if_needed`."""
+        return self.rebuild_if_needed()
+
+    def _delay_all_reduce(self) -> None:
+        """torch's name for :meth:`delay_all_reduce` (static_graph's first iteration)."""
+        self.delay_all_reduce()
 
 
 def _offset(piece: tuple[int, torch.Tensor]) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 
-import oracle
 import pytest
 import torch
 
@@ -24,6 +23,7 @@ from gradring.comm.algos import direct, ring, tree
 from gradring.comm.ops import SUM
 from gradring.comm.transport import CollectiveInfo, Kind
 from gradring.comm.transports.threaded import run_ranks
+from tests import oracle
 
 pytestmark = pytest.mark.timeout(180)
 

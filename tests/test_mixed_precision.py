@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import global_batch, make_batch, make_model
 from torch import nn
 
 import gradring
 from gradring import hooks as H
+from tests.oracle import global_batch, make_batch, make_model
 
 STEPS = 6
 INJECT = 3  # the step at which the last rank's input holds an inf

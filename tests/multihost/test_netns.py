@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from netns_harness import TwoHosts, unavailable  # noqa: E402
+from tests.multihost.netns_harness import TwoHosts, unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 CAP_S = 180.0  # per launch: generous, 4 ranks + 2 agents on 2 shared cores
