@@ -9,7 +9,8 @@ share. It is started on first use and closed at the end of the session.
 from __future__ import annotations
 
 import pytest
-from rankpool import RankPool
+
+from tests.rankpool import RankPool
 
 
 class _Pool:

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from integrations.common import (  # noqa: E402
+from tests.integrations.common import (  # noqa: E402
     exactly_equal,
     first_difference,
     launched_like_torchrun,

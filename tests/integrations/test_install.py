@@ -11,7 +11,7 @@ from torch import nn
 
 import gradring
 from gradring.install import install, installed, uninstall
-from integrations.common import exactly_equal, release
+from tests.integrations.common import exactly_equal, release
 
 HOMES = (torch.nn.parallel, torch.nn.parallel.distributed)
 TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from integrations.common import (  # noqa: E402
+from tests.integrations.common import (  # noqa: E402
     exactly_equal,
     first_difference,
     launched_like_torchrun,
@@ -260,7 +260,16 @@ def _assert_same(results: list[dict[str, Any]], keys: tuple[str, ...] = ("losses
         assert exactly_equal(results[0]["gradring"][key], results[1]["gradring"][key])
 
 
-CASES = ["auto_accumulate", "manual", "manual_accumulate", "manual_accumulate_no_sync",
+#: Lightning's manual optimization runs the backward inside the wrapped forward and
+#: turns require_backward_grad_sync off before the forward returns; torch's DDP reads
+#: the flag again after the module ran, gradring's keeps what it read before, so
+#: the backward of the next block_backward_sync() step is reduced too.
+_POST_FORWARD_FLAG = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="gradring's _post_forward does not re-read require_backward_grad_sync")
+
+CASES = ["auto_accumulate", "manual", "manual_accumulate",
+         pytest.param("manual_accumulate_no_sync", marks=_POST_FORWARD_FLAG),
          "static_graph", "manual_static_graph", "find_unused"]
 
 

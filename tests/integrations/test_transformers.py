@@ -19,7 +19,7 @@ pytest.importorskip("accelerate", reason="accelerate is missing: pip install -e 
 
 import torch  # noqa: E402
 
-from integrations.common import exactly_equal, first_difference  # noqa: E402
+from tests.integrations.common import exactly_equal, first_difference  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
