@@ -239,6 +239,7 @@ def lightning_lifecycle(rank: int, world: int, root: str) -> dict[str, Any]:
             "unwrapped": [first.strategy.model is lm, second.strategy.model is lm],
             "local_backward": all(torch.equal(a.grad, b.grad) for a, b in
                                   zip(lm.parameters(), local.parameters())),
+            "hooks_left": sum(len(p._post_accumulate_grad_hooks or {}) for p in lm.parameters()),
         }
     out["segments_left"] = release()
     return out
@@ -305,6 +306,7 @@ def test_lightning_checkpoint_second_fit_teardown(integ_pool, tmp_path) -> None:
             assert r["loaded_matches"], (rank, impl)
             assert r["unwrapped"] == [True, True], (rank, impl)
             assert r["local_backward"], (rank, impl)
+            assert r["hooks_left"] == 0, (rank, impl)
         for key in ("losses", "after_first", "params"):
             a, b = res["torch"][key], res["gradring"][key]
             assert exactly_equal(a, b), f"rank {rank}, {key}: {first_difference(a, b)}"
