@@ -261,17 +261,7 @@ def _assert_same(results: list[dict[str, Any]], keys: tuple[str, ...] = ("losses
         assert exactly_equal(results[0]["gradring"][key], results[1]["gradring"][key])
 
 
-#: Lightning's manual optimization runs the backward inside the wrapped forward.
-#: Under block_backward_sync() that backward only accumulates, and gradring's
-#: reducer, which a forward with sync on does not tell that a new iteration
-#: began, takes it for a second backward after the previous synced one.
-_LOCAL_BACKWARD_IN_FORWARD = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="Reducer.prepare_for_forward does not reset _finalized_since_forward: "
-           "'backward() ran a second time after a single forward()'")
-
-CASES = ["auto_accumulate", "manual", "manual_accumulate",
-         pytest.param("manual_accumulate_no_sync", marks=_LOCAL_BACKWARD_IN_FORWARD),
+CASES = ["auto_accumulate", "manual", "manual_accumulate", "manual_accumulate_no_sync",
          "static_graph", "manual_static_graph", "find_unused"]
 
 
