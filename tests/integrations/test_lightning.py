@@ -152,11 +152,14 @@ def _hook_spec(impl: str, name: str) -> dict[str, Any]:
     if name == "bf16":  # torch's bf16 hook cannot all-reduce on gloo; gradring's can
         return {"ddp_comm_hook": gradring.hooks.bf16_compress_hook if impl == "gradring"
                 else _gradring_bf16_under_another_name}
-    if name == "powersgd":
-        return {"ddp_comm_hook": powerSGD_hook.powerSGD_hook,
+    if name in ("powersgd", "powersgd_fp16"):
+        spec = {"ddp_comm_hook": powerSGD_hook.powerSGD_hook,
                 "ddp_comm_state": powerSGD_hook.PowerSGDState(
                     process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3,
                     min_compression_rate=1.0)}
+        if name.endswith("fp16"):
+            spec["ddp_comm_wrapper"] = default_hooks.fp16_compress_wrapper
+        return spec
     raise ValueError(name)
 
 
@@ -274,14 +277,23 @@ def test_lightning_matches_ddp(integ_pool, tmp_path, case: str) -> None:
     assert results[0]["gradring"]["losses"] != results[1]["gradring"]["losses"]
 
 
+#: torch's fp16 wrapper swaps the bucket's buffer for an fp16 copy, and PowerSGD
+#: then reads ``bucket.gradients()``, which in torch are views of the *current*
+#: buffer; gradring's GradBucket still hands out the fp32 views.
+_WRAPPER_BUG = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="gradring.grad_bucket.GradBucket.gradients() ignores set_buffer()")
+
+
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16", "powersgd",
+                                  pytest.param("powersgd_fp16", marks=_WRAPPER_BUG)])
 def test_lightning_comm_hooks_on_cpu(integ_pool, tmp_path, hook: str) -> None:
     results = integ_pool.run(lightning_case, f"hook_{hook}", str(tmp_path))
     _assert_same(results)
     if hook in ("fp16", "bf16"):
         assert not exactly_equal(results[0]["gradring"]["params"], results[0]["no_hook"]["params"])
-    if hook == "powersgd":
+    if hook.startswith("powersgd"):
         steps = len(results[0]["gradring"]["losses"])
         assert results[0]["gradring"]["hook_iter"] == results[0]["torch"]["hook_iter"] == steps
 
