@@ -128,11 +128,25 @@ def _script(impl: str, case: str, ckpt: str) -> dict[str, Any]:
     return rec
 
 
+#: Scenarios whose known gradring error is raised by every rank at the same point.
+_SYMMETRIC_ERRORS = {"powersgd_fp16"}
+
+
 def accelerate_case(rank: int, world: int, case: str, root: str) -> dict[str, Any]:
     launched_like_torchrun(rank, world)
     import gradring
 
-    out = {impl: _script(impl, case, os.path.join(root, impl)) for impl in ("torch", "gradring")}
+    out: dict[str, Any] = {"torch": _script("torch", case, os.path.join(root, "torch"))}
+    try:
+        out["gradring"] = _script("gradring", case, os.path.join(root, "gradring"))
+    except RuntimeError as exc:
+        # Only where the error is known to come alike on every rank, inside the first
+        # bucket's hook, before any collective: the test fails on it and the pool
+        # lives on. Anywhere else the pool reports the error itself.
+        if case not in _SYMMETRIC_ERRORS:
+            raise
+        _fresh_state()
+        out["gradring"] = {"error": f"{type(exc).__name__}: {exc}"}
     if case in ("fp16", "bf16"):  # the hook must change something: compare to none
         out["no_hook"] = _script("torch", "plain", os.path.join(root, "plain"))
     out["uninstalled"] = all(
@@ -146,7 +160,7 @@ def accelerate_case(rank: int, world: int, case: str, root: str) -> dict[str, An
 #: then reads ``bucket.gradients()``, which in torch are views of the *current*
 #: buffer; gradring's GradBucket still hands out the fp32 views.
 _WRAPPER_BUG = pytest.mark.xfail(
-    strict=True, raises=Exception,
+    strict=True, raises=AssertionError,
     reason="gradring.grad_bucket.GradBucket.gradients() ignores set_buffer()")
 
 
@@ -157,6 +171,7 @@ def test_accelerate_matches_torch_ddp(integ_pool, tmp_path, case: str) -> None:
     results = integ_pool.run(accelerate_case, case, str(tmp_path))
     for rank, res in enumerate(results):
         assert res["segments_left"] == [] and res["uninstalled"]
+        assert "error" not in res["gradring"], f"rank {rank}: {res['gradring'].get('error')}"
         assert res["torch"]["wrapper"] == "torch.nn.parallel.distributed"
         assert res["gradring"]["wrapper"] == "gradring.ddp"
         for impl in ("torch", "gradring"):

@@ -178,6 +178,10 @@ def _fit(impl: str, spec: Any, root: str, model_kw: dict[str, Any],
     return out
 
 
+#: Scenarios whose known gradring error is raised by every rank at the same point.
+_SYMMETRIC_ERRORS = {"hook_powersgd_fp16"}
+
+
 def lightning_case(rank: int, world: int, case: str, root: str) -> dict[str, Any]:
     """Run one scenario with both strategies; both results come back."""
     launched_like_torchrun(rank, world)
@@ -206,7 +210,15 @@ def lightning_case(rank: int, world: int, case: str, root: str) -> dict[str, Any
     for impl in ("torch", "gradring"):
         if case.startswith("hook_"):
             spec = _hook_spec(impl, case[len("hook_"):])
-        results[impl] = _fit(impl, spec, os.path.join(root, impl), model_kw, trainer_kw)
+        try:
+            results[impl] = _fit(impl, spec, os.path.join(root, impl), model_kw, trainer_kw)
+        except RuntimeError as exc:
+            # Only where the error is known to come alike on every rank, inside the
+            # first bucket's hook, before any collective: the test fails on it and the
+            # pool lives on. Anywhere else the pool reports the error itself.
+            if impl == "torch" or case not in _SYMMETRIC_ERRORS:
+                raise
+            results[impl] = {"error": f"{type(exc).__name__}: {exc}"}
     if case in ("hook_fp16", "hook_bf16"):  # the hook must change something: compare to none
         results["no_hook"] = _fit("torch", {}, os.path.join(root, "plain"), model_kw, trainer_kw)
     results["segments_left"] = release()
@@ -255,6 +267,7 @@ def _assert_same(results: list[dict[str, Any]], keys: tuple[str, ...] = ("losses
                  ) -> None:
     for rank, res in enumerate(results):
         assert res["segments_left"] == [], res["segments_left"]
+        assert "error" not in res["gradring"], f"rank {rank}: {res['gradring'].get('error')}"
         assert res["gradring"]["strategy"] == "gradring.lightning"
         for key in keys:
             a, b = res["torch"][key], res["gradring"][key]
