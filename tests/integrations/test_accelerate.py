@@ -157,16 +157,12 @@ def accelerate_case(rank: int, world: int, case: str, root: str) -> dict[str, An
 
 
 #: torch's fp16 wrapper swaps the bucket's buffer for an fp16 copy, and PowerSGD
-#: then reads ``bucket.gradients()``, which in torch are views of the *current*
-#: buffer; gradring's GradBucket still hands out the fp32 views.
-_WRAPPER_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="gradring.grad_bucket.GradBucket.gradients() ignores set_buffer()")
+#: then reads ``bucket.gradients()``, which must be views of the *current* buffer.
 
 
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case", ["plain", "bucket_view", "fp16", "bf16", "powersgd",
-                                  pytest.param("powersgd_fp16", marks=_WRAPPER_BUG)])
+                                  "powersgd_fp16"])
 def test_accelerate_matches_torch_ddp(integ_pool, tmp_path, case: str) -> None:
     results = integ_pool.run(accelerate_case, case, str(tmp_path))
     for rank, res in enumerate(results):

@@ -291,16 +291,12 @@ def test_lightning_matches_ddp(integ_pool, tmp_path, case: str) -> None:
 
 
 #: torch's fp16 wrapper swaps the bucket's buffer for an fp16 copy, and PowerSGD
-#: then reads ``bucket.gradients()``, which in torch are views of the *current*
-#: buffer; gradring's GradBucket still hands out the fp32 views.
-_WRAPPER_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="gradring.grad_bucket.GradBucket.gradients() ignores set_buffer()")
+#: then reads ``bucket.gradients()``, which must be views of the *current* buffer.
 
 
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16", "powersgd",
-                                  pytest.param("powersgd_fp16", marks=_WRAPPER_BUG)])
+                                  "powersgd_fp16"])
 def test_lightning_comm_hooks_on_cpu(integ_pool, tmp_path, hook: str) -> None:
     results = integ_pool.run(lightning_case, f"hook_{hook}", str(tmp_path))
     _assert_same(results)
