@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if check_reduction:
             warnings.warn(errors.check_reduction_deprecated(), FutureWarning, stacklevel=2)
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(errors.not_initialized())
+            raise errors.NotInitializedError(errors.not_initialized())
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError(errors.too_many_device_ids())
 
@@ -145,10 +145,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
         mode = GraphMode.of(find_unused=find_unused_parameters, static_graph=static_graph)
+        # The first bucket is small (1 MiB) only when bucket_cap_mb is left at
+        # its default; an explicit cap is every bucket's cap, as in torch 2.13.
+        first_bucket_bytes = DEFAULT_FIRST_BUCKET_BYTES \
+            if bucket_cap_mb is None or auto_cap else self.bucket_bytes_cap
+        rebuild_caps = None
         if bucket_cap_mb_list:
-            initial_caps = [int(c * MIB) for c in bucket_cap_mb_list]
+            initial_caps = rebuild_caps = [int(c * MIB) for c in bucket_cap_mb_list]
         elif mode is GraphMode.FIND_UNUSED:
-            initial_caps = [DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap]
+            initial_caps = [first_bucket_bytes, self.bucket_bytes_cap]
         else:
             initial_caps = [sys.maxsize]
         # static_graph=True is applied below through _set_static_graph(), as torch does.
@@ -157,6 +162,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_cap_bytes=self.bucket_bytes_cap, initial_caps=initial_caps,
             mode=GraphMode.of(find_unused=find_unused_parameters, static_graph=False),
             gradient_as_bucket_view=gradient_as_bucket_view, auto_cap=auto_cap,
+            first_bucket_bytes=first_bucket_bytes, rebuild_caps=rebuild_caps,
         )
         if auto_cap and mode is GraphMode.FIND_UNUSED:
             warnings.warn(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB), stacklevel=2)
@@ -208,6 +214,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if self.reducer.rebuild_if_needed():
                     self.bucket_bytes_cap = self.reducer.bucket_cap_bytes  # "auto" decided
             else:
+                if torch.is_grad_enabled():
+                    self.reducer.check_prior_finished()
                 self.reducer.note_unsynced_forward()
             self._sync_buffers(active=True)
             if self.device_ids:
@@ -293,19 +301,27 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_buffers(self, *, active: bool) -> None:
         """Broadcast buffers before a forward. Under Join the source is the highest
         rank still training (as torch does); otherwise rank 0."""
-        if not (self.require_forward_param_sync and self.broadcast_buffers
-                and self._module_buffers):
+        if not (self.require_forward_param_sync and self.broadcast_buffers):
+            return
+        buffers = self._current_buffers()
+        if not buffers:
             return
         src = 0
         if self._join_config.enable:
             src = last_joiner_rank(self._comm, active, self.device)
-        self._comm.broadcast_coalesced(self._module_buffers, src=src)
+        self._comm.broadcast_coalesced(buffers, src=src)
+
+    def _current_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers as they are now: a buffer reassigned since
+        construction (``module.buf = module.buf + 1``) is the new tensor."""
+        ignored = getattr(self, "parameters_to_ignore", None) or ()
+        return [b for n, b in self.module.named_buffers() if n not in ignored]
 
     def sync_final_model(self, *, is_last_joiner: bool) -> None:
         """After everyone joined: the last joiner's parameters and buffers win."""
         src = last_joiner_rank(self._comm, is_last_joiner, self.device)
         self._comm.broadcast_coalesced(
-            [p.data for p in self.module.parameters()] + self._module_buffers, src=src)
+            [p.data for p in self.module.parameters()] + self._current_buffers(), src=src)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Any:

@@ -207,3 +207,11 @@ def fused_optim_twice() -> str:
 def fused_optim_with_comm_hook() -> str:
     return ("_register_fused_optim cannot be combined with a communication hook "
             "(register_comm_hook).")
+
+
+class NotInitializedError(ValueError, RuntimeError):
+    """DDP constructed before ``init_process_group``.
+
+    torch's DDP raises ``ValueError`` here (from ``_get_default_group``); code
+    written against earlier gradring caught ``RuntimeError``. Both catch this.
+    """
