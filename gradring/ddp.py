@@ -225,6 +225,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._post_forward(out, sync)
 
     def _post_forward(self, out: Any, sync: bool) -> Any:
+        # Read again: the wrapped forward may have turned sync off (Lightning's
+        # manual optimization does, having reduced inside the forward).
+        sync = sync and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
         if not sync:
             return out
