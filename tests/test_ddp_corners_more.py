@@ -284,3 +284,55 @@ def test_before_init_process_group_raises_torchs_type():
     assert isinstance(caught["gradring"], type(caught["torch"]))
     assert isinstance(caught["gradring"], RuntimeError)  # what gradring raised before
     assert "init_process_group" in str(caught["gradring"])
+
+
+# ------------------------------------------- two losses from one forward
+
+
+def _two_losses(rank, world_size, how, kwargs):
+    torch.manual_seed(0)
+    base = nn.Linear(3, 2).double()
+    out = {}
+    for name, cls in IMPLS.items():
+        ddp = cls(copy.deepcopy(base), **kwargs)
+        steps, error = [], None
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            y = ddp(torch.randn(4, 3, generator=g, dtype=torch.float64))
+            l1, l2 = y.pow(2).sum(), 3 * y.sum()
+            ddp.zero_grad(set_to_none=True)
+            try:
+                if how == "retain_graph":
+                    l1.backward(retain_graph=True)
+                    l2.backward()
+                elif how == "together":
+                    torch.autograd.backward([l1, l2])
+                else:
+                    (l1 + l2).backward()
+            except RuntimeError as e:
+                error = str(e)
+                break
+            steps.append(_grads(ddp.module))
+        grads = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()])
+        out[name] = (steps, error, _same_everywhere(grads))
+    return out
+
+
+@pytest.mark.parametrize("how", ["together", "summed"])
+@pytest.mark.parametrize("kwargs", [{}, {"find_unused_parameters": True},
+                                    {"static_graph": True}],
+                         ids=["default", "find_unused", "static"])
+def test_two_losses_in_one_backward_match_torch(pools, how, kwargs):
+    for r in pools.run(2, _two_losses, how, kwargs):
+        assert r["gradring"][1] is None and r["torch"][1] is None
+        assert compare_grads(r["gradring"][0], r["torch"][0], tol=1e-12) is None
+        assert r["gradring"][2] and r["torch"][2]
+
+
+def test_two_backwards_from_one_forward_is_a_deliberate_error(pools):
+    # torch reduces the first backward and leaves the second one's gradients
+    # local: its replicas drift apart. gradring stops with an error that says
+    # what to do instead (docs/ddp-differences.md).
+    for r in pools.run(2, _two_losses, "retain_graph", {}):
+        assert r["torch"][1] is None and not r["torch"][2]
+        assert "backward() ran a second time" in r["gradring"][1]
