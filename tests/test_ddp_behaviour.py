@@ -56,7 +56,7 @@ class _SlowEarly(nn.Module):
 
 
 def _overlap(rank, world_size):
-    ddp = gradring.DistributedDataParallel(_SlowEarly(), bucket_cap_mb=0.001)
+    ddp = gradring.DistributedDataParallel(_SlowEarly(), bucket_cap_mb=1)
     x = torch.randn(4, 64)
     for _ in range(3):  # iteration 1 uses one bucket; the rebuild splits it
         ddp(x).sum().backward()

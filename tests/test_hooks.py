@@ -268,7 +268,7 @@ def _ddp_hooks(rank, world, steps):
     def run(state, hook, wrapper=gradring.DistributedDataParallel):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 8))
-        ddp = wrapper(model, bucket_cap_mb=0.001)
+        ddp = wrapper(model, bucket_cap_mb=1)
         if hook is not None:
             ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
