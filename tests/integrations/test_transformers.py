@@ -67,9 +67,5 @@ def test_trainer_matches_torch_ddp_without_find_unused(trainer_runs) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the Trainer scales the loss in place (loss *= world) and find_unused_parameters=True "
-    "wraps outputs in gradring's _OutputBoundary, whose outputs are views; torch's _DDPSink "
-    "returns clones"))
 def test_trainer_matches_torch_ddp_with_its_default_arguments(trainer_runs) -> None:
     _check(trainer_runs, "default", find_unused=True)
