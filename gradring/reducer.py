@@ -573,7 +573,8 @@ class Reducer:
                     bucket.buffer, sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor,
                     label=label)
             elif self.comm_hook is None:
-                bucket.future = self.comm.all_reduce(bucket.buffer, label=label)
+                with self.comm.labelled(label):
+                    bucket.future = self.comm.all_reduce(bucket.buffer)
             else:
                 gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
                 with self.comm.labelled(label):
