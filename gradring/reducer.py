@@ -158,6 +158,8 @@ class Reducer:
         self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
         self._used_future: Any = None
         self._warned_nothing_unused = False
+        # Whether a second backward after one forward was reported (once).
+        self._warned_second_backward = False
         # STATIC: hook firings per parameter counted in iteration 1.
         self._static_counts = [0] * len(self.params)
         self._static_remaining = [0] * len(self.params)
@@ -403,7 +405,12 @@ class Reducer:
     def _on_grad(self, i: int) -> None:
         if not self.expect_hooks:
             if self._finalized_since_forward:
-                raise self._fail(errors.backward_twice())
+                # As torch: this backward only accumulates locally. Unlike
+                # torch, say so once (docs/ddp-differences.md).
+                self._finalized_since_forward = False
+                if not self._warned_second_backward:
+                    self._warned_second_backward = True
+                    warnings.warn(errors.backward_twice(), RuntimeWarning, stacklevel=2)
             return  # no_sync, or a backward not preceded by a DDP forward
         mode = self.mode
         if mode is GraphMode.STATIC:
