@@ -482,16 +482,20 @@ def format_explanation(x: Explanation) -> str:
 
 
 # ------------------------------------------------------------------ entry points
-def explain_ddp(ddp: Any, *, last_n: int = 20, measure_link: bool = True) -> Explanation:
-    """Explain a live gradring DDP model. Collective: call it on every rank at the same
-    point (it gathers every rank's trace and, with ``measure_link``, times a few
-    all-reduces on the model's group). Every rank gets the same answer."""
-    curve = None
-    if measure_link:
-        from gradring.autocap import curve_sizes, measure_allreduce
+def measure_link(ddp: Any) -> CommCurve:
+    """All-reduce time against size on ``ddp``'s group, up to its gradients' size
+    (``autocap.measure_allreduce``). Collective: every rank calls it."""
+    from gradring.autocap import curve_sizes, measure_allreduce
 
-        total = sum(p.numel() * p.element_size() for p in ddp.reducer.params)
-        curve = measure_allreduce(ddp._comm, curve_sizes(total))
+    total = sum(p.numel() * p.element_size() for p in ddp.reducer.params)
+    return measure_allreduce(ddp._comm, curve_sizes(total))
+
+
+def explain_ddp(ddp: Any, *, last_n: int = 20, measure: bool = True) -> Explanation:
+    """Explain a live gradring DDP model. Collective: call it on every rank at the same
+    point (it gathers every rank's trace and, with ``measure``, times a few
+    all-reduces on the model's group). Every rank gets the same answer."""
+    curve = measure_link(ddp) if measure else None
     records = ddp._comm.all_gather_object(rank_record(ddp, curve))
     return analyse(records, last_n=last_n)
 
