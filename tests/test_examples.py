@@ -25,6 +25,24 @@ def test_cli_help():
         assert "usage" in proc.stdout
 
 
+def test_every_subcommand_help_names_the_real_command():
+    from gradring.tools.cli import COMMANDS
+
+    for name in COMMANDS:
+        if name == "bench":
+            continue
+        proc = subprocess.run([sys.executable, "-m", "gradring.tools.cli", name, "--help"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"usage: gradring {name} "), proc.stdout
+    # The source checkout's wrappers show the installed command too.
+    for script, name in (("ddp_step.py", "ddp"), ("hooks.py", "hooks"),
+                         ("allreduce.py", "allreduce")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script),
+                               "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.stdout.startswith(f"usage: gradring bench {name} "), proc.stdout
+
+
 def test_bench_help_names_the_real_command():
     for name in ("allreduce", "ddp", "hooks"):
         proc = subprocess.run([sys.executable, "-m", "gradring.tools.cli", "bench", name,
