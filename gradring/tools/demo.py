@@ -54,7 +54,7 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     # Two 1 MiB layers: after the rebuild (first bucket 1 MiB, then bucket_cap_mb=0.1)
-    # the gradients travel in five buckets, the output layer's first.
+    # the gradients travel in three buckets, the output layers' first.
     return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                          nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
