@@ -372,9 +372,10 @@ def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None,
         "displayTimeUnit": "ms",
         "otherData": {"gradring_rank": rank, "world_size": world,
                       "origin_unix_us": (origin + clock_offset()) * 1e6,
-                      "clock": "perf_counter; ts relative to origin_unix_us",
-                      "gradring_explain": rank_record(ddp, curve)},
+                      "clock": "perf_counter; ts relative to origin_unix_us"},
     }
+    if hasattr(ddp, "_comm") and hasattr(ddp, "module"):  # a gradring DDP, not a stand-in
+        doc["otherData"]["gradring_explain"] = rank_record(ddp, curve)
     with open(path, "w") as f:
         json.dump(doc, f)
     return path
