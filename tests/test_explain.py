@@ -223,8 +223,7 @@ def test_finding_is_reported_when_provoked_and_not_otherwise(pools, key, provoke
     if key == "find_unused":
         assert miss[0]["unused_last"] == 2  # the clean run really left spare.weight, .bias unused
     if key == "straggler":
-        assert hit[0]["straggler"]["rank"] == 1
-        assert hit[0]["parts"][0]["wait"] > hit[0]["parts"][1]["wait"]
+        assert hit[0]["straggler"]["rank"] == 1 and hit[0]["straggler"]["part"] == "forward"
 
 
 def test_trace_files_give_the_live_answer(pools, tmp_path, capsys) -> None:

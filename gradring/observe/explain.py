@@ -56,6 +56,7 @@ MIN_SAVING_FRACTION = 0.02
 #: A straggler is a rank whose compute exceeds the fastest rank's by this much (and 2 ms).
 STRAGGLER_FRACTION = 0.25
 STRAGGLER_MS = 2.0
+STRAGGLER_CONSISTENCY = 0.8
 #: "Far" from the step model's best cap: a factor of at least this.
 CAP_FACTOR = 4.0
 
@@ -191,7 +192,7 @@ def _medians(steps: Sequence[RankStep]) -> dict[str, float]:
     out = {k: med([getattr(s, k) for s in steps]) for k in RankStep._fields if k != "iteration"}
     # Medians of the parts need not add up to the median step: keep "other" as the remainder.
     out["other"] = max(0.0, out["step"] - sum(out[k] for k in PARTS if k != "other"))
-    out["compute"] = out["step"] - out["exposed"] - out["last_bucket"] - out["wait"]
+    out["compute"] = statistics.median([_compute(s) for s in steps])
     return out
 
 
@@ -266,7 +267,7 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
     facts = records[0]["facts"]
     curve_doc = next((r.get("curve") for r in records if r.get("curve")), None)
     curve = CommCurve(curve_doc["sizes"], curve_doc["times_ms"]) if curve_doc else None
-    straggler = _straggler(parts)
+    straggler = _straggler(parts, chosen)
     findings = _findings(parts, facts, events[records[0]["rank"]], keep, curve)
     if straggler is not None and straggler["excess_ms"] > 0:
         findings.append(Finding(
@@ -291,13 +292,24 @@ def _worth(saving: float, step: float) -> bool:
     return saving >= max(MIN_SAVING_MS, MIN_SAVING_FRACTION * step)
 
 
-def _straggler(parts: dict[int, dict[str, float]]) -> dict[str, Any] | None:
+def _compute(s: RankStep) -> float:
+    return s.step - s.exposed - s.last_bucket - s.wait
+
+
+def _straggler(parts: dict[int, dict[str, float]],
+               steps: dict[int, list[RankStep]]) -> dict[str, Any] | None:
+    """The slowest rank, if its median compute exceeds the fastest's by STRAGGLER_MS and
+    STRAGGLER_FRACTION *and* it was the slower of the two in STRAGGLER_CONSISTENCY of the
+    steps: a rank that is slow all the time, not one the OS descheduled now and then."""
     if len(parts) < 2:
         return None
     slow = max(parts, key=lambda r: parts[r]["compute"])
     fast = min(parts, key=lambda r: parts[r]["compute"])
     excess = parts[slow]["compute"] - parts[fast]["compute"]
     if excess < max(STRAGGLER_MS, STRAGGLER_FRACTION * parts[fast]["compute"]):
+        return None
+    slower = sum(_compute(a) > _compute(b) for a, b in zip(steps[slow], steps[fast]))
+    if slower < STRAGGLER_CONSISTENCY * len(steps[slow]):
         return None
     candidates = ("forward", "backward", "optimizer", "other")
     part = max(candidates, key=lambda k: parts[slow][k] - parts[fast][k])
