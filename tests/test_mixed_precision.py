@@ -1,4 +1,4 @@
-"""Mixed precision and gradient clipping through gradring's DDP (SPEC S12).
+"""Mixed precision and gradient clipping through gradring's DDP.
 
 Oracles: torch's own DistributedDataParallel trained on the same seeds and
 batches (GradScaler + bfloat16 autocast), and one process on the

@@ -5,9 +5,9 @@
     gradring tune mlp --caps 1,4,25 --measure-all      # also measure every candidate
 
 [Note: how the tuner decides]
-The chapter's rule (§17.39) is to time one bucket's all-reduce against one
-layer's backward and size buckets from the ratio. The tuner does exactly
-that, then simulates the reducer:
+The chapter's rule (its section on tuning bucket_cap_mb) is to time one
+bucket's all-reduce against one layer's backward and size buckets from the
+ratio. The tuner does exactly that, then simulates the reducer:
 
 1. On every rank at once (so the machine is as loaded as in training), the
    plain model runs a few steps without DDP while post-accumulate-grad hooks
@@ -23,7 +23,7 @@ that, then simulates the reducer:
    rebuild does, runs their all-reduces one after another from the measured
    curve, and predicts exposed communication and step time, charging
    buckets x c, where c, the *per-bucket cost*, is what a collective costs
-   the backward even when it overlaps (§17.38's "launch overhead"). By
+   the backward even when it overlaps (the chapter's "launch overhead"). By
    default c is the measured time of the smallest all-reduce: on one CPU
    host a collective's fixed work is Python on the comm thread of the same
    process (the GIL) and runs on the cores the backward uses, so it is not
