@@ -119,7 +119,7 @@ def _mlp(width: int, depth: int, out: int = 8) -> list[nn.Module]:
 class WithUnusedHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(*_mlp(32, 24))
+        self.body = nn.Sequential(*_mlp(16, 48))
         self.spare = nn.Linear(8, 8)  # never used
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,9 +137,10 @@ def _build(case: str) -> tuple[nn.Module, dict, torch.Tensor]:
     torch.manual_seed(0)
     kw: dict = {}
     if case in ("unused_on", "unused_needed"):
-        model = WithUnusedHead() if case == "unused_needed" else nn.Sequential(*_mlp(32, 24))
+        # 97 small tensors: the graph walk is measurable, the step stays short
+        model = WithUnusedHead() if case == "unused_needed" else nn.Sequential(*_mlp(16, 48))
         kw = {"find_unused_parameters": True}
-        return model, kw, torch.randn(4, 32)
+        return model, kw, torch.randn(4, 16)
     if case == "constant_buffer":
         model = nn.Sequential(*_mlp(64, 2))
         model.register_buffer("table", torch.randn(1 << 20))  # 4 MiB, never written
@@ -152,8 +153,8 @@ def _build(case: str) -> tuple[nn.Module, dict, torch.Tensor]:
         model = nn.Sequential(*_mlp(256, 16))
         kw = {"bucket_cap_mb": 0.001} if case == "tiny_cap" else {}
         return model, kw, torch.randn(4, 256)
-    if case == "split_last":    # 8 MiB of 1 MiB tensors in one last bucket
-        return nn.Sequential(*_mlp(512, 8)), kw, torch.randn(2, 512)
+    if case == "split_last":    # 32 MiB of 4 MiB tensors in one last bucket
+        return nn.Sequential(*_mlp(1024, 8)), kw, torch.randn(2, 1024)
     if case == "one_tensor_last":  # the last bucket is one 4 MiB tensor: no cap splits it
         return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 8)), kw, \
             torch.randn(2, 1024)
@@ -165,7 +166,7 @@ def _build(case: str) -> tuple[nn.Module, dict, torch.Tensor]:
         kw = {"gradient_as_bucket_view": case == "view", "find_unused_parameters": True}
         return nn.Sequential(*_mlp(512, 4)), kw, torch.randn(4, 512)
     if case in ("straggler", "balanced"):
-        model = nn.Sequential(Sleepy(1, 0.02 if case == "straggler" else 0.0), *_mlp(64, 2))
+        model = nn.Sequential(Sleepy(1, 0.05 if case == "straggler" else 0.0), *_mlp(64, 2))
         return model, kw, torch.randn(4, 64)
     raise ValueError(case)
 

@@ -50,9 +50,12 @@ PARTS = ("forward", "backward", "exposed", "last_bucket", "wait", "optimizer", "
 LABELS = {"forward": "forward", "backward": "backward", "exposed": "exposed comm",
           "last_bucket": "last bucket", "wait": "wait (peers)", "optimizer": "optimizer",
           "other": "other"}
-#: A finding's predicted saving must reach both of these to be reported.
+#: A finding's predicted saving must reach both of these to be reported ...
 MIN_SAVING_MS = 0.1
 MIN_SAVING_FRACTION = 0.02
+#: ... except for settings whose change trades nothing away (pure overhead when the
+#: condition holds): for them MIN_SAVING_MS alone is the bar.
+NO_TRADEOFF = ("find_unused", "broadcast_buffers")
 #: A straggler is a rank whose compute exceeds the fastest rank's by this much (and 2 ms).
 STRAGGLER_FRACTION = 0.25
 STRAGGLER_MS = 2.0
@@ -280,7 +283,8 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
             f"the biggest difference is in {straggler['part']} "
             f"(+{straggler['part_excess_ms']:.2f} ms)"))
     step = max(p["step"] for p in parts.values())
-    findings = [f for f in findings if _worth(f.saving_ms, step)]
+    findings = [f for f in findings if _worth(f.saving_ms, step)
+                or (f.key in NO_TRADEOFF and f.saving_ms >= MIN_SAVING_MS)]
     findings.sort(key=lambda f: -f.saving_ms)
     notes = [] if curve is not None else [
         "no all-reduce curve was measured on this link: the bucket-size findings use this "
