@@ -53,9 +53,11 @@ LABELS = {"forward": "forward", "backward": "backward", "exposed": "exposed comm
 #: A finding's predicted saving must reach both of these to be reported ...
 MIN_SAVING_MS = 0.1
 MIN_SAVING_FRACTION = 0.02
-#: ... except for settings whose change trades nothing away (pure overhead when the
+#: ... except for settings whose change costs no step time (pure overhead when the
 #: condition holds): for them MIN_SAVING_MS alone is the bar.
-NO_TRADEOFF = ("find_unused", "broadcast_buffers")
+NO_TRADEOFF = ("find_unused", "broadcast_buffers", "bucket_view")
+#: Buckets up to this size measure the per-bucket cost in the run itself.
+SMALL_BUCKET_BYTES = 64 * 1024
 #: A straggler is a rank whose compute exceeds the fastest rank's by this much (and 2 ms).
 STRAGGLER_FRACTION = 0.25
 STRAGGLER_MS = 2.0
@@ -397,7 +399,13 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
         measured = curve is not None
         use = curve if curve is not None else _run_curve(facts, buckets)
         profile = _profile(facts, buckets, p["backward"], max(p["compute"], p["backward"]))
-        out += _cap_findings(p, facts, profile, use, measured)
+        # What one collective costs: its fixed part, as small buckets ran in this very run
+        # (under the backward's contention); else the smallest all-reduce on the curve.
+        small = [b["run"] for b in buckets
+                 if facts["bucket_bytes"][b["bucket"]] <= SMALL_BUCKET_BYTES]
+        per_bucket = (statistics.median(small), "median run of this run's small buckets") \
+            if small else (use.times_ms[0], "smallest all-reduce")
+        out += _cap_findings(p, facts, profile, use, measured, per_bucket)
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -411,9 +419,10 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
 
 
 def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
-                  curve: CommCurve, measured: bool) -> list[Finding]:
+                  curve: CommCurve, measured: bool,
+                  per_bucket: tuple[float, str]) -> list[Finding]:
     cur_mb = facts["bucket_cap_bytes"] / MIB
-    c = curve.times_ms[0]
+    c, c_source = per_bucket
     caps = sorted(set(DEFAULT_CAPS_MB) | {cur_mb})
     preds = {cap: simulate(profile, curve, cap, per_bucket_ms=c) for cap in caps}
     cur = preds[cur_mb]
@@ -426,7 +435,8 @@ def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
         out.append(Finding(
             "bucket_cap", f"bucket_cap_mb={cur_mb:g} is far from the step model's best",
             f"construct DDP with bucket_cap_mb={best.cap_mb:g}", cur.step_ms - best.step_ms,
-            f"step model ({source}, {c:.2f} ms per bucket): {len(cur.buckets)} buckets, "
+            f"step model ({source}; {c:.2f} ms per bucket, the {c_source}): "
+            f"{len(cur.buckets)} buckets, "
             f"predicted step {cur.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
             f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms"))
     last_bytes = facts["bucket_bytes"][-1]
@@ -451,7 +461,7 @@ def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
                 f"{last_bytes / MIB:.2f} to {q_last / MIB:.2f} MiB", saving,
                 f"the last bucket's all-reduce left {p['last_bucket']:.2f} of "
                 f"{exposed:.2f} ms/step exposed; saving = its share of the bytes removed, "
-                f"minus {c:.2f} ms for each extra bucket ({source})"))
+                f"minus {c:.2f} ms for each extra bucket (the {c_source}; {source})"))
     keyed = {f.key: f for f in out}
     if "bucket_cap" in keyed and "last_bucket" in keyed and \
             keyed["bucket_cap"].change.split("=")[-1] == \
