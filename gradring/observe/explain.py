@@ -54,8 +54,9 @@ LABELS = {"forward": "forward", "backward": "backward", "exposed": "exposed comm
 MIN_SAVING_MS = 0.1
 MIN_SAVING_FRACTION = 0.02
 #: ... except for settings whose change costs no step time (pure overhead when the
-#: condition holds): for them MIN_SAVING_MS alone is the bar.
+#: condition holds): for them NO_TRADEOFF_MIN_MS alone is the bar.
 NO_TRADEOFF = ("find_unused", "broadcast_buffers", "bucket_view")
+NO_TRADEOFF_MIN_MS = 0.25
 #: Buckets up to this size measure the per-bucket cost in the run itself.
 SMALL_BUCKET_BYTES = 64 * 1024
 #: A straggler is a rank whose compute exceeds the fastest rank's by this much (and 2 ms).
@@ -286,7 +287,7 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
             f"(+{straggler['part_excess_ms']:.2f} ms)"))
     step = max(p["step"] for p in parts.values())
     findings = [f for f in findings if _worth(f.saving_ms, step)
-                or (f.key in NO_TRADEOFF and f.saving_ms >= MIN_SAVING_MS)]
+                or (f.key in NO_TRADEOFF and f.saving_ms >= NO_TRADEOFF_MIN_MS)]
     findings.sort(key=lambda f: -f.saving_ms)
     notes = [] if curve is not None else [
         "no all-reduce curve was measured on this link: the bucket-size findings use this "
@@ -405,7 +406,9 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
                  if facts["bucket_bytes"][b["bucket"]] <= SMALL_BUCKET_BYTES]
         per_bucket = (statistics.median(small), "median run of this run's small buckets") \
             if small else (use.times_ms[0], "smallest all-reduce")
-        out += _cap_findings(p, facts, profile, use, measured, per_bucket)
+        # The last bucket's exposure is clearest on the rank that waited least for others.
+        p_last = max(parts.values(), key=lambda q: q["last_bucket"])
+        out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -418,7 +421,8 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
     return out
 
 
-def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
+def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str, Any],
+                  profile: Profile,
                   curve: CommCurve, measured: bool,
                   per_bucket: tuple[float, str]) -> list[Finding]:
     cur_mb = facts["bucket_cap_bytes"] / MIB
@@ -440,8 +444,8 @@ def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
             f"predicted step {cur.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
             f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms"))
     last_bytes = facts["bucket_bytes"][-1]
-    exposed = p["exposed"] + p["last_bucket"]
-    if p["last_bucket"] > 0 and p["last_bucket"] >= 0.5 * exposed:
+    exposed = p_last["exposed"] + p_last["last_bucket"]
+    if p_last["last_bucket"] > 0 and p_last["last_bucket"] >= 0.5 * exposed:
         options: list[tuple[float, Prediction]] = []
         for cap, q in preds.items():
             if cap >= cur_mb or not q.buckets:
@@ -449,7 +453,7 @@ def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
             q_last = sum(profile.sizes[i] for i in q.buckets[-1])
             if q_last * 2 > last_bytes:
                 continue
-            saving = p["last_bucket"] * (1 - q_last / last_bytes) \
+            saving = p_last["last_bucket"] * (1 - q_last / last_bytes) \
                 - c * (len(q.buckets) - len(cur.buckets))
             options.append((saving, q))
         if options:
@@ -459,7 +463,7 @@ def _cap_findings(p: dict[str, float], facts: dict[str, Any], profile: Profile,
                 "last_bucket", "the last bucket dominates the exposed communication",
                 f"construct DDP with bucket_cap_mb={q.cap_mb:g}: the last bucket shrinks from "
                 f"{last_bytes / MIB:.2f} to {q_last / MIB:.2f} MiB", saving,
-                f"the last bucket's all-reduce left {p['last_bucket']:.2f} of "
+                f"the last bucket's all-reduce left {p_last['last_bucket']:.2f} of "
                 f"{exposed:.2f} ms/step exposed; saving = its share of the bytes removed, "
                 f"minus {c:.2f} ms for each extra bucket (the {c_source}; {source})"))
     keyed = {f.key: f for f in out}
