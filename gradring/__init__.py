@@ -7,6 +7,7 @@ host, its own shared-memory collectives.
 
 from gradring import comm
 from gradring.ddp import DistributedDataParallel
+from gradring.install import install, uninstall
 from gradring.join import Join, Joinable, JoinHook
 from gradring.nn import SyncBatchNorm
 
@@ -25,4 +26,4 @@ def explain(ddp: DistributedDataParallel, **kw: object) -> object:
 
 
 __all__ = ["DDP", "DistributedDataParallel", "Join", "JoinHook", "Joinable", "SyncBatchNorm",
-           "comm", "explain"]
+           "comm", "explain", "install", "uninstall"]
