@@ -251,10 +251,16 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     # ----------------------------------------------------------------- forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
         with torch.autograd.profiler.record_function("gradring::forward"):
+            trace.mark("forward_start")
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            trace.mark("module_start")
             out = self._run_ddp_forward(*inputs, **kwargs)
-            return self._post_forward(out)
+            trace.mark("module_end")
+            out = self._post_forward(out)
+            trace.mark("forward_end")
+            return out
 
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Before the module runs: rebuild buckets once, sync buffers, move inputs."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -125,21 +124,27 @@ def _slowest(per_rank: list[dict[str, dict[str, list[float]]]]
 
 
 def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
-    lines = [f"DDP step time, world {world}, CPU, 1 thread/rank (median ms/step over rounds;",
-             "pair = the slower rank's, see the docstring)",
-             f"{'model':<12}{'pair':>8}{'torch':>8}{'gradring':>10}{'g/torch':>9}"
-             f"{'ovh torch':>11}{'ovh gradring':>14}{'ovh ratio':>11}{'view':>8}"
-             f"{'ratio vs rank0 pair':>21}"]
+    """Medians over rounds ± half their range; ratios only where noise allows
+    (``noise.ratio``), otherwise a footnote says why."""
+    from gradring.tools.bench.noise import effect, figure, ratio
+
+    lines = [f"DDP step time, world {world}, CPU, 1 thread/rank (median ms/step over rounds "
+             "± half the range across rounds;",
+             "pair = the slower rank's, see the docstring; ovh = DDP - pair, round by round)",
+             f"{'model':<12}{'pair':>12}{'torch':>12}{'gradring':>12}{'view':>12}"
+             f"{'ovh torch':>12}{'ovh gradring':>14}{'ovh ratio':>11}{'vs rank0 pair':>15}"]
+    notes = []
     for name, res in results.items():
-        med = {k: statistics.median(v) for k, v in res.items() if k != "_mem"}
-        ot, og = med["torch"] - med["pair"], med["gradring"] - med["pair"]
-        ratio = og / ot if ot > 0 else float("nan")
-        p0 = med["_pair_rank0"]
-        ratio0 = (med["gradring"] - p0) / (med["torch"] - p0)
+        fig = {k: figure(v) for k, v in res.items() if not k.startswith("_")}
+        ot, og = effect(res["pair"], res["torch"]), effect(res["pair"], res["gradring"])
+        verdict = ratio(og, ot, ("gradring", "torch"))
+        v0 = ratio(effect(res["_pair_rank0"], res["gradring"]),
+                   effect(res["_pair_rank0"], res["torch"]), ("gradring", "torch"))
         lines.append(
-            f"{name:<12}{med['pair']:>8.1f}{med['torch']:>8.1f}{med['gradring']:>10.1f}"
-            f"{med['gradring'] / med['torch']:>9.2f}{ot:>11.1f}{og:>14.1f}{ratio:>11.2f}"
-            f"{med['gradring_view']:>8.1f}{ratio0:>21.2f}")
+            f"{name:<12}{fig['pair']!s:>12}{fig['torch']!s:>12}{fig['gradring']!s:>12}"
+            f"{fig['gradring_view']!s:>12}{ot!s:>12}{og!s:>14}{verdict.cell(11)}{v0.cell(15)}")
+        if verdict.problem:
+            notes.append(f"{name}: no overhead ratio: {verdict.problem}")
     for name, res in results.items():
         if "_mem" in res:
             out_plain, buck_plain, out_view, buck_view = res["_mem"]
@@ -149,6 +154,9 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"{(out_plain + buck_plain) / mib:.1f} MiB (private grads {out_plain / mib:.1f} + "
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
+    if notes:
+        lines += ["", "NOT TRUSTWORTHY on this machine now (rerun with more --rounds/--steps, "
+                  "or on a quieter machine):", *("  " + n for n in notes)]
     return "\n".join(lines)
 
 
@@ -169,7 +177,7 @@ def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog or "gradring bench ddp", description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
