@@ -733,17 +733,6 @@ class Reducer:
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
 
-    # --------------------------------------------- torch's Reducer, as libraries call it
-    # Lightning's manual optimization calls these on ``ddp.reducer`` with the
-    # meaning of torch's C++ Reducer methods of the same names.
-    def _rebuild_buckets(self) -> bool:
-        """torch's name for :meth:`rebuild_if_needed`."""
-        return self.rebuild_if_needed()
-
-    def _delay_all_reduce(self) -> None:
-        """torch's name for :meth:`delay_all_reduce` (static_graph's first iteration)."""
-        self.delay_all_reduce()
-
 
 # [Note: owners]
 # Each parameter's hooks belong to every reducer built on it, but only its
