@@ -17,10 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._dynamo.decorators import skip as _dynamo_skip
 import torch.distributed as dist
 from torch import nn
 
 from gradring import autocap, errors
+from gradring import compile as compile_split
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.ddp_surface import TorchDDP, TorchSurface
 from gradring.graph import GraphMode, iter_tensors
@@ -252,12 +254,18 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._log_and_throw(RuntimeError, str(exc))
 
     # ----------------------------------------------------------------- forward
+    # Under torch.compile Dynamo never traces this frame (frames it calls still
+    # may be compiled) nor the bookkeeping before and after; the wrapped module
+    # is compiled as a frame of its own, split at the buckets (see [Note:
+    # compile and the buckets] in compile.py).
+    @_dynamo_skip
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("gradring::forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
             out = self._run_ddp_forward(*inputs, **kwargs)
             return self._post_forward(out)
 
+    @torch._dynamo.disable
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Before the module runs: rebuild buckets once, sync buffers, move inputs."""
         if not self._lazy_init_ran:
@@ -270,7 +278,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             global_flag(self._comm, sync, self.device)
         if sync:
             self._guarded(self.reducer.prepare_for_forward)
-            self.reducer.rebuild_if_needed()
+            if self.reducer.rebuild_if_needed():
+                compile_split.after_rebuild(self)
         else:
             self.reducer.note_unsynced_forward()
         if self._check_sync_bufs_pre_fwd():
@@ -280,6 +289,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             kwargs = _move_to(kwargs, self.device_ids[0])
         return inputs, kwargs
 
+    @torch._dynamo.disable
     def _post_forward(self, output: Any) -> Any:
         """After the module ran: prepare the reducer for the backward to come."""
         sync = self._sync_this_forward

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._dynamo.decorators import skip as _dynamo_skip
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import distributed as _torch_distributed
@@ -286,8 +287,15 @@ class TorchSurface:
         finally:
             TorchDDP._active_ddp_module = old
 
+    @_dynamo_skip
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        """Run the wrapped module as the active DDP: a frame Dynamo compiles in
+        it is split at this DDP's buckets ([Note: compile and the buckets])."""
+        from gradring import compile as compile_support
+
+        compile_support.install()
+        with self._inside_ddp_forward():
+            return self.module(*inputs, **kwargs)
 
     # ------------------------------------------------- data-parallel helpers
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
