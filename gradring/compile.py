@@ -49,6 +49,17 @@ from gradring.graph import GraphMode
 
 log = logging.getLogger(__name__)
 
+#: gradring's per-step machinery: Dynamo neither traces into these modules
+#: (a call into them from traced code runs eagerly) nor compiles their frames.
+#: This is what keeps the gradient hooks eager when compiled autograd traces
+#: the backward (see [Note: compiled autograd] in reducer.py).
+_NEVER_TRACED = (
+    "gradring.reducer", "gradring.comm", "gradring.lending", "gradring.buckets",
+    "gradring.observe", "gradring.group_comm", "gradring.grad_bucket", "gradring.hooks",
+    "gradring.fused_optim", "gradring.join", "gradring.autocap", "gradring.graph",
+    "gradring.ddp", "gradring.ddp_surface", "gradring.compile",
+)
+
 _install_lock = threading.Lock()
 _installed = False
 
@@ -78,10 +89,13 @@ def install() -> None:
         if _installed:
             return
         try:
+            from torch._dynamo import trace_rules
             from torch._dynamo.backends import distributed as dynamo_ddp
         except ImportError:  # a torch without Dynamo: nothing to split
             _installed = True
             return
+        for name in _NEVER_TRACED:
+            trace_rules.add(name)
         original = getattr(dynamo_ddp, "DDPOptimizer", None)
         if original is None or getattr(original, "_gradring_factory", False):
             _installed = True
