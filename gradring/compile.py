@@ -60,6 +60,12 @@ _NEVER_TRACED = (
     "gradring.ddp", "gradring.ddp_surface", "gradring.compile",
 )
 
+#: "buckets": split a gradring DDP's graphs at its own buckets (BucketSplit);
+#: "torch": let torch's DDPOptimizer split them by ``bucket_bytes_cap`` and its
+#: fixed 1 MiB first bucket, as it does for torch's DDP (kept for comparison,
+#: ``benchmarks/compile.py --split torch``).
+SPLIT_BY = "buckets"
+
 _install_lock = threading.Lock()
 _installed = False
 
@@ -107,7 +113,7 @@ def install() -> None:
             from gradring.ddp_surface import TorchDDP
 
             active = TorchDDP._active_ddp_module
-            if isinstance(active, DistributedDataParallel):
+            if isinstance(active, DistributedDataParallel) and SPLIT_BY == "buckets":
                 return BucketSplit(active, backend_compile_fn)
             return original(bucket_bytes_cap=bucket_bytes_cap,
                             backend_compile_fn=backend_compile_fn,

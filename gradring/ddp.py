@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._dynamo.decorators import skip as _dynamo_skip
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.decorators import skip as _dynamo_skip
 
 from gradring import autocap, errors
 from gradring import compile as compile_split

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._dynamo.decorators import skip as _dynamo_skip
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.decorators import skip as _dynamo_skip
 from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import errors
