@@ -86,15 +86,15 @@ def _dynamo_counters():
 # ---------------------------------------------------------------- rank bodies
 
 
-def _graph_counts(rank, world_size, order, backend_name, n, d, cap):
+def _graph_counts(rank, world_size, order, backend_name, n, d, cap, steps=6):
     import torch._dynamo
 
     torch._dynamo.reset()
     kw = {} if cap is None else {"bucket_cap_mb": cap}
-    steps = 6
     xs = _inputs(rank, steps, d)
-    # torch's DDP, compiled the same way: how many graphs its DDPOptimizer makes.
-    theirs = _Counting(backend_name)
+    # torch's DDP, compiled the same way: how many graphs its DDPOptimizer makes
+    # (the split does not depend on the backend; aot_eager compiles fastest).
+    theirs = _Counting("aot_eager")
     tmodel, _ = _wrap(torch.nn.parallel.DistributedDataParallel, _Stack(n, d), order,
                       theirs, **kw)
     for x in xs[:2]:
@@ -258,17 +258,18 @@ def test_graphs_split_at_explicit_cap(pools):
 
 
 def test_graphs_split_with_inductor(pools):
-    for r in pools.run(2, _graph_counts, "compile(DDP)", "inductor", 3, 512, 1, timeout=600):
-        assert r["final_pieces"] == r["torch_graphs"] == 3, r
+    for r in pools.run(2, _graph_counts, "compile(DDP)", "inductor", 2, 512, 1, 4,
+                       timeout=600):
+        assert r["final_pieces"] == r["torch_graphs"] == 2, r
         assert max(r["diffs"]) < _TOL, r
         assert len({s for s in r["seen"][2:]}) == 1, r["seen"]
 
 
-@pytest.mark.parametrize("order", ["compile(DDP)", "DDP(compile)"])
-def test_overlap_is_real_under_compile(pools, order):
+def test_overlap_is_real_under_compile(pools):
     # The late layer's bucket finishes its all-reduce while the slow early
-    # layer is still in backward, with the module compiled.
-    for r in pools.run(2, _overlap_compiled, order, timeout=300):
+    # layer is still in backward, with the module compiled. (The other order
+    # reaches the same split: test_graphs_split_like_torch_default_cap.)
+    for r in pools.run(2, _overlap_compiled, "compile(DDP)", timeout=300):
         assert r["nbuckets"] >= 2 and r["late_bucket"] == 0, r
         assert r["slack"] > 0.1, r
 
