@@ -199,7 +199,7 @@ def _compiled_autograd(rank, world_size, compile_forward):
     from torch._dynamo import compiled_autograd
 
     torch._dynamo.reset()
-    n, d, steps = 3, 64, 3
+    n, d, steps = 2, 64, 2
     module = _Stack(n, d)
     xs = _inputs(rank, steps, d)
     want = _eager_torch_grads(module, xs, bucket_cap_mb=0.02)
