@@ -24,7 +24,7 @@ import argparse
 import statistics
 import sys
 
-from gradring.tools import tune
+from gradring.tools import tune, workloads
 
 CAPS_MB = (1, 2, 4, 8, 16, 25, 50, 100)
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["mlp_b1", "deep_mlp"],
-                    choices=sorted(tune.BUILTIN))
+                    choices=sorted(workloads.BUILTIN))
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)

@@ -19,7 +19,7 @@ Each run measures, on every rank at once:
   both directions, headers included).
 
 Then it prints the tables and the model's predictions: step time from the W=2
-calibration (``sim.predict_step``), so the W=4 rows are out-of-sample.
+calibration (``plan.predict_step``), so the W=4 rows are out-of-sample.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _summarise(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mean_profile(run: dict[str, Any]) -> Any:
-    from gradring.tools.tune import Profile
+    from gradring.step_model import Profile
 
     ps = [r["profile"] for r in run["ranks"]]
     mean = statistics.fmean
@@ -194,23 +194,23 @@ def _mean_profile(run: dict[str, Any]) -> Any:
 
 
 def report(results: dict[str, dict[int, dict[str, Any]]]) -> str:
-    from gradring.tools import plan as sim
+    from gradring.tools import plan
 
     lines = []
     for shape, raw in results.items():
         by_nppn = {int(k): v for k, v in raw.items()}  # JSON turns the keys into strings
         two = _summarise(by_nppn[1])
         sizes = sorted(two["curve"]["ring"])
-        link = sim.fit_link(sizes, [two["curve"]["ring"][s] for s in sizes], n=2)
+        link = plan.fit_link(sizes, [two["curve"]["ring"][s] for s in sizes], n=2)
         lines.append(f"\n## link {shape}: fitted from W=2 ring all-reduce: "
                      f"B = {link.bandwidth * 8 / 1e6:.0f} Mbit/s, α = {link.latency * 1e3:.2f} ms")
         lines.append(f"{'W':>3} {'algo':>12} {'size':>8} {'measured ms':>12} {'predicted ms':>13}")
         for nppn, run in sorted(by_nppn.items()):
             s = _summarise(run)
-            cluster = sim.Cluster(link, nppn)
+            cluster = plan.Cluster(link, nppn)
             for algo, pts in s["curve"].items():
                 for size, secs in sorted(pts.items()):
-                    pred = sim.allreduce_time(algo, run["world"], size, cluster)
+                    pred = plan.allreduce_time(algo, run["world"], size, cluster)
                     lines.append(f"{run['world']:>3} {algo:>12} {size / MIB:>6.3g}Mi "
                                  f"{secs * 1e3:>12.2f} {pred * 1e3:>13.2f}")
         lines.append(f"{'W':>3} {'algo':>12} {'hook':>12} {'ms/step':>8} {'x none':>7} "
@@ -218,13 +218,13 @@ def report(results: dict[str, dict[int, dict[str, Any]]]) -> str:
         for nppn, run in sorted(by_nppn.items()):
             s = _summarise(run)
             profile = _mean_profile(run)
-            cluster = sim.Cluster(link, nppn)
+            cluster = plan.Cluster(link, nppn)
             for key, row in s["setups"].items():
                 algo, hook = key.split("/")
                 base = s["setups"][f"{algo}/none"]
                 comp = base["payload_mb"] / max(row["payload_mb"], 1e-9)
                 model_algo = algo if run["world"] > 2 else "auto"
-                pred = sim.predict_step(profile, model_algo, run["world"], cluster,
+                pred = plan.predict_step(profile, model_algo, run["world"], cluster,
                                         compression=comp).step_ms
                 shown = f"{pred:>8.1f}" if not hook.startswith("powerSGD") else f"{'-':>8}"
                 lines.append(f"{run['world']:>3} {algo:>12} {hook:>12} {row['step_ms']:>8.1f} "
@@ -240,7 +240,7 @@ def report(results: dict[str, dict[int, dict[str, Any]]]) -> str:
                                  f"{h['link_mb'] / max(r['link_mb'], 1e-9):.2f}x")
     lines.append("\nx none: speed-up over no hook with the same all-reduce. payload: bytes a rank "
                  "hands to collectives per step; link: bytes that crossed the veth per step, both "
-                 "directions, TCP/IP headers included. pred: sim.predict_step with the W=2 "
+                 "directions, TCP/IP headers included. pred: plan.predict_step with the W=2 "
                  "calibration and compression = payload ratio; the model has no codec compute, so "
                  "PowerSGD (QR, matmuls, 2 dependent rounds per bucket) is not predicted.")
     return "\n".join(lines)
@@ -248,8 +248,10 @@ def report(results: dict[str, dict[int, dict[str, Any]]]) -> str:
 
 def orchestrate(shapes: list[str], steps: int, rounds: int, reps: int,
                 timeout: float) -> dict[str, dict[int, dict[str, Any]]]:
-    sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
-    from netns_harness import TwoHosts, unavailable
+    # The namespace harness is the test suite's (tests/multihost/): a source checkout only.
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from tests.multihost.netns_harness import TwoHosts, unavailable
 
     why = unavailable()
     if why is not None:

@@ -2,9 +2,10 @@
 
 [Note: automatic bucket cap]
 ``gradring tune`` decides offline ([Note: how the tuner decides] in
-``tune.py``). With ``bucket_cap_mb="auto"`` the reducer decides online, with
-the same simulator and the same rule, at the moment torch's DDP rebuilds its
-buckets (the second forward), so the choice costs no extra iteration:
+``tools/tune.py``). With ``bucket_cap_mb="auto"`` the reducer decides online,
+with the same step model ([Note: the step model] in ``step_model.py``) and the
+same rule, at the moment torch's DDP rebuilds its buckets (the second
+forward), so the choice costs no extra iteration:
 
 1. The first backward already runs with every gradient in one bucket, so its
    gradients arrive undisturbed by communication. While it records the
@@ -12,10 +13,10 @@ buckets (the second forward), so the choice costs no extra iteration:
    was ready (ms after the forward returned) and when backward ended.
 2. At the rebuild every rank times asynchronous all-reduces of a few sizes, up
    to the whole model, on a ``comm.empty`` buffer of the DDP's own group
-   (about 5 calls per size; tens of ms once).
-3. Rank 0 simulates every cap of ``tune.DEFAULT_CAPS_MB`` over its stamps and
-   curve, takes the best (``tune.choose``), and broadcasts it: every rank
-   builds the same buckets. ``ddp.bucket_bytes_cap`` and
+   (``measure_allreduce``, 5 calls per size; tens of ms once).
+3. Rank 0 simulates every cap of ``step_model.DEFAULT_CAPS_MB`` over its stamps
+   and curve, takes the best (``step_model.choose``), and broadcasts it: every
+   rank builds the same buckets. ``ddp.bucket_bytes_cap`` and
    ``_get_ddp_logging_data()`` report the cap; ``ddp.reducer.auto_cap`` keeps
    the predictions.
 
@@ -23,22 +24,32 @@ The profile is one iteration (the first, with its warm-up costs), so the pick
 is rougher than ``gradring tune``'s, which times several. Without a rebuild
 (``find_unused_parameters=True`` without ``static_graph``) there is nothing
 to decide at and the default cap stays, with a warning.
+
+``measure_allreduce`` is also the tuner's way of timing the curve: it lives
+here, beside the runtime, so that ``gradring tune`` imports the runtime and
+never the other way round.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES
-from gradring.tools import tune
+from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from gradring.step_model import (
+    DEFAULT_CAPS_MB,
+    CommCurve,
+    Profile,
+    choose,
+    simulate,
+    sweep_sizes,
+)
 
 AUTO = "auto"
-MIB = 1024 * 1024
 
 
 class AutoCap(NamedTuple):
@@ -47,7 +58,7 @@ class AutoCap(NamedTuple):
     cap_bytes: int
     predictions: dict[float, float]  # cap (MiB) -> predicted step ms
     exposed_ms: dict[float, float]   # cap (MiB) -> predicted exposed communication ms
-    curve: tune.CommCurve
+    curve: CommCurve
     backward_ms: float
 
 
@@ -57,40 +68,49 @@ def is_auto(value: Any) -> bool:
 
 def curve_sizes(total_bytes: int, points: int = 6) -> list[int]:
     """A handful of message sizes from 4 KiB up to the whole model (log-spaced)."""
-    sizes = tune.sweep_sizes(max(total_bytes, 4096))
+    sizes = sweep_sizes(max(total_bytes, 4096))
     if len(sizes) <= points:
         return sizes
     step = (len(sizes) - 1) / (points - 1)
     return sorted({sizes[round(k * step)] for k in range(points)})
 
 
-def measure_curve(comm: Any, total_bytes: int, reps: int = 5) -> tune.CommCurve:
-    """Median time of one asynchronous all-reduce per size, on the group's own memory.
-    Collective: every rank of the group calls it at the same point."""
-    sizes = curve_sizes(total_bytes)
+def measure_allreduce(comm: Any, sizes: Sequence[int], *, reps: int | None = None,
+                      budget_bytes: int = 64 * MIB,
+                      sync: Callable[[], Any] | None = None) -> CommCurve:
+    """Median ms of one asynchronous all-reduce (float32) per size, on ``comm``'s own
+    memory (``comm.empty``, as DDP's buckets are). Collective: every rank of the group
+    calls it at the same point.
+
+    ``reps`` calls per size after one warm-up (which also first-touches the pages);
+    None: as many as fit ``budget_bytes``, 3 to 20. ``sync``, when given, runs before
+    every timed call (the tuner passes a barrier so ranks start each call together)."""
     buf = comm.empty(max(sizes) // 4 + 1, torch.float32, torch.device("cpu"))
     buf.zero_()
     times = []
     for size in sizes:
         view = buf.narrow(0, 0, max(1, size // 4))
         comm.all_reduce(view).wait()  # warm-up, first touch of the pages
+        n = reps if reps is not None else max(3, min(20, budget_bytes // max(size, 1)))
         samples = []
-        for _ in range(reps):
+        for _ in range(n):
+            if sync is not None:
+                sync()
             t = time.perf_counter()
             comm.all_reduce(view).wait()
             samples.append((time.perf_counter() - t) * 1e3)
         times.append(statistics.median(samples))
-    return tune.CommCurve(sizes, times)
+    return CommCurve(list(sizes), times)
 
 
-def decide(profile: tune.Profile, curve: tune.CommCurve,
-           caps_mb: Sequence[float] = tune.DEFAULT_CAPS_MB) -> AutoCap:
-    """Simulate every cap and pick one by ``tune.choose``'s rule. The per-bucket cost
+def decide(profile: Profile, curve: CommCurve,
+           caps_mb: Sequence[float] = DEFAULT_CAPS_MB) -> AutoCap:
+    """Simulate every cap and pick one by ``step_model.choose``'s rule. The per-bucket cost
     is the smallest measured all-reduce, as in ``gradring tune``."""
     per_bucket = curve.times_ms[0]
-    preds = [tune.simulate(profile, curve, cap, per_bucket_ms=per_bucket,
-                           first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES) for cap in caps_mb]
-    best = tune.choose(preds)
+    preds = [simulate(profile, curve, cap, per_bucket_ms=per_bucket,
+                      first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES) for cap in caps_mb]
+    best = choose(preds)
     return AutoCap(int(best.cap_mb * MIB), {p.cap_mb: p.step_ms for p in preds},
                    {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms)
 
@@ -98,8 +118,8 @@ def decide(profile: tune.Profile, curve: tune.CommCurve,
 def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
                ready_ms: list[float], backward_ms: float, step_ms: float) -> AutoCap:
     """Steps 2 and 3 of [Note: automatic bucket cap]; collective over ``comm``'s group."""
-    curve = measure_curve(comm, sum(sizes))
-    profile = tune.Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
+    curve = measure_allreduce(comm, curve_sizes(sum(sizes)), reps=5)
+    profile = Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
     mine = decide(profile, curve)
     chosen = torch.tensor([mine.cap_bytes], dtype=torch.int64)
     comm.broadcast_coalesced([chosen])  # rank 0's pick for everyone

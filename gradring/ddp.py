@@ -189,8 +189,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.divide_by_initial_world_size = True
         self._has_comm_hook = False
         self._fused_optim: Any = None
-        # Whether the current forward will be followed by a reducing backward.
-        self._sync_this_forward = False
         self._lazy_init_ran = False
         if static_graph:
             self._set_static_graph()
@@ -271,7 +269,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         if not self._lazy_init_ran:
             self._lazy_init()
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._sync_this_forward = sync
         if self._join_config.enable:
             DDPJoinHook.notify(self)
             # Tells joined ranks whether this iteration reduces gradients.
@@ -291,8 +288,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
 
     @torch._dynamo.disable
     def _post_forward(self, output: Any) -> Any:
-        """After the module ran: prepare the reducer for the backward to come."""
-        sync = self._sync_this_forward
+        """After the module ran: prepare the reducer for the backward to come.
+        The sync flag is read again, as torch does: code inside the module's
+        forward may have entered no_sync() (Lightning's manual optimization)."""
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._check_sync_bufs_post_fwd():
             self._sync_buffers(active=True)
         self.require_forward_param_sync = sync

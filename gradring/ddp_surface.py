@@ -79,12 +79,17 @@ class TorchSurface:
 
     @staticmethod
     def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator[Any]:
-        """The parameters (or (name, parameter) pairs) DDP manages: not the ignored ones."""
-        items = module.named_parameters() if named_params else module.parameters()
-        for item in items:
-            param = item[1] if named_params else item
+        """The parameters DDP manages: not the ignored ones.
+
+        With ``named_params=True`` torch 2.13 checks the mark on the (name,
+        parameter) pair rather than on the parameter, so it yields every pair,
+        ignored ones included; callers rely on torch's result, so it is kept."""
+        if named_params:
+            yield from module.named_parameters()
+            return
+        for param in module.parameters():
             if not hasattr(param, "_ddp_ignored"):
-                yield item
+                yield param
 
     def _get_parameters(self, m: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
         """Parameters of ``m`` that DDP manages."""

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from gradring import comm
-from gradring.comm.homes import Homes, own_range
 
 
 class GroupComm:
@@ -42,7 +41,7 @@ class GroupComm:
         (element offset, flat gradient) pairs sorted by offset, each multiplied by
         ``scale`` where the collective reads it (see [Note: homed all-reduce])."""
         with self.labelled(label):
-            work = comm.api.all_reduce_homed(flat, Homes(pieces, scale), group=self.group)
+            work = comm.all_reduce_homed(flat, comm.Homes(pieces, scale), group=self.group)
         assert work is not None
         return work.get_future()
 
@@ -63,7 +62,7 @@ class GroupComm:
 
     def own_range(self, numel: int) -> tuple[int, int]:
         """The part of a ``numel``-element bucket this rank reduces itself."""
-        return own_range(numel, self.rank, self.world_size)
+        return comm.own_range(numel, self.rank, self.world_size)
 
     def all_reduce_now(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         comm.all_reduce(tensor, op=op, group=self.group)

@@ -312,6 +312,10 @@ class Reducer:
         """Called by a forward that will be followed by a synchronised backward."""
         if self.require_finalize:
             self._raise_unfinished()
+        # A backward after this forward is not "a second backward after one
+        # forward", even when it runs before prepare_for_backward (Lightning's
+        # manual optimization under no_sync): its hooks are then ignored.
+        self._finalized_since_forward = False
         self.num_forward += 1
         if self.auto_stamps is not None and not self._arrival:
             self.auto_stamps.t_forward = time.perf_counter()  # the backward to record is next

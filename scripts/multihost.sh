@@ -13,7 +13,7 @@
 #
 # Each side runs `torchrun --nnodes=2 --rdzv-backend=c10d` inside
 # `ip netns exec NS unshare --uts --mount` with a fresh tmpfs on /dev/shm. The three
-# pitfalls of MEASUREMENTS.md are handled: --rdzv-conf=is_host=1/0 (both namespaces would
+# pitfalls in docs/multihost.md are handled: --rdzv-conf=is_host=1/0 (both namespaces would
 # otherwise claim the store), GLOO_SOCKET_IFNAME=<veth> (gloo would bind 127.0.0.1), and
 # the private hostname + /dev/shm (so shared memory cannot carry cross-host traffic).
 # The namespaces and every process in them are removed on exit, also on errors and ^C.

@@ -1,13 +1,8 @@
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from rankpool import RankPool  # noqa: E402
+from tests.rankpool import RankPool
 
 
 class Pools:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+#: The repository root: test modules (and their helpers) import as ``tests.<name>``.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: How long a process group collective may block inside a pooled rank before
 #: torch gives up. Keeps a broken test from waiting for 30 minutes.
@@ -36,9 +36,8 @@ class RankFailure(AssertionError):
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, conn: Any) -> None:
-    for p in (_ROOT, _HERE):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist

@@ -12,40 +12,39 @@
 
 from __future__ import annotations
 
-import oracle
 import pytest
 import torch
 
 import gradring
-from gradring import autocap
+from gradring import autocap, step_model
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
-from gradring.tools import tune
+from tests import oracle
 
 
-def _profile(n: int, layer_bytes: int, backward_ms: float) -> tune.Profile:
+def _profile(n: int, layer_bytes: int, backward_ms: float) -> step_model.Profile:
     # gradients arrive evenly over the backward, last layer first
     ready = [backward_ms * (n - i) / n for i in range(n)]
-    return tune.Profile([f"p{i}" for i in range(n)], [layer_bytes] * n, ["f32"] * n,
-                        ready, backward_ms, backward_ms * 1.5)
+    return step_model.Profile([f"p{i}" for i in range(n)], [layer_bytes] * n, ["f32"] * n,
+                              ready, backward_ms, backward_ms * 1.5)
 
 
 def test_slow_collective_over_a_long_backward_splits_the_model() -> None:
     prof = _profile(24, 4 * MIB, backward_ms=100.0)
     # 0.5 ms per MiB: one bucket at the end would expose ~48 ms of a 100 ms backward
-    curve = tune.CommCurve([4096, 96 * MIB], [0.1, 0.1 + 48.0])
+    curve = step_model.CommCurve([4096, 96 * MIB], [0.1, 0.1 + 48.0])
     pick = autocap.decide(prof, curve)
     assert pick.cap_bytes <= 16 * MIB, pick
     assert pick.exposed_ms[pick.cap_bytes / MIB] < 10.0 < pick.exposed_ms[100]
-    # tune.choose's rule: within 2% of the best predicted step, the largest cap
+    # step_model.choose's rule: within 2% of the best predicted step, the largest cap
     best = min(pick.predictions.values())
     assert pick.predictions[pick.cap_bytes / MIB] <= best * 1.02
 
 
 def test_fixed_cost_collective_picks_the_largest_cap() -> None:
     prof = _profile(24, 4 * MIB, backward_ms=100.0)
-    curve = tune.CommCurve([4096, 96 * MIB], [2.0, 2.0])  # size does not matter
-    assert autocap.decide(prof, curve).cap_bytes == int(max(tune.DEFAULT_CAPS_MB) * MIB)
+    curve = step_model.CommCurve([4096, 96 * MIB], [2.0, 2.0])  # size does not matter
+    assert autocap.decide(prof, curve).cap_bytes == int(max(step_model.DEFAULT_CAPS_MB) * MIB)
 
 
 def test_curve_sizes_reach_the_model() -> None:
@@ -82,7 +81,7 @@ def test_ddp_auto_matches_torch_and_agrees_across_ranks(pools, world) -> None:
     caps = {r["cap"] for r in results}
     assert len(caps) == 1, results
     cap = caps.pop()
-    assert cap in {int(c * MIB) for c in tune.DEFAULT_CAPS_MB}
+    assert cap in {int(c * MIB) for c in step_model.DEFAULT_CAPS_MB}
     for r in results:
         assert r["grad_torch"] < 1e-9 and r["param_torch"] < 1e-9, r
         assert r["attr"] == cap

@@ -2,8 +2,8 @@
 
 The grid follows Gloo's tests: world size × element count × dtype × op, with
 integer-valued data so that every summation order gives the same exact
-result, then a random fuzz with changing sizes (the hazard MEASUREMENTS.md
-reports for reused buffer sets).
+result, then a random fuzz with changing sizes (an early prototype gave wrong
+sums when buffer sets were reused across changing sizes).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+import gradring.comm.algos as algos
 from gradring.comm import ops
 from gradring.comm.algos import direct, naive, ring, tree
 from gradring.comm.ops import Op
@@ -43,18 +44,15 @@ def begin(t, seq: int, kind: Kind, flat: torch.Tensor) -> CollectiveInfo:
     return i
 
 
+#: The tests' short names for the registry's all-reduce algorithms ("-zc": zero copy).
+ALGO_NAMES = {"ring": "ring", "tree": "tree", "naive": "naive", "twoshot": "direct/twoshot",
+              "twoshot-zc": "direct/twoshot", "oneshot": "direct/oneshot"}
+
+
 def _all_reduce_with(algo: str, t, seq: int, flat: torch.Tensor, op: Op) -> None:
-    t.start(info(seq, Kind.ALL_REDUCE, flat))
-    if algo == "ring":
-        ring.all_reduce(t, flat, op)
-    elif algo == "tree":
-        tree.all_reduce(t, flat, op)
-    elif algo == "naive":
-        naive.all_reduce(t, flat, op)
-    elif algo.startswith("twoshot"):
-        direct.all_reduce_twoshot(t, info(seq, Kind.ALL_REDUCE, flat), flat, op)
-    else:
-        direct.all_reduce_oneshot(t, info(seq, Kind.ALL_REDUCE, flat), flat, op)
+    i = info(seq, Kind.ALL_REDUCE, flat)
+    t.start(i)
+    algos.run(ALGO_NAMES[algo], t, algos.Call(i, flat, flat, op))
 
 
 def _sweep_all_reduce(t, algo: str, zero_copy: bool) -> list[torch.Tensor]:
@@ -94,6 +92,18 @@ def test_all_reduce_grid(world: int, algo: str, zero_copy: bool) -> None:
                 k += 1
 
 
+#: The registry's algorithm per collective in the point-to-point family ("direct" is one name).
+P2P_FAMILY = {Kind.REDUCE_SCATTER: "ring", Kind.ALL_GATHER: "ring", Kind.BROADCAST: "tree",
+              Kind.BARRIER: "tree"}
+
+
+def _collective(family: str, t, i: CollectiveInfo, out: torch.Tensor, inp: torch.Tensor,
+                op: Op = ops.SUM, root: int = 0) -> None:
+    """Run collective ``i`` through the algorithm registry: ``family`` "ring" or "direct"."""
+    name = "direct" if family == "direct" else P2P_FAMILY[i.kind]
+    algos.run(name, t, algos.Call(i, out, inp, op, root))
+
+
 def _sweep_other(t, algo: str) -> list[torch.Tensor]:
     w, r = t.world_size, t.rank
     out = []
@@ -106,36 +116,24 @@ def _sweep_other(t, algo: str) -> list[torch.Tensor]:
                 keep = inp.clone()
                 res = torch.full((count,), 99, dtype=dtype)
                 i = begin(t, seq, Kind.REDUCE_SCATTER, inp)
-                if algo == "ring":
-                    ring.reduce_scatter(t, res, inp, op)
-                else:
-                    direct.reduce_scatter(t, i, res, inp, op)
+                _collective(algo, t, i, res, inp, op)
                 seq += 1
                 assert torch.equal(inp, keep), "reduce_scatter modified its input"
                 out.append(res)
             gathered = torch.empty(w * count, dtype=dtype)
             mine = rank_data(r, count, dtype, salt=1)
             i = begin(t, seq, Kind.ALL_GATHER, mine)
-            if algo == "ring":
-                ring.all_gather(t, gathered, mine)
-            else:
-                direct.all_gather(t, i, gathered, mine)
+            _collective(algo, t, i, gathered, mine)
             seq += 1
             out.append(gathered)
             for src in range(w):
                 b = rank_data(r, count, dtype, salt=2 + src)
                 i = begin(t, seq, Kind.BROADCAST, b)
-                if algo == "ring":
-                    tree.broadcast(t, b, src)
-                else:
-                    direct.broadcast(t, i, b, src)
+                _collective(algo, t, i, b, b, root=src)
                 seq += 1
                 out.append(b)
     i = begin(t, seq, Kind.BARRIER, torch.empty(0, dtype=torch.uint8))
-    if algo == "ring":
-        tree.barrier(t)
-    else:
-        direct.barrier(t, i)
+    _collective(algo, t, i, torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8))
     return out
 
 
@@ -172,18 +170,12 @@ def test_in_place_variants() -> None:
         w, r, m = t.world_size, t.rank, 37
         buf = torch.zeros(w * m)
         buf[r * m:(r + 1) * m] = rank_data(r, m, torch.float32)
-        begin(t, 0, Kind.ALL_GATHER, buf[:m])
-        if algo == "ring":
-            ring.all_gather(t, buf, buf[r * m:(r + 1) * m])
-        else:
-            direct.all_gather(t, info(0, Kind.ALL_GATHER, buf[:m]), buf, buf[r * m:(r + 1) * m])
+        i = begin(t, 0, Kind.ALL_GATHER, buf[:m])
+        _collective(algo, t, i, buf, buf[r * m:(r + 1) * m])
         rs = rank_data(r, w * m, torch.float32)
         out = rs[r * m:(r + 1) * m]
-        begin(t, 1, Kind.REDUCE_SCATTER, rs)
-        if algo == "ring":
-            ring.reduce_scatter(t, out, rs, ops.SUM)
-        else:
-            direct.reduce_scatter(t, info(1, Kind.REDUCE_SCATTER, rs), out, rs, ops.SUM)
+        i = begin(t, 1, Kind.REDUCE_SCATTER, rs)
+        _collective(algo, t, i, out, rs, ops.SUM)
         return buf, out.clone()
 
     for algo in ("ring", "direct"):
@@ -326,6 +318,26 @@ def test_selection_thresholds_and_overrides(monkeypatch) -> None:
     monkeypatch.setenv("GRADRING_ALGO", "bogus")
     with pytest.raises(ValueError, match="GRADRING_ALGO"):
         select.overrides()
+
+
+def test_registry_has_every_algorithm_select_can_choose() -> None:
+    """Every (algorithm, kind) pair ``select.choose`` can return runs through the
+    one registry; a pair that does not exist is refused by name, not run."""
+    from gradring.comm import select
+
+    chosen = set()
+    for kind in Kind:
+        for transport in ("shm", "torch", select.HOSTS):
+            for algo in (None, "ring", "tree", "hierarchical"):
+                for nbytes in (4, 64 << 20):
+                    for world in (2, 4):
+                        c = select.choose(kind, nbytes, world, transport, algo)
+                        chosen.add((c.algo, kind))
+                        assert (c.algo, kind) in algos.ALGORITHMS, (c, kind, transport, algo)
+    assert ("hierarchical", Kind.ALL_REDUCE) in chosen and ("direct", Kind.BARRIER) in chosen
+    with pytest.raises(ValueError, match=r"no broadcast algorithm 'ring'.*known: \['direct', "
+                                         r"'tree'\]"):
+        algos.lookup("ring", Kind.BROADCAST)
 
 
 def test_engine_runs_in_order_and_reports_failures() -> None:

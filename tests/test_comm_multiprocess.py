@@ -272,7 +272,8 @@ def _other_host(rank: int, world: int) -> dict[str, object]:
     finally:
         rendezvous.host_identity = real
     return {"sum": bool(torch.all(e == world * (world + 1) / 2)),
-            "shm": ctx.existing_shm() is not None, "zero_copy": zero_copy, "forced": forced}
+            "shm": ctx.transports.existing_shm() is not None, "zero_copy": zero_copy,
+            "forced": forced}
 
 
 def test_ranks_on_different_hosts_use_torch_transport(pools) -> None:
@@ -284,7 +285,7 @@ def test_ranks_on_different_hosts_use_torch_transport(pools) -> None:
 # ------------------------------------------------------------------ zero copy
 def _zero_copy(rank: int, world: int) -> dict[str, object]:
     ctx = comm_context.context(None)
-    shm = ctx.shm()
+    shm = ctx.transports.shm()
     # Above the one-shot size: one-shot always stages (it needs the inputs intact).
     row = select.oneshot_max_bytes(world) // 4 + 1
     x = comm.empty((10, row))

@@ -1,4 +1,4 @@
-"""The fused optimizer (SPEC S13) against DDP followed by a separate ``optimizer.step()``.
+"""The fused optimizer against DDP followed by a separate ``optimizer.step()``.
 
 Oracle: the same model wrapped twice by gradring's DDP with the same options;
 one copy registers ``_register_fused_optim``, the other calls ``step()`` on a

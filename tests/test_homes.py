@@ -15,15 +15,15 @@ from __future__ import annotations
 import os
 import random
 
-import oracle
 import pytest
 import torch
 
+import gradring.comm.algos as algos
 from gradring.comm import homes
-from gradring.comm.algos import direct, ring, tree
 from gradring.comm.ops import SUM
 from gradring.comm.transport import CollectiveInfo, Kind
 from gradring.comm.transports.threaded import run_ranks
+from tests import oracle
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,6 +70,9 @@ def _rank_input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return ((i * 7 + rank * 13) % 11 - 5).to(dtype)
 
 
+#: The tests' short names for the registry's all-reduce algorithms.
+ALGO_NAMES = {"twoshot": "direct/twoshot", "oneshot": "direct/oneshot", "ring": "ring",
+              "tree": "tree"}
 SCALES = (0.5, 0.25, 1.0, 0.125)  # powers of two: exact in every dtype
 
 
@@ -90,13 +93,8 @@ def _homed(t, algo: str, zero_copy: bool, n: int, dtype: torch.dtype, seq: int):
     h = homes.Homes(pieces, scale)
     info = CollectiveInfo(seq, Kind.ALL_REDUCE, n * flat.element_size(), dtype, "test", "threads")
     t.start(info)
-    if algo == "twoshot":
-        direct.all_reduce_twoshot(t, info, flat, SUM, h)
-    else:
-        homes.stage_in(flat, h, lo, hi)
-        {"ring": ring.all_reduce, "tree": tree.all_reduce}.get(
-            algo, lambda tr, f, op: direct.all_reduce_oneshot(tr, info, f, op))(t, flat, SUM)
-        homes.finish_out(flat, h)
+    # The registry runs the two-shot on the homes and stages the others around them.
+    algos.run(ALGO_NAMES[algo], t, algos.Call(info, flat, flat, SUM, homes=h))
     result = flat.clone()
     for a, piece in pieces:
         result[a:a + piece.numel()] = piece  # the homed parts are answered by the homes

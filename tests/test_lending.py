@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import copy
 
-import oracle
 import pytest
 import torch
 
 import gradring
 from gradring.hooks import default as default_hooks
+from tests import oracle
 
 pytestmark = pytest.mark.timeout(180)
 

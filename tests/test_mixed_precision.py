@@ -1,4 +1,4 @@
-"""Mixed precision and gradient clipping through gradring's DDP (SPEC S12).
+"""Mixed precision and gradient clipping through gradring's DDP.
 
 Oracles: torch's own DistributedDataParallel trained on the same seeds and
 batches (GradScaler + bfloat16 autocast), and one process on the
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import global_batch, make_batch, make_model
 from torch import nn
 
 import gradring
 from gradring import hooks as H
+from tests.oracle import global_batch, make_batch, make_model
 
 STEPS = 6
 INJECT = 3  # the step at which the last rank's input holds an inf

@@ -1,7 +1,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from rankpool import RankFailure
+
+from tests.rankpool import RankFailure
 
 
 def _sum_ranks(rank, world_size):

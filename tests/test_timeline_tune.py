@@ -11,12 +11,19 @@ import pytest
 import torch
 from torch import nn
 
+from gradring import step_model
 from gradring.buckets import MIB
 from gradring.observe import timeline
 from gradring.observe.overlap import export_chrome_trace, merge_traces
-from gradring.tools import tune
+from gradring.tools import tune, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _needs_matplotlib() -> None:
+    """Skip, saying why, where the optional timeline dependency is not installed."""
+    pytest.importorskip("matplotlib", reason="drawing the timeline needs matplotlib "
+                                             "(pip install 'gradring[demo]')")
 
 
 def train_and_export(rank: int, world: int, out_dir: str, steps: int) -> str:
@@ -43,6 +50,7 @@ def _distinct_colours(png: str, min_pixels: int = 300) -> int:
 
 
 def test_timeline_png_from_a_real_trace(pools, tmp_path) -> None:
+    _needs_matplotlib()
     paths = pools.run(2, train_and_export, str(tmp_path), 6)
     merged = merge_traces(paths, str(tmp_path / "merged.json"))
     out = str(tmp_path / "timeline.png")
@@ -56,6 +64,7 @@ def test_timeline_png_from_a_real_trace(pools, tmp_path) -> None:
 
 
 def test_timeline_rejects_a_trace_without_iterations(tmp_path) -> None:
+    _needs_matplotlib()
     empty = tmp_path / "empty.json"
     empty.write_text('{"traceEvents": []}')
     assert timeline.main([str(empty), "-o", str(tmp_path / "x.png")]) == 1
@@ -70,49 +79,49 @@ def test_help(module, capsys) -> None:
 
 
 # ----------------------------------------------------------------- the tuner's model
-def _profile() -> tune.Profile:
+def _profile() -> step_model.Profile:
     # Four 1 MiB gradients; the last-defined arrives first, 1 ms apart.
-    return tune.Profile(names=["a", "b", "c", "d"], sizes=[MIB] * 4, keys=["f32"] * 4,
-                        ready_ms=[4.0, 3.0, 2.0, 1.0], backward_ms=5.0, step_ms=10.0)
+    return step_model.Profile(names=["a", "b", "c", "d"], sizes=[MIB] * 4, keys=["f32"] * 4,
+                              ready_ms=[4.0, 3.0, 2.0, 1.0], backward_ms=5.0, step_ms=10.0)
 
 
-CURVE = tune.CommCurve([MIB, 4 * MIB], [1.0, 4.0])  # 1 ms per MiB
+CURVE = step_model.CommCurve([MIB, 4 * MIB], [1.0, 4.0])  # 1 ms per MiB
 
 
 def test_comm_curve_interpolates_and_extrapolates() -> None:
     assert CURVE.time_ms(MIB // 2) == 1.0
     assert CURVE.time_ms(2 * MIB) == pytest.approx(2.0)
     assert CURVE.time_ms(8 * MIB) == pytest.approx(8.0)
-    assert tune.CommCurve([MIB], [2.0]).time_ms(3 * MIB) == pytest.approx(6.0)
+    assert step_model.CommCurve([MIB], [2.0]).time_ms(3 * MIB) == pytest.approx(6.0)
 
 
 def test_simulate_exact() -> None:
     p = _profile()
-    one = tune.simulate(p, CURVE, 1)       # one bucket per gradient: all hidden but the last
+    one = step_model.simulate(p, CURVE, 1)       # one bucket per gradient: all hidden but the last
     assert one.buckets == [[3], [2], [1], [0]]
     assert one.done_ms == pytest.approx([2, 3, 4, 5])
     assert (one.exposed_ms, one.step_ms) == pytest.approx((0, 10))
-    two = tune.simulate(p, CURVE, 2)       # [1 MiB first, then 2 MiB]
+    two = step_model.simulate(p, CURVE, 2)       # [1 MiB first, then 2 MiB]
     assert two.buckets == [[3], [2, 1], [0]]
     assert two.done_ms == pytest.approx([2, 5, 6])
     assert (two.exposed_ms, two.step_ms) == pytest.approx((1, 11))
-    four = tune.simulate(p, CURVE, 4)      # the rest never reaches 4 MiB: one bucket
+    four = step_model.simulate(p, CURVE, 4)      # the rest never reaches 4 MiB: one bucket
     assert four.buckets == [[3], [2, 1, 0]]
     assert (four.exposed_ms, four.step_ms) == pytest.approx((2, 12))
 
 
 def test_choose_prefers_the_largest_cap_among_near_ties() -> None:
     p = _profile()
-    preds = [tune.simulate(p, CURVE, c) for c in (0.5, 1, 2, 4)]
-    assert tune.choose(preds).cap_mb == 1          # 0.5 and 1 give the same buckets
-    assert tune.choose(preds, tolerance=0.15).cap_mb == 2
+    preds = [step_model.simulate(p, CURVE, c) for c in (0.5, 1, 2, 4)]
+    assert step_model.choose(preds).cap_mb == 1          # 0.5 and 1 give the same buckets
+    assert step_model.choose(preds, tolerance=0.15).cap_mb == 2
 
 
 def test_per_bucket_cost_favours_fewer_buckets() -> None:
     p = _profile()
-    preds = [tune.simulate(p, CURVE, c, per_bucket_ms=1.5) for c in (1, 2, 4)]
+    preds = [step_model.simulate(p, CURVE, c, per_bucket_ms=1.5) for c in (1, 2, 4)]
     assert [q.step_ms for q in preds] == pytest.approx([16, 15.5, 15])  # 4, 3, 2 buckets
-    assert tune.choose(preds).cap_mb == 4
+    assert step_model.choose(preds).cap_mb == 4
 
 
 def _tiny_model() -> nn.Module:
@@ -128,13 +137,13 @@ def _tiny_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def test_workloads_from_names_specs_and_parts() -> None:
-    model, x, loss_fn = tune.load_workload("gradring.tools.tune:tiny")
+    model, x, loss_fn = workloads.load_workload("gradring.tools.workloads:tiny")
     assert loss_fn(model(x)).ndim == 0
-    parts = functools.partial(tune._from_parts, _tiny_model, _tiny_input, _tiny_loss)
-    model, x, loss_fn = tune.load_workload(parts)
+    parts = functools.partial(workloads.from_parts, _tiny_model, _tiny_input, _tiny_loss)
+    model, x, loss_fn = workloads.load_workload(parts)
     assert loss_fn(model(x)).shape == ()
     with pytest.raises(ValueError, match="unknown workload"):
-        tune.load_workload("no_such_model")
+        workloads.load_workload("no_such_model")
 
 
 def test_tune_rank_on_real_ranks(pools) -> None:
@@ -153,6 +162,7 @@ def test_tune_rank_on_real_ranks(pools) -> None:
 
 # ----------------------------------------------------------------- the demo, end to end
 def test_demo_small_end_to_end(tmp_path) -> None:
+    _needs_matplotlib()
     png, trace = tmp_path / "demo.png", tmp_path / "demo.json"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(

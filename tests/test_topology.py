@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from gradring.comm import ops, select
 from gradring.comm.algos import hierarchical, naive, ring
-from gradring.comm.algos.hierarchical import HostTransports, SubsetTransport
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
 from gradring.comm.transports import topology
+from gradring.comm.transports.hosts import HostTransports, SubsetTransport
 from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
 from gradring.comm.transports.topology import Topology
 

@@ -10,23 +10,41 @@ The contract the rest of gradring relies on:
   ``barrier`` likewise.
 - ``empty(shape, dtype, group=None)`` returns a tensor living in the transport's
   own memory (zero-copy for collectives); DDP buckets are allocated with it.
+- ``all_reduce_homed(flat, homes, group=None)``: DDP's bucket all-reduce with
+  gradients left in their own tensors (``Homes(pieces, scale)``; the part a
+  rank reduces itself is ``own_range(numel, rank, world_size)``), see
+  [Note: homed all-reduce] in ``homes.py``.
 - ``shutdown()`` tears everything down (threads, shared memory); later calls
   start afresh.
 
-How it is built (details in docs/collectives.md):
+How it is built (details in docs/collectives.md), module by module:
 
-- algorithms: ``ring``, ``tree`` and ``naive`` over point-to-point messages;
-  ``direct`` (shared-memory reads) -- see [Note: algorithms versus transports]
-  in ``transport.py``;
-- transports: ``shm`` (one host, default for CPU tensors there), ``torchdist``
-  (the process group's send/recv, across hosts), ``threaded`` (tests);
-- ``select``: thresholds and the ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` /
-  ``GRADRING_TIMEOUT`` overrides; ``engine``: the per-group async thread;
-- ``watchdog``: deadlines, fail-fast markers, the flight recorder
-  (``GRADRING_FLIGHT_RECORDER``); ``desync``: fingerprint checks
-  (``GRADRING_CHECK``); see docs/reliability.md. ``label("bucket 3")`` names
-  the collectives issued inside it in errors and the recorder.
+- ``api``: the functions above, issuing each collective; ``homes``: DDP's
+  homed all-reduce (``all_reduce_homed``, ``Homes``, ``own_range``);
+- ``context``: per-group state and the registry of groups; ``runner``: one
+  collective, start to finish; ``engine``: the per-group async thread;
+  ``select``: thresholds, the choice of transport and algorithm, and the
+  ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` / ``GRADRING_TIMEOUT`` overrides;
+- ``ops``: reductions and chunking; ``transport``: the interfaces algorithms
+  are written against -- see [Note: algorithms versus transports] there;
+- ``algos/``: the registry (``algos/__init__``: name and kind -> algorithm)
+  and ``ring``, ``tree``, ``naive`` (point-to-point), ``direct``
+  (shared-memory reads), ``hierarchical`` (several hosts);
+- ``transports/``: ``group`` (a group's transports, made on first use),
+  ``torchdist`` (the process group's send/recv, across hosts), ``threaded``
+  (tests), ``topology`` (which ranks share a host), ``hosts`` (the multi-host
+  transports and their rendezvous);
+- ``transports/shm/``: the one-host transport -- ``transport``, ``layout``
+  (every offset of the control segment), ``mailbox``, ``status``,
+  ``segments``, ``futex``, ``rendezvous``;
+- reliability (docs/reliability.md): ``watchdog`` (deadlines of what cannot be
+  interrupted), ``board`` (the peers' markers), ``recorder`` (the flight
+  recorder, ``GRADRING_FLIGHT_RECORDER``; ``label("bucket 3")`` names the
+  collectives issued inside it), ``desync`` (fingerprints, ``GRADRING_CHECK``),
+  ``failures`` (recording a failure, completing its error);
+- ``store``: the group's private store and fresh key prefixes in it.
 
+Nothing here imports the DDP side (``gradring.ddp``, ``gradring.reducer``, ...).
 CUDA tensors go to the process group's native collectives.
 """
 
@@ -38,6 +56,7 @@ from gradring.comm.api import (
     ReduceOp,
     all_gather_into_tensor,
     all_reduce,
+    all_reduce_homed,
     barrier,
     broadcast,
     empty,
@@ -47,8 +66,9 @@ from gradring.comm.api import (
 from gradring.comm.context import shutdown as _shutdown
 from gradring.comm.desync import DesyncError
 from gradring.comm.engine import Work
+from gradring.comm.homes import Homes, own_range
+from gradring.comm.recorder import label
 from gradring.comm.transport import CollectiveError
-from gradring.comm.watchdog import label
 
 __all__ = [
     "ReduceOp",
@@ -64,6 +84,9 @@ __all__ = [
     "CollectiveError",
     "DesyncError",
     "label",
+    "all_reduce_homed",
+    "Homes",
+    "own_range",
 ]
 
 

@@ -21,11 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.comm import desync, engine, ops, select, watchdog
-from gradring.comm.context import GroupContext, Plan, context
+from gradring.comm import desync, engine, ops, runner, select
+from gradring.comm.context import GroupContext, context
 from gradring.comm.engine import Job, Work
 from gradring.comm.homes import Homes, finish_out, own_range, stage_in
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.recorder import RECORDER, Entry
+from gradring.comm.runner import Plan
+from gradring.comm.transport import CollectiveInfo, Kind
 
 ReduceOp = dist.ReduceOp
 
@@ -43,19 +45,15 @@ def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
     return mine if dtype in ops.REDUCE_DTYPES else None
 
 
-def _entry(ctx: GroupContext, kind: Kind, inp: torch.Tensor) -> watchdog.Entry:
+def _entry(ctx: GroupContext, kind: Kind, inp: torch.Tensor) -> Entry:
     """Number the collective and give it a flight-recorder entry."""
-    return watchdog.recorder.issue(ctx.name, ctx.next_seq(), kind.label,
-                                   inp.numel() * inp.element_size(), inp.dtype, inp.shape)
+    return RECORDER.issue(ctx.name, ctx.next_seq(), kind.label,
+                          inp.numel() * inp.element_size(), inp.dtype, inp.shape)
 
 
-def _refused(ctx: GroupContext, entry: watchdog.Entry, async_op: bool) -> Work | None:
+def _refused(ctx: GroupContext, entry: Entry, async_op: bool) -> Work | None:
     """After the watchdog failed a collective the engine is still stuck in, fail at once."""
-    err = CollectiveError(f"gradring {entry.describe()} not run on rank {ctx.rank}: group "
-                          f"{ctx.name} is unusable after an earlier failure; call "
-                          f"comm.shutdown() on every rank to start afresh. Earlier: "
-                          f"{ctx.broken}")
-    entry.fail(str(err))
+    err = ctx.failures.refused(entry)
     if async_op:
         return engine.failed(err)
     raise err
@@ -65,20 +63,20 @@ def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tenso
            op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor],
            homes: Homes | None = None) -> Work | None:
     entry = _entry(ctx, kind, inp)
-    if ctx.broken is not None:
+    if ctx.failures.broken is not None:
         return _refused(ctx, entry, async_op)
     env = select.overrides()
     plan = Plan(kind, output, inp, op, root, entry.seq, env, entry, homes)
     fut: torch.futures.Future = torch.futures.Future()
     if ctx.self_enforced(env):  # shm: waits enforce deadlines and fail fast themselves
         if not async_op:
-            ctx.engine.run_now(ctx.run, plan)
+            ctx.engine.run_now(runner.run, ctx, plan)
             return None
-        ctx.engine.submit(Job(functools.partial(ctx.run, plan), fut, value))
+        ctx.engine.submit(Job(functools.partial(runner.run, ctx, plan), fut, value))
         return Work(fut, ctx.engine)
     # Elsewhere a blocked gloo wait cannot be interrupted: the caller waits on a
     # watched future instead, synchronous calls included (see watchdog.py).
-    ctx.engine.submit(Job(functools.partial(ctx.run, plan), fut, value))
+    ctx.engine.submit(Job(functools.partial(runner.run, ctx, plan), fut, value))
     work = Work(ctx.watch(entry, fut, value), ctx.engine)
     if async_op:
         return work
@@ -97,7 +95,7 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
     if ctx is None or ctx.world_size == 1:
         return call(async_op)
     entry = _entry(ctx, kind, inp)
-    if ctx.broken is not None:
+    if ctx.failures.broken is not None:
         return _refused(ctx, entry, async_op)
     entry.start("native")
     if desync.enabled():
@@ -106,11 +104,11 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
         try:
             desync.check_native(info, ctx.group, ctx.rank, ctx.world_size)
         except desync.DesyncError as exc:
-            raise ctx.desync_error(entry, exc) from None
+            raise ctx.failures.desync(entry, exc) from None
     try:
         work = call(True)
     except Exception as exc:
-        ctx.record_failure(entry, exc)
+        ctx.failures.record(entry, exc)
         raise
     try:
         native = work.get_future()
@@ -283,7 +281,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group:
     ctx = context(group)
     if ctx is None or ctx.world_size == 1:
         return plain()
-    transport = ctx.shm()
+    transport = ctx.transports.shm()
     numel = math.prod(shape)
     if transport is None or numel == 0:
         return plain()
@@ -293,7 +291,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group:
 def in_transport_memory(tensor: torch.Tensor, group: Any = None) -> bool:
     """True if collectives on ``tensor`` are zero-copy (it lives in ``comm.empty`` memory)."""
     ctx = context(group)
-    transport = ctx.existing_shm() if ctx is not None else None
+    transport = ctx.transports.existing_shm() if ctx is not None else None
     return (transport is not None and tensor.is_contiguous()
             and transport.locate(tensor) is not None)
 

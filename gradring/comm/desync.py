@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, describe_collective
 
 #: dtype <-> small integer, as written into descriptors and fingerprints.
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -79,11 +79,22 @@ def dtype_name(code: int) -> str:
     return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else "?"
 
 
+def fingerprint_words(seq: int, kind: Kind, nbytes: int, dtype: torch.dtype,
+                      shape: Sequence[int], label: str | None, *, full: bool) -> list[int]:
+    """A collective's fingerprint, the one definition every check compares:
+    ``[seq, kind, nbytes, dtype code, shape hash, label hash, 0, 0]`` (the hashes
+    are 0 unless ``full``). shm writes the first six words into its descriptors
+    and status block, the torch transport sends or hashes all eight, the peer
+    board carries them as a list."""
+    return [seq, int(kind), nbytes, DTYPE_CODES.get(dtype, 0),
+            shape_hash(shape) if full else 0, text_hash(label) if full else 0, 0, 0]
+
+
 def fingerprint(info: CollectiveInfo, *, full: bool) -> torch.Tensor:
-    """``[seq, kind, nbytes, dtype, shape hash, label hash, 0, 0]`` (hashes 0 unless ``full``)."""
-    words = [info.seq, int(info.kind), info.nbytes, DTYPE_CODES.get(info.dtype, 0),
-             shape_hash(info.shape) if full else 0, text_hash(info.label) if full else 0, 0, 0]
-    return torch.tensor(words, dtype=torch.int64)
+    """:func:`fingerprint_words` of ``info`` as an int64 tensor (to send or gather)."""
+    return torch.tensor(fingerprint_words(info.seq, info.kind, info.nbytes, info.dtype,
+                                          info.shape, info.label, full=full),
+                        dtype=torch.int64)
 
 
 def tag_of(instance: int, fp: torch.Tensor) -> int:
@@ -106,17 +117,21 @@ def difference(mine: Sequence[int], theirs: Sequence[int]) -> str | None:
     return ", ".join(diff) if diff else None
 
 
+def message(rank: int, mine: str, peer: int, theirs: str, what: str, group: str) -> str:
+    """The desync message, the one wording every check uses: ``mine`` and ``theirs``
+    describe the two collectives, ``what`` lists the fields that differ."""
+    return (f"gradring desync on rank {rank}: rank {rank} issued {mine} but rank {peer} "
+            f"issued {theirs} [{what} differ]: ranks issued different collectives "
+            f"(group {group})")
+
+
 def mismatch(info: CollectiveInfo, rank: int, peer: int, theirs: Sequence[int],
              what: str) -> DesyncError:
-    """The error for ``peer`` issuing ``theirs`` while ``rank`` issued ``info``."""
-    mine = fingerprint(info, full=True).tolist()
-    shape = f", shape {list(info.shape)}" if info.shape else ""
-    label = f", {info.label}" if info.label else ""
-    return DesyncError(
-        f"gradring desync on rank {rank}: rank {rank} issued {info.kind.label} #{info.seq} "
-        f"({info.nbytes} bytes, {dtype_name(mine[3])}{shape}{label}) but rank {peer} issued "
-        f"{describe_words(theirs)} [{what} differ]: ranks issued different collectives "
-        f"(group {info.group})")
+    """The error for ``peer`` issuing ``theirs`` (fingerprint words) while ``rank``
+    issued ``info``."""
+    mine = describe_collective(info.kind.label, info.seq, info.nbytes, info.dtype,
+                               info.shape, info.label)
+    return DesyncError(message(rank, mine, peer, describe_words(theirs), what, info.group))
 
 
 def check_native(info: CollectiveInfo, group: Any, rank: int, world_size: int) -> None:

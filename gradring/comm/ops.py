@@ -53,12 +53,6 @@ def as_op(op: object) -> Op:
 _BY_VALUE: dict[object, Op] = {getattr(ReduceOp, n): Op(n) for n in SUPPORTED_OPS}
 
 
-def check_reducible(dtype: torch.dtype) -> None:
-    if dtype not in REDUCE_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in REDUCE_DTYPES)
-        raise TypeError(f"gradring cannot reduce {dtype}; supported dtypes: {names}")
-
-
 def combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: Op) -> None:
     """``out = a (op) b`` element-wise; ``out`` may be exactly ``a`` or ``b``.
 

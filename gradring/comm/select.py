@@ -130,3 +130,21 @@ def choose(kind: Kind, nbytes: int, world_size: int, transport: str,
     if kind in (Kind.BROADCAST, Kind.BARRIER):
         return Choice(transport, "tree")
     return Choice(transport, "ring")  # reduce-scatter, all-gather
+
+
+def pick_transport(transports: Any, forced: str | None, group: str) -> tuple[str, Any]:
+    """``(label, transport)`` for a collective of the group whose ``GroupTransports``
+    is ``transports``: shm on one host, the multi-host pair across hosts with
+    several ranks each, else torch point-to-point; ``forced`` is
+    ``GRADRING_TRANSPORT``. The first call connects (collective)."""
+    if forced != "torch":
+        t = transports.shm()
+        if t is not None:
+            return "shm", t
+        if forced == "shm":
+            raise RuntimeError(f"GRADRING_TRANSPORT=shm but shared memory is unavailable "
+                               f"for group {group}: {transports.shm_reason}")
+        hosts = transports.hosts()
+        if hosts is not None:
+            return HOSTS, hosts
+    return "torch", transports.torch()

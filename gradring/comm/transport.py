@@ -55,11 +55,19 @@ class CollectiveInfo(NamedTuple):
     label: str | None = None  # the caller's label, e.g. "DDP bucket 3" (comm.label)
 
     def describe(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        shape = f", shape {list(self.shape)}" if self.shape else ""
-        label = f", {self.label}" if self.label else ""
-        return (f"{self.kind.label} #{self.seq} ({self.nbytes} bytes, {dtype}{shape}{label}, "
-                f"algo {self.algo}, group {self.group})")
+        what = describe_collective(self.kind.label, self.seq, self.nbytes, self.dtype,
+                                   self.shape, self.label)
+        return f"{what[:-1]}, algo {self.algo}, group {self.group})"
+
+
+def describe_collective(kind: str, seq: int, nbytes: int, dtype: torch.dtype | str,
+                        shape: Sequence[int] = (), label: str | None = None) -> str:
+    """A collective in words, the same in every message: ``all_reduce #3 (12 bytes,
+    float32, shape [3], DDP bucket 0)`` (shape and label only when known)."""
+    dtype = str(dtype).replace("torch.", "")
+    shape_text = f", shape {list(shape)}" if len(shape) else ""
+    label_text = f", {label}" if label else ""
+    return f"{kind} #{seq} ({nbytes} bytes, {dtype}{shape_text}{label_text})"
 
 
 class CollectiveError(RuntimeError):
@@ -124,7 +132,3 @@ class DirectTransport(Transport, Protocol):
 
     def barrier(self) -> None:
         """``arrive()`` then ``wait_arrivals()``."""
-
-
-def has_direct_access(transport: Transport) -> bool:
-    return hasattr(transport, "exchange")

@@ -42,9 +42,6 @@ _ANY_FUTURE = torch._C.Future
 
 def world_size_of(group: Any) -> int:
     """Size of ``group`` (None: the default group); 1 when nothing is initialised."""
-    getter = getattr(comm, "get_world_size", None)
-    if getter is not None:
-        return int(getter(group))
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)

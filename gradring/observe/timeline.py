@@ -5,7 +5,7 @@
 
 The input is a Chrome trace written by ``gradring.observe.overlap.merge_traces`` (or
 one rank's ``export_chrome_trace``). Each rank gets two lanes, like the
-chapter's §17.3.1 figure: *compute*, where the backward is cut at the moments
+chapter's figure of the overlapped backward: *compute*, where the backward is cut at the moments
 buckets became ready and each piece has its bucket's colour (the work that
 produced that bucket's gradients), and *comm*, where each bucket's all-reduce
 is drawn in the same colour. Whatever of the comm lane sticks out past the

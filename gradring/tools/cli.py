@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 COMMANDS = {
     "demo": ("gradring.tools.demo", "train digits on N local processes and check the result"),
-    "bench": (None, "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
+    "bench": ("gradring.tools.bench", "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
     "timeline": ("gradring.observe.timeline", "draw a merged Chrome trace as a Gantt chart (PNG)"),
     "tune": ("gradring.tools.tune",
              "pick bucket_cap_mb by measuring, then check it by running DDP"),
@@ -20,18 +19,20 @@ COMMANDS = {
 
 
 def _bench(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("allreduce", "ddp", "hooks"):
-        print("usage: gradring bench allreduce|ddp|hooks [options]   (--help for each)")
-        return 2
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    name = {"ddp": "ddp_step"}.get(argv[0], argv[0])
-    try:
-        mod = importlib.import_module(name)
-    except ImportError:
-        print(f"benchmark '{argv[0]}' is not available (benchmarks/ ships with the source tree)")
-        return 2
-    return int(mod.main(argv[1:]) or 0)
+    from gradring.tools.bench import BENCHMARKS
+
+    if not argv or argv[0] not in BENCHMARKS:
+        lines = [] if not argv or argv[0] in ("-h", "--help") else \
+            [f"gradring bench: unknown benchmark '{argv[0]}'"]
+        lines += [f"usage: gradring bench {'|'.join(BENCHMARKS)} [options]   (--help for each)",
+                 ""]
+        lines += [f"  {name:<10}{text}" for name, (_, text) in BENCHMARKS.items()]
+        lines += ["", "A source checkout's benchmarks/ also holds autotune.py, trace_cost.py "
+                  "and multihost.py", "(run them there with python benchmarks/NAME.py)."]
+        print("\n".join(lines))
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    mod = importlib.import_module(f"gradring.tools.bench.{BENCHMARKS[argv[0]][0]}")
+    return int(mod.main(argv[1:], prog=f"gradring bench {argv[0]}") or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ ranks per host (W = H·L, ranks of a host contiguous):
   ``select.TREE_MAX_BYTES`` and ring above.
 
 The step is then simulated with the tuner's bucket model
-(``tune.simulate``, [Note: how the tuner decides]): buckets launch when their
+(``step_model.simulate``, [Note: the step model]): buckets launch when their
 gradients are ready and run one after another, each taking the model's
 all-reduce time; the exposed part adds to the compute step. Scaling
 efficiency is weak scaling: compute step / predicted step (per-rank batch
@@ -51,7 +51,9 @@ from typing import Any, NamedTuple
 
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
 from gradring.comm.select import TREE_MAX_BYTES
-from gradring.tools.tune import Profile, profile_backward, simulate
+from gradring.step_model import Profile, simulate
+from gradring.tools.tune import profile_backward
+from gradring.tools.workloads import load_workload
 
 ALGOS = ("auto", "ring", "tree", "hierarchical")
 DEFAULT_RANKS = tuple(2 ** k for k in range(1, 11))  # 2 .. 1024
@@ -150,7 +152,7 @@ def allreduce_time(algo: str, world: int, nbytes: float, cluster: Cluster) -> fl
 
 
 class ModelCurve(NamedTuple):
-    """The α-β model as the curve ``tune.simulate`` expects (``time_ms(nbytes)``)."""
+    """The α-β model as the curve ``step_model.simulate`` expects (``time_ms(nbytes)``)."""
 
     algo: str
     world: int
@@ -332,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import functools
 
-        from gradring.tools.tune import load_workload
         profile, fixed = profile_backward(functools.partial(load_workload, a.workload)), False
     cluster = Cluster(Link(parse_bandwidth(a.bandwidth), parse_seconds(a.latency)),
                       a.ranks_per_host,

@@ -5,9 +5,9 @@
     gradring tune mlp --caps 1,4,25 --measure-all      # also measure every candidate
 
 [Note: how the tuner decides]
-The chapter's rule (§17.39) is to time one bucket's all-reduce against one
-layer's backward and size buckets from the ratio. The tuner does exactly
-that, then simulates the reducer:
+The chapter's rule (its section on tuning bucket_cap_mb) is to time one
+bucket's all-reduce against one layer's backward and size buckets from the
+ratio. The tuner does exactly that, then simulates the reducer:
 
 1. On every rank at once (so the machine is as loaded as in training), the
    plain model runs a few steps without DDP while post-accumulate-grad hooks
@@ -16,22 +16,22 @@ that, then simulates the reducer:
    without any communication.
 2. All-reduce time against message size, with gradring.comm on the real
    process group, on a ``comm.empty`` buffer (as DDP's buckets are), issued
-   asynchronously as the reducer does (engine thread + future).
-3. For each candidate cap: buckets are sealed by ``assign_buckets`` over the
-   arrival order with caps [1 MiB, cap] (what the rebuild does); bucket k
-   launches when all its gradients are ready and bucket k-1 has launched; its
-   collective starts when bucket k-1's finished and lasts T(bytes) from the
-   measured curve. Predicted exposed = max(0, last done - end of backward);
-   predicted step = step without DDP + predicted exposed + buckets x c, where
-   c, the *per-bucket cost*, is what a collective costs the backward even when
-   it overlaps (§17.38's "launch overhead"). By default c is the measured time
-   of the smallest all-reduce: on one CPU host a collective's fixed work is
-   Python on the comm thread of the same process (the GIL) and runs on the
-   cores the backward uses, so it is not hidden. ``--per-bucket-ms 0`` models
-   a transport whose fixed costs overlap perfectly.
+   asynchronously as the reducer does (engine thread + future):
+   ``autocap.measure_allreduce``, with a barrier before every timed call.
+3. For each candidate cap the step model ([Note: the step model] in
+   ``gradring/step_model.py``) seals buckets over the arrival order as the
+   rebuild does, runs their all-reduces one after another from the measured
+   curve, and predicts exposed communication and step time, charging
+   buckets x c, where c, the *per-bucket cost*, is what a collective costs
+   the backward even when it overlaps (the chapter's "launch overhead"). By
+   default c is the measured time of the smallest all-reduce: on one CPU
+   host a collective's fixed work is Python on the comm thread of the same
+   process (the GIL) and runs on the cores the backward uses, so it is not
+   hidden. ``--per-bucket-ms 0`` models a transport whose fixed costs
+   overlap perfectly.
 4. The cap with the smallest predicted step wins; among caps within 2% of the
-   best, the largest is taken (fewer collectives: their fixed costs are the
-   part of the model least well measured).
+   best, the largest is taken (``step_model.choose``: fewer collectives, and
+   their fixed costs are the part of the model least well measured).
 5. DDP then really trains with the chosen cap and with the 25 MiB default
    (or every candidate), in rounds interleaved with the plain model, and both
    predicted and measured step times are shown.
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import statistics
 import sys
@@ -58,146 +57,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
-
-DEFAULT_CAPS_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)
-TIE_TOLERANCE = 0.02  # see step 4 of [Note: how the tuner decides]
-
-Workload = tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]
-
-
-# ------------------------------------------------------------------ built-in workloads
-def mlp(batch: int = 32) -> Workload:
-    """12 x Linear(1024, 1024): 48 MiB of gradients in equal 4 MiB layers, batch 32."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(12):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    return nn.Sequential(*layers), torch.randn(batch, 1024), lambda out: out.pow(2).mean()
-
-
-def mlp_b1() -> Workload:
-    """``mlp`` at batch 1: a backward about as short as its 48 MiB all-reduce."""
-    return mlp(1)
-
-
-def wide_mlp() -> Workload:
-    """4 x Linear(2048, 2048) at batch 8: 64 MiB of gradients, little compute per byte."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):
-        layers += [nn.Linear(2048, 2048), nn.ReLU()]
-    return nn.Sequential(*layers), torch.randn(8, 2048), lambda out: out.pow(2).mean()
-
-
-def deep_mlp() -> Workload:
-    """48 x Linear(512, 512) at batch 8: 48 MiB of gradients in 1 MiB layers, a short backward."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(48):
-        layers += [nn.Linear(512, 512), nn.ReLU()]
-    return nn.Sequential(*layers), torch.randn(8, 512), lambda out: out.pow(2).mean()
-
-
-def tiny() -> Workload:
-    """4 x Linear(256, 256): for tests (1 MiB of gradients)."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(4):
-        layers += [nn.Linear(256, 256), nn.ReLU()]
-    return nn.Sequential(*layers), torch.randn(16, 256), lambda out: out.pow(2).mean()
-
-
-BUILTIN: dict[str, Callable[[], Workload]] = {
-    "mlp": mlp, "mlp_b1": mlp_b1, "wide_mlp": wide_mlp, "deep_mlp": deep_mlp, "tiny": tiny}
-
-
-def _from_parts(model_fn: Callable[[], nn.Module], input_fn: Callable[[], Any],
-                loss_fn: Callable[[Any], torch.Tensor]) -> Workload:
-    return model_fn(), input_fn(), loss_fn
-
-
-def load_workload(spec: str | Callable[[], Workload]) -> Workload:
-    """A built-in name, ``module:function`` or a callable, each giving (model, input, loss_fn)."""
-    if callable(spec):
-        return spec()
-    if spec in BUILTIN:
-        return BUILTIN[spec]()
-    if ":" not in spec:
-        raise ValueError(f"unknown workload {spec!r}: use one of {sorted(BUILTIN)} "
-                         "or module:function")
-    mod, _, fn = spec.partition(":")
-    return getattr(importlib.import_module(mod), fn)()
-
-
-def _forward_loss(model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor]) -> Any:
-    out = model(*x) if isinstance(x, tuple) else model(x)
-    return loss_fn(out)
-
-
-# ------------------------------------------------------------------ the model of a step
-class Profile(NamedTuple):
-    """One backward of the plain model, as the tuner measured it."""
-
-    names: list[str]
-    sizes: list[int]          # gradient bytes per parameter (definition order)
-    keys: list[str]           # dtype/device: parameters with different keys never share a bucket
-    ready_ms: list[float]     # when each gradient was ready, ms after backward() was called
-    backward_ms: float        # backward() call to return
-    step_ms: float            # whole step without DDP: zero_grad, forward, backward, optimizer
-
-
-class CommCurve(NamedTuple):
-    """Measured all-reduce time against message size; piecewise linear in between."""
-
-    sizes: list[int]
-    times_ms: list[float]
-
-    def time_ms(self, nbytes: int) -> float:
-        xs, ys = self.sizes, self.times_ms
-        if nbytes <= xs[0]:
-            return ys[0]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if nbytes <= x1:
-                return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
-        if len(xs) == 1:
-            return ys[0] * nbytes / xs[0]
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])  # extrapolate the last segment
-        return ys[-1] + slope * (nbytes - xs[-1])
-
-
-class Prediction(NamedTuple):
-    cap_mb: float
-    buckets: list[list[int]]  # parameter indices, in launch order
-    exposed_ms: float
-    step_ms: float
-    done_ms: list[float]      # when each bucket's all-reduce would finish (ms after backward())
-
-
-def simulate(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms: float = 0.0,
-             first_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES) -> Prediction:
-    """Predict exposed communication and step time for one cap ([Note: how the tuner decides])."""
-    order = sorted(range(len(profile.sizes)), key=lambda i: (profile.ready_ms[i], i))
-    groups = assign_buckets(profile.sizes, [first_cap_bytes, int(cap_mb * MIB)],
-                            keys=profile.keys, order=order)
-    launched = done = float("-inf")
-    finishes = []
-    for group in groups:
-        ready = max(profile.ready_ms[i] for i in group)
-        launched = max(launched, ready)
-        start = max(launched, done)
-        done = start + curve.time_ms(sum(profile.sizes[i] for i in group))
-        finishes.append(done)
-    exposed = max(0.0, done - profile.backward_ms) if groups else 0.0
-    step = profile.step_ms + exposed + per_bucket_ms * len(groups)
-    return Prediction(cap_mb, groups, exposed, step, finishes)
-
-
-def choose(predictions: Sequence[Prediction], tolerance: float = TIE_TOLERANCE) -> Prediction:
-    """The smallest predicted step; among those within ``tolerance`` of it, the largest cap."""
-    best = min(p.step_ms for p in predictions)
-    near = [p for p in predictions if p.step_ms <= best * (1 + tolerance)]
-    return max(near, key=lambda p: p.cap_mb)
+from gradring.autocap import measure_allreduce
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+from gradring.step_model import (
+    DEFAULT_CAPS_MB,
+    CommCurve,
+    Prediction,
+    Profile,
+    choose,
+    simulate,
+    sweep_sizes,
+)
+from gradring.tools.workloads import BUILTIN, Workload, forward_loss, from_parts, load_workload
 
 
 # ------------------------------------------------------------------ measuring (on each rank)
@@ -219,7 +90,7 @@ def profile_backward(make: Callable[[], Workload], *, warmup: int = 3,
         for k in range(warmup + steps):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            loss = _forward_loss(model, x, loss_fn)
+            loss = forward_loss(model, x, loss_fn)
             tb = time.perf_counter()
             loss.backward()
             te = time.perf_counter()
@@ -240,39 +111,6 @@ def profile_backward(make: Callable[[], Workload], *, warmup: int = 3,
         backward_ms=statistics.median(backward),
         step_ms=statistics.median(step),
     )
-
-
-def sweep_sizes(total_bytes: int, smallest: int = 4096) -> list[int]:
-    """Message sizes for the all-reduce curve: powers of two up to the whole model."""
-    sizes, s = [], smallest
-    while s * 1.25 < total_bytes:  # no power of two right next to the total
-        sizes.append(s)
-        s *= 2
-    return sizes + [max(total_bytes, smallest)]
-
-
-def measure_allreduce(sizes: Sequence[int], *, budget_bytes: int = 64 * MIB) -> list[float]:
-    """Median ms of one asynchronous all-reduce per size (float32), on a comm.empty buffer."""
-    import torch.distributed as dist
-
-    from gradring.group_comm import GroupComm
-
-    comm = GroupComm(dist.group.WORLD)
-    buf = comm.empty(max(sizes) // 4 + 1, torch.float32, torch.device("cpu"))
-    buf.zero_()
-    out = []
-    for size in sizes:
-        view = buf.narrow(0, 0, max(1, size // 4))
-        comm.all_reduce(view).wait()  # warm-up (and first-touch of the pages)
-        reps = max(3, min(20, budget_bytes // max(size, 1)))
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t = time.perf_counter()
-            comm.all_reduce(view).wait()
-            times.append((time.perf_counter() - t) * 1e3)
-        out.append(statistics.median(times))
-    return out
 
 
 def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps: int = 10,
@@ -297,7 +135,7 @@ def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps
         for _ in range(n):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            _forward_loss(model, x, loss_fn).backward()
+            forward_loss(model, x, loss_fn).backward()
             opt.step()
             times[key].append((time.perf_counter() - t0) * 1e3)
 
@@ -345,11 +183,13 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     """What every rank runs inside an initialised process group; rank 0 returns the result."""
     import torch.distributed as dist
 
+    from gradring.group_comm import GroupComm
+
     make = functools.partial(load_workload, workload)
     dist.barrier()
     mine = profile_backward(make, steps=steps)
     sizes = sweep_sizes(sum(mine.sizes))
-    times = measure_allreduce(sizes)
+    times = measure_allreduce(GroupComm(dist.group.WORLD), sizes, sync=dist.barrier).times_ms
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (mine, times))
     profile = _mean_profile([p for p, _ in everyone])
@@ -391,7 +231,7 @@ def tune_bucket_cap(model_fn: Callable[[], nn.Module] | None = None,
     if workload is None:
         if model_fn is None or input_fn is None or loss_fn is None:
             raise ValueError("give model_fn, input_fn and loss_fn, or workload")
-        workload = functools.partial(_from_parts, model_fn, input_fn, loss_fn)
+        workload = functools.partial(from_parts, model_fn, input_fn, loss_fn)
     results = run_local(_tune_entry, nproc, workload, tuple(caps_mb), steps, rounds,
                         measure_all, per_bucket_ms)
     return results[0]

@@ -6,7 +6,7 @@ hosts are ``.1`` and ``.2``, a /24 that exists only inside the two
 namespaces). Every process of a host runs under ``unshare --uts --mount``
 with its own hostname and a fresh tmpfs on ``/dev/shm``, so neither the
 hostname nor shared memory can silently carry traffic that should cross the
-link (MEASUREMENTS.md, "Multi-host on one machine"). ``torchrun`` runs on
+link (see docs/multihost.md). ``torchrun`` runs on
 both hosts with the c10d rendezvous hosted on host 0 (``is_host=1``) and
 ``GLOO_SOCKET_IFNAME`` set to each side's veth.
 

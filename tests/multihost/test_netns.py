@@ -1,7 +1,7 @@
 """gradring across two "hosts" (network namespaces, 2 ranks each) under torchrun.
 
 Needs root and ``ip netns``/``unshare``; otherwise every test here is skipped
-with the reason. Two torchrun launches (each about 20 s on 2 shared cores):
+with the reason. Two torchrun launches (each about 20 s on a 2-core VM):
 
 - ``train``: DDP over 2 hosts x 2 ranks (hierarchical all-reduce: shared memory
   inside a host, gloo point-to-point across) equals one process on the global
@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from netns_harness import TwoHosts, unavailable  # noqa: E402
+from tests.multihost.netns_harness import TwoHosts, unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-CAP_S = 180.0  # per launch: generous, 4 ranks + 2 agents on 2 shared cores
+CAP_S = 180.0  # per launch: generous, 4 ranks + 2 agents on a 2-core VM
 
 _WHY = unavailable()
 pytestmark = [pytest.mark.skipif(_WHY is not None, reason=f"multi-host harness: {_WHY}"),

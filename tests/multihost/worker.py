@@ -50,7 +50,7 @@ def emit(tag: str, **kw: object) -> None:
 
 def where() -> dict:
     ctx = context.context(None)
-    hosts = ctx.existing_hosts() if ctx is not None else None
+    hosts = ctx.transports.existing_hosts() if ctx is not None else None
     return {"rank": dist.get_rank(), "host": socket.gethostname(),
             "topology": hosts.topology.describe() if hosts is not None else None,
             "local_rank": hosts.topology.local_rank if hosts is not None else None}

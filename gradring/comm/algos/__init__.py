@@ -1,1 +1,96 @@
-"""gradring/comm/algos."""
+"""gradring's collective algorithms, and the one table that names them.
+
+Every algorithm is reached through :data:`ALGORITHMS`, keyed by the
+algorithm's name (as ``select.choose`` and ``GRADRING_ALGO`` spell it) and the
+collective's :class:`~gradring.comm.transport.Kind`. Each entry has the same
+signature, ``(transport, call) -> None``: :class:`Call` carries everything a
+collective can need. The per-algorithm modules keep their natural signatures
+(``ring.all_reduce(t, flat, op)``); the table adapts them.
+
+- ``ring``: bandwidth-optimal ring all-reduce, reduce-scatter, all-gather;
+- ``tree``: double binary tree all-reduce, binomial broadcast, barrier;
+- ``naive``: everybody sends everything (the tests' reference);
+- ``direct/oneshot``, ``direct/twoshot``, ``direct``: shared-memory reads
+  (``direct.py``), every collective;
+- ``hierarchical``: shared memory inside hosts, ring or tree across them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from gradring.comm import homes as _homes
+from gradring.comm import ops
+from gradring.comm.algos import direct, hierarchical, naive, ring, tree
+from gradring.comm.homes import Homes
+from gradring.comm.ops import Op
+from gradring.comm.transport import CollectiveInfo, Kind
+
+
+class Call(NamedTuple):
+    """One collective as an algorithm receives it."""
+
+    info: CollectiveInfo  # what it is (seq, kind, bytes, ...): descriptors and errors
+    out: torch.Tensor  # flat, written (the tensor itself for in-place collectives)
+    inp: torch.Tensor  # flat, read (same object as ``out`` when in place)
+    op: Op = ops.SUM  # reduction (SUM for copies)
+    root: int = 0  # broadcast source, as a group rank
+    homes: Homes | None = None  # all-reduce only: see [Note: homed all-reduce]
+
+
+#: The one signature every registered algorithm has.
+Algorithm = Callable[[Any, Call], None]
+
+ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER = (
+    Kind.ALL_REDUCE, Kind.BROADCAST, Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.BARRIER)
+
+#: ``(algorithm name, kind) -> algorithm``: every way a collective can run.
+ALGORITHMS: dict[tuple[str, Kind], Algorithm] = {
+    ("ring", ALL_REDUCE): lambda t, c: ring.all_reduce(t, c.out, c.op),
+    ("ring", REDUCE_SCATTER): lambda t, c: ring.reduce_scatter(t, c.out, c.inp, c.op),
+    ("ring", ALL_GATHER): lambda t, c: ring.all_gather(t, c.out, c.inp),
+    ("tree", ALL_REDUCE): lambda t, c: tree.all_reduce(t, c.out, c.op),
+    ("tree", BROADCAST): lambda t, c: tree.broadcast(t, c.out, c.root),
+    ("tree", BARRIER): lambda t, c: tree.barrier(t),
+    ("naive", ALL_REDUCE): lambda t, c: naive.all_reduce(t, c.out, c.op),
+    ("direct/oneshot", ALL_REDUCE):
+        lambda t, c: direct.all_reduce_oneshot(t, c.info, c.out, c.op),
+    ("direct/twoshot", ALL_REDUCE):
+        lambda t, c: direct.all_reduce_twoshot(t, c.info, c.out, c.op, c.homes),
+    ("direct", BROADCAST): lambda t, c: direct.broadcast(t, c.info, c.out, c.root),
+    ("direct", ALL_GATHER): lambda t, c: direct.all_gather(t, c.info, c.out, c.inp),
+    ("direct", REDUCE_SCATTER):
+        lambda t, c: direct.reduce_scatter(t, c.info, c.out, c.inp, c.op),
+    ("direct", BARRIER): lambda t, c: direct.barrier(t, c.info),
+    ("hierarchical", ALL_REDUCE): lambda t, c: hierarchical.all_reduce(t, c.info, c.out, c.op),
+}
+
+#: The algorithms that read a homed all-reduce's homes themselves.
+READS_HOMES = frozenset({"direct/twoshot"})
+
+
+def lookup(name: str, kind: Kind) -> Algorithm:
+    """The algorithm ``name`` for ``kind``; a clear error for a pair that does not exist."""
+    try:
+        return ALGORITHMS[(name, kind)]
+    except KeyError:
+        known = sorted({n for n, k in ALGORITHMS if k == kind})
+        raise ValueError(f"gradring has no {kind.label} algorithm {name!r}; "
+                         f"known: {known}") from None
+
+
+def run(name: str, transport: Any, call: Call) -> None:
+    """Run ``call`` with algorithm ``name`` on ``transport``. A homed all-reduce on an
+    algorithm that does not read homes is staged around a plain one (``homes.py``)."""
+    algorithm = lookup(name, call.info.kind)
+    h = call.homes
+    if h is None or name in READS_HOMES:
+        algorithm(transport, call)
+        return
+    lo, hi = _homes.own_range(call.out.numel(), transport.rank, transport.world_size)
+    _homes.stage_in(call.out, h, lo, hi)
+    algorithm(transport, call._replace(homes=None))
+    _homes.finish_out(call.out, h)

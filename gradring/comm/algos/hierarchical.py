@@ -12,7 +12,7 @@ its W hops and runs 2(W-1) dependent steps; each host link carries
 2. inter-host all-reduce of that chunk among the ranks with local rank ``l``
    on every host (ring, or tree for small chunks, as ``select`` decides) --
    L such all-reduces run at once, one per local rank, over the process
-   group's point-to-point (:class:`SubsetTransport`);
+   group's point-to-point (``SubsetTransport`` in ``transports/hosts.py``);
 3. intra-host all-gather: a barrier, then every rank copies the other chunks
    from their owners' exposed buffers (here the owners cannot write them into
    the peers, as the two-shot does: their shard is only final after step 2).
@@ -29,106 +29,13 @@ with the local-to-group rank map of the host appended.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
-
 import torch
-import torch.distributed as dist
 
+import gradring.comm.algos as algos
 from gradring.comm import ops, select
-from gradring.comm.algos import ring, tree
 from gradring.comm.ops import Op
-from gradring.comm.transport import (
-    CollectiveError,
-    CollectiveInfo,
-    DirectTransport,
-    Kind,
-    Transport,
-)
-from gradring.comm.transports.shm import rendezvous
-from gradring.comm.transports.topology import Topology, exchange
-
-
-class SubsetTransport:
-    """Point-to-point among some of a transport's ranks, addressed by index in ``ranks``.
-
-    The inter-host step talks to the same-local-rank peers through the whole
-    group's transport (the process group's send/recv), so no sub-process-group
-    has to be created collectively; messages between a pair stay in order.
-    """
-
-    name = "subset"
-
-    def __init__(self, inner: Transport, ranks: Sequence[int]) -> None:
-        # The transport that moves the bytes (group ranks).
-        self.inner = inner
-        # Group rank of each member; index = rank within the subset.
-        self.ranks = tuple(ranks)
-        self.rank = self.ranks.index(inner.rank)
-        self.world_size = len(self.ranks)
-
-    def start(self, info: CollectiveInfo) -> None:
-        self.inner.start(info)
-
-    def isend(self, buf: torch.Tensor, dst: int) -> Any:
-        return self.inner.isend(buf, self.ranks[dst])
-
-    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
-        return self.inner.irecv(buf, self.ranks[src], op)
-
-    def wait_all(self, reqs: Sequence[Any]) -> None:
-        self.inner.wait_all(reqs)
-
-    def close(self) -> None:
-        """The inner transport belongs to whoever made it."""
-
-
-class HostTransports:
-    """The transports of a multi-host group: shm inside the host, p2p across.
-
-    It is itself a point-to-point transport over the whole group (delegating
-    to ``flat``), so ring, tree and broadcast still run on it unchanged.
-    """
-
-    name = "shm+torch"
-
-    def __init__(self, topology: Topology, local: DirectTransport, flat: Transport) -> None:
-        # Which ranks share a host; fixed for the group's lifetime.
-        self.topology = topology
-        # Shared memory among this host's ranks (local ranks 0..L-1).
-        self.local = local
-        # Point-to-point over the whole group (the process group's send/recv).
-        self.flat = flat
-        # The same, restricted to this rank's same-local-rank peer on every host.
-        self.inter = SubsetTransport(flat, topology.peers)
-        self.rank = flat.rank
-        self.world_size = flat.world_size
-
-    def start(self, info: CollectiveInfo) -> None:
-        self.flat.start(info)
-        self.local.start(info)
-
-    def isend(self, buf: torch.Tensor, dst: int) -> Any:
-        return self.flat.isend(buf, dst)
-
-    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
-        return self.flat.irecv(buf, src, op)
-
-    def wait_all(self, reqs: Sequence[Any]) -> None:
-        self.flat.wait_all(reqs)
-
-    def close(self) -> None:
-        """Close the host's shared memory; ``flat`` belongs to the group context."""
-        self.local.close()
-
-    def local_error(self, exc: CollectiveError) -> CollectiveError:
-        """``exc`` (naming local ranks) with this host's local-to-group rank map."""
-        topo = self.topology
-        legend = ", ".join(f"local {i} = rank {r}" for i, r in enumerate(topo.local_ranks))
-        name = topo.names[topo.host_index] if topo.names else f"host{topo.host_index}"
-        return CollectiveError(f"{exc} [ranks above are local to host {name!r}: {legend}]")
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, Transport
+from gradring.comm.transports.hosts import HostTransports
 
 
 def _copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
@@ -137,11 +44,12 @@ def _copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None
     ops.copy(dst[hi:], src[hi:])
 
 
-def _inter_all_reduce(t: Transport, shard: torch.Tensor, op: Op) -> None:
+def _inter_all_reduce(t: Transport, info: CollectiveInfo, shard: torch.Tensor, op: Op) -> None:
     """All-reduce ``shard`` across hosts (SUM for AVG: the caller divides by W)."""
     nbytes = shard.numel() * shard.element_size()
     algo = select.choose(Kind.ALL_REDUCE, nbytes, t.world_size, "torch", None).algo
-    (tree.all_reduce if algo == "tree" else ring.all_reduce)(t, shard, op)
+    info = info._replace(nbytes=nbytes, algo=algo)
+    algos.run(algo, t, algos.Call(info, shard, shard, op))
 
 
 def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: Op) -> None:
@@ -167,7 +75,7 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
         ops.reduce_into(shard, [flat[lo:hi]] + [views[p][lo:hi] for p in others], inter_op)
     except CollectiveError as exc:
         raise h.local_error(exc) from exc
-    _inter_all_reduce(h.inter, shard, inter_op)
+    _inter_all_reduce(h.inter, info, shard, inter_op)
     ops.finish(shard, op, h.world_size)
     try:
         local.arrive()
@@ -181,34 +89,3 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
             local.barrier()
     except CollectiveError as exc:
         raise h.local_error(exc) from exc
-
-
-def connect(store: Any, rank: int, world_size: int, timeout: float,
-            flat: Transport) -> tuple[HostTransports | None, str]:
-    """Learn the topology and connect each host's shared memory; collective.
-
-    Returns ``(transports, "")`` when the group spans several hosts with the
-    same number (> 1) of ranks each and every host's shared memory connected,
-    else ``(None, reason)``. Every rank reaches the same verdict: the last
-    round agrees on the shm outcome of all hosts.
-    """
-    topo, prefix = exchange(store, rank, world_size, timeout)
-    if topo.num_hosts == 1:
-        return None, "all ranks are on one host"
-    if not topo.uniform:
-        return None, (f"hosts have different numbers of ranks "
-                      f"({[len(h) for h in topo.hosts]}): {topo.describe()}")
-    if topo.local_size == 1:
-        return None, f"one rank per host: {topo.describe()}"
-    host_store = dist.PrefixStore(f"{prefix}host{topo.host_index}/", store)
-    local, why = rendezvous.connect(host_store, topo.local_rank, topo.local_size, timeout)
-    store.set(f"{prefix}shm/{rank}", json.dumps(why if local is None else ""))
-    keys = [f"{prefix}shm/{p}" for p in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout))
-    verdicts = [json.loads(store.get(k)) for k in keys]
-    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
-    if bad:
-        if local is not None:
-            local.close()
-        return None, "shared memory inside a host failed: " + "; ".join(bad)
-    return HostTransports(topo, local, flat), ""  # type: ignore[arg-type]

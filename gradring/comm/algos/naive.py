@@ -37,10 +37,6 @@ def oracle_all_gather(inputs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(inputs)
 
 
-def oracle_broadcast(inputs: list[torch.Tensor], src: int) -> torch.Tensor:
-    return inputs[src].clone()
-
-
 def all_reduce(t: Transport, flat: torch.Tensor, op: Op) -> None:
     """Send the whole buffer to every peer, reduce everything locally in rank order."""
     w, r = t.world_size, t.rank

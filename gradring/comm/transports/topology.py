@@ -8,9 +8,11 @@ transport tells a dead peer from a slow one by pid), and the same ``/dev/shm``
 fresh tmpfs, gets its own). The network namespace inode is part of the key
 too: two network namespaces are separate hosts as far as traffic is
 concerned, even when everything else matches, so a test harness built from
-namespaces really exercises the cross-host path. Within one host the final
-word is still the shm rendezvous's proof (``rendezvous.py`` maps every peer's
-control segment and checks a cookie).
+namespaces really exercises the cross-host path. This one definition serves
+everyone who asks: the topology below, the shm rendezvous (which, within one
+host, still has the final word: ``shm/rendezvous.py`` maps every peer's
+control segment and checks a cookie) and the peer board (``board.py``: a pid
+check means something only on the same host).
 
 Grouping is a pure function over the identities (:func:`group_by_host`), so
 it is unit-tested without processes. Hosts are ordered by their smallest
@@ -28,10 +30,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from gradring.comm.store import instance_prefix
 from gradring.comm.transports.shm import segments
-
-#: Store key counting arrivals, so each instance of a group gets fresh keys.
-_ARRIVALS = "gradring/topo/arrivals"
 
 
 def _ns_inode(kind: str) -> int:
@@ -55,8 +55,9 @@ def host_identity() -> dict[str, Any]:
             "shm": _shm_device()}
 
 
-def _key(identity: Mapping[str, Any]) -> str:
-    return json.dumps(dict(identity), sort_keys=True)
+def host_key(identity: Mapping[str, Any] | None = None) -> str:
+    """``identity`` (default: this process's) as text: equal exactly on one host."""
+    return json.dumps(dict(host_identity() if identity is None else identity), sort_keys=True)
 
 
 def group_by_host(identities: Sequence[Mapping[str, Any]]) -> list[list[int]]:
@@ -67,7 +68,7 @@ def group_by_host(identities: Sequence[Mapping[str, Any]]) -> list[list[int]]:
     """
     by_key: dict[str, list[int]] = {}
     for rank, ident in enumerate(identities):
-        by_key.setdefault(_key(ident), []).append(rank)
+        by_key.setdefault(host_key(ident), []).append(rank)
     return sorted(by_key.values(), key=lambda ranks: ranks[0])
 
 
@@ -147,8 +148,7 @@ def exchange(store: Any, rank: int, world_size: int, timeout: float, *,
     group instance, so later rounds of the same connection can live under it).
     ``identity`` replaces :func:`host_identity` (tests).
     """
-    n = store.add(_ARRIVALS, 1)
-    prefix = f"gradring/topo/{(n - 1) // world_size}/"
+    prefix = instance_prefix(store, "topo", world_size)
     mine = dict(identity) if identity is not None else host_identity()
     store.set(f"{prefix}id/{rank}", json.dumps(mine))
     keys = [f"{prefix}id/{p}" for p in range(world_size)]

@@ -44,7 +44,6 @@ if AVAILABLE:
     _libc = ctypes.CDLL(None, use_errno=True)
     _syscall = _libc.syscall
     _syscall.restype = ctypes.c_long
-    _sched_yield = _libc.sched_yield
 
 
 def add_and_wake(addr: int) -> None:
@@ -73,8 +72,3 @@ def wait(addr: int, seen: int, timeout_s: float) -> bool:
     if err in (errno.EAGAIN, errno.EINTR):
         return True
     raise OSError(err, f"futex(FUTEX_WAIT) failed: {os.strerror(err)}")
-
-
-def yield_cpu() -> None:
-    """``sched_yield`` without holding the GIL."""
-    _sched_yield()

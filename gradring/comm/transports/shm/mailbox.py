@@ -1,22 +1,24 @@
 """Point-to-point mailboxes of the shared-memory transport (for ring and tree).
 
-Each rank's control segment (layout in ``shm.py``) holds, per receiving rank
-``d``, a channel header at ``CHAN_OFF + CHAN_STRIDE·d`` (words: 0 sent, 16
-acked, 32+k length of slot k) and ``SLOTS`` slots of ``SLOT_BYTES`` in the
-page-aligned area after the headers. A sender copies fragments into free
-slots and bumps *sent*; the receiver copies (or reduces) them out and bumps
-*acked*; both ring the other's doorbell. The direct algorithms (``direct.py``)
-do not use any of this: they read exposed buffers.
+Each rank's control segment (offsets in ``layout.py``) holds, per receiving
+rank ``d``, a channel header (words: sent, acked, length of slot k) and
+``SLOTS`` slots of ``SLOT_BYTES`` in the page-aligned area after the headers.
+A sender copies fragments into free slots and bumps *sent*; the receiver
+copies (or reduces) them out and bumps *acked*; both ring the other's
+doorbell. The direct algorithms (``direct.py``) do not use any of this: they
+read exposed buffers.
 
-``Mailboxes`` is mixed into ``ShmTransport``, whose mappings (``_words``,
-``_ctls``), failure reporting (``_fail``, ``_check_sender``) and waits
-(``_block``) it uses.
+:class:`Mailboxes` is owned by the transport. It reads and writes the control
+segments it is given, and asks its owner, through three callables, for what
+only the transport knows: whether a sender is in the same collective
+(``check_sender``), the error when a message is malformed (``fail``) and how
+to wait for a word to change (``block``, with deadlines and liveness checks).
 """
 
 from __future__ import annotations
 
-import mmap
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,15 +27,18 @@ import torch
 from gradring.comm import ops
 from gradring.comm.ops import Op
 from gradring.comm.transports.shm import futex
+from gradring.comm.transports.shm.layout import (
+    CHAN_ACKED,
+    CHAN_LEN,
+    CHAN_SENT,
+    DOORBELL_WORD,
+    SLOT_BYTES,
+    SLOTS,
+    chan_word,
+    slots_offset,
+)
 
-_DOORBELL_WORD = 128 // 4
-_CHAN_OFF = 640
-_CHAN_STRIDE = 192  # sent, acked and lengths on separate cache lines
 _MASK = 0xFFFFFFFF
-
-#: Mailbox geometry: slots per (sender, receiver) pair and bytes per slot.
-SLOTS = 4
-SLOT_BYTES = 256 * 1024
 
 
 class _Send:
@@ -61,19 +66,37 @@ class _Recv:
 class Mailboxes:
     """isend/irecv/wait_all over the control segments' mailbox slots."""
 
-    _words: Any
-    _ctl: Any
-    _ctls: Any
-    _slot_base: int
-    _sendq: dict[int, Any]
-    _recvq: dict[int, Any]
-    _info: Any
-    _checked: list[int]
-    rank: int
+    def __init__(self, rank: int, ctls: Sequence[Any], *,
+                 check_sender: Callable[[int], None],
+                 fail: Callable[[str, Sequence[int]], BaseException],
+                 block: Callable[[int, int, Callable[[int], bool], str, Sequence[int]], None]
+                 ) -> None:
+        # This rank, and every rank's mapped control segment (this rank's own included).
+        self.rank = rank
+        self._ctls = list(ctls)
+        # Their 32-bit word views, indexed [rank][word] in the hot loops.
+        self._words = [c.words for c in self._ctls]
+        # Byte offset of the first slot (equal in every control segment).
+        self._slot_base = slots_offset(len(self._ctls))
+        # The owner's checks and waits (see the module docstring).
+        self._check_sender = check_sender
+        self._fail = fail
+        self._block = block
+        # Pending transfers per peer, in posting order.
+        self._sendq: dict[int, deque[_Send]] = {p: deque() for p in range(len(self._ctls))}
+        self._recvq: dict[int, deque[_Recv]] = {p: deque() for p in range(len(self._ctls))}
+        # The collective in flight (None before the first) and, per peer, the seq
+        # whose first message was checked with ``check_sender``.
+        self._seq: int | None = None
+        self._checked = [-1] * len(self._ctls)
 
-    def _chan_word(self, dst: int, which: int) -> int:
-        """Word index in the *sender's* control segment: 0 sent, 16 acked, 32+k length k."""
-        return (_CHAN_OFF + _CHAN_STRIDE * dst) // 4 + which
+    def begin(self, seq: int) -> None:
+        """A new collective starts: check each sender again before its first message."""
+        self._seq = seq
+
+    def close(self) -> None:
+        """Drop the mappings (the owner unmaps them)."""
+        self._ctls, self._words = [], []
 
     def _slot(self, dst: int, k: int) -> int:
         """Byte offset, in the sender's control segment, of slot ``k`` towards ``dst``."""
@@ -93,37 +116,38 @@ class Mailboxes:
 
     def _push(self, req: _Send) -> bool:
         words, dst = self._words[self.rank], req.dst
-        sent_w, acked_w = self._chan_word(dst, 0), self._chan_word(dst, 16)
+        sent_w, acked_w = chan_word(dst, CHAN_SENT), chan_word(dst, CHAN_ACKED)
         sent = words[sent_w]
         moved = False
-        mm_np = self._ctl.array
+        mm_np = self._ctls[self.rank].array
         while req.off < len(req.data) and ((sent - words[acked_w]) & _MASK) < SLOTS:
             k = sent % SLOTS
             frag = min(SLOT_BYTES, len(req.data) - req.off)
             at = self._slot(dst, k)
             np.copyto(mm_np[at:at + frag], req.data[req.off:req.off + frag])
-            words[self._chan_word(dst, 32 + k)] = frag
+            words[chan_word(dst, CHAN_LEN + k)] = frag
             sent = (sent + 1) & _MASK
             words[sent_w] = sent
             req.off += frag
             moved = True
         if moved:
-            futex.add_and_wake(self._ctls[dst].address + 4 * _DOORBELL_WORD)
+            futex.add_and_wake(self._ctls[dst].address + 4 * DOORBELL_WORD)
         req.done = req.off >= len(req.data)
         return moved
 
     def _pull(self, req: _Recv) -> bool:
         src = req.src
         words = self._words[src]
-        sent_w, acked_w = self._chan_word(self.rank, 0), self._chan_word(self.rank, 16)
+        sent_w, acked_w = chan_word(self.rank, CHAN_SENT), chan_word(self.rank, CHAN_ACKED)
         acked = words[acked_w]
         moved = False
-        if words[sent_w] != acked and self._info is not None \
-                and self._checked[src] != self._info.seq:
+        if words[sent_w] != acked and self._seq is not None \
+                and self._checked[src] != self._seq:
+            self._checked[src] = self._seq
             self._check_sender(src)
         while req.off < len(req.data) and words[sent_w] != acked:
             k = acked % SLOTS
-            frag = words[self._chan_word(self.rank, 32 + k)]
+            frag = words[chan_word(self.rank, CHAN_LEN + k)]
             want = min(SLOT_BYTES, len(req.data) - req.off)
             if frag != want:
                 raise self._fail(f"message size mismatch: got a {frag}-byte fragment, "
@@ -140,7 +164,7 @@ class Mailboxes:
             req.off += frag
             moved = True
         if moved:
-            futex.add_and_wake(self._ctls[src].address + 4 * _DOORBELL_WORD)
+            futex.add_and_wake(self._ctls[src].address + 4 * DOORBELL_WORD)
         req.done = req.off >= len(req.data)
         return moved
 
@@ -149,7 +173,7 @@ class Mailboxes:
         for queues, step in ((self._sendq, self._push), (self._recvq, self._pull)):
             for q in queues.values():
                 while q:
-                    moved |= step(q[0])
+                    moved |= step(q[0])  # type: ignore[operator]
                     if not q[0].done:
                         break
                     q.popleft()
@@ -158,24 +182,12 @@ class Mailboxes:
     def wait_all(self, reqs: Sequence[Any]) -> None:
         me = self.rank
         while True:
-            bell = self._words[me][_DOORBELL_WORD]
+            bell = self._words[me][DOORBELL_WORD]
             moved = self._progress()
             if all(r.done for r in reqs):
                 return
             if moved:
                 continue
             peers = sorted({getattr(r, "dst", getattr(r, "src", -1)) for r in reqs if not r.done})
-            self._block(me, _DOORBELL_WORD, lambda v, b=bell: v != b,
+            self._block(me, DOORBELL_WORD, lambda v, b=bell: v != b,
                         "point-to-point messages", peers)
-
-
-
-def slots_offset(world_size: int) -> int:
-    """Byte offset of the first mailbox slot in a control segment."""
-    end = _CHAN_OFF + _CHAN_STRIDE * world_size
-    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def control_size(world_size: int) -> int:
-    """Bytes of one rank's control segment, mailbox slots included."""
-    return slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES

@@ -5,9 +5,10 @@ the group (``gradring/shm/<generation>/``; the generation comes from an
 atomic counter, so re-creating a group, or a fresh process group on an old
 store, never reads stale keys):
 
-1. ``info/<rank>``: hostname, boot id, pid namespace, pid, a random token.
-   Shared memory is used only if all ranks agree on the first three (and the
-   CPU is x86-64, see ``futex.py``). Every rank sees the same data, so every
+1. ``info/<rank>``: the host identity (``topology.host_identity``: hostname,
+   boot id, network and pid namespaces, the ``/dev/shm`` device), pid, a
+   random token. Shared memory is used only if all ranks have the same host
+   identity (and the CPU is x86-64, see ``futex.py``). Every rank sees the same data, so every
    rank reaches the same verdict and none waits for a transport the others
    gave up on.
 2. ``ctl/<rank>``: the name prefix of the rank's segments and a random
@@ -26,14 +27,15 @@ import itertools
 import json
 import os
 import secrets
-import socket
 from datetime import timedelta
 from typing import Any
 
+from gradring.comm.store import instance_prefix
 from gradring.comm.transports.shm import futex, segments
-from gradring.comm.transports.shm.mailbox import control_size
+from gradring.comm.transports.shm.layout import control_size
 from gradring.comm.transports.shm.segments import Segment
 from gradring.comm.transports.shm.transport import ShmTransport, control_matches, stamp_control
+from gradring.comm.transports.topology import host_identity
 
 _transport_counter = itertools.count()
 _cleaned = False
@@ -52,12 +54,6 @@ def _cleanup_once() -> None:
         segments.remove_stale_segments()
 
 
-def host_identity() -> dict[str, Any]:
-    """What must be equal on every rank for shared memory to be shared."""
-    return {"host": socket.gethostname(), "boot": segments.boot_id(),
-            "pidns": segments.pid_namespace(), "futex": futex.AVAILABLE}
-
-
 def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         ShmTransport | None, str]:
     """Rendezvous through ``store`` (a store private to the group); collective.
@@ -66,8 +62,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
     share a host. At the first connect in a process, segments left by dead
     processes are removed (see [Note: segment names and leaks]).
     """
-    n = store.add("gradring/shm/arrivals", 1)
-    key = f"gradring/shm/{(n - 1) // world_size}/"  # one generation per group instance
+    key = instance_prefix(store, "shm", world_size)  # one generation per group instance
     me = dict(host_identity(), pid=os.getpid(), token=secrets.token_hex(4))
     store.set(f"{key}info/{rank}", json.dumps(me))
     infos = _gather(store, f"{key}info/", world_size, timeout)

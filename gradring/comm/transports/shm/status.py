@@ -1,22 +1,10 @@
 """What a shared-memory rank tells its peers about itself: the status block.
 
-Bytes 192-255 of every control segment (``shm.py``) hold the collective the
-rank started last and the rank's state. The owner writes them; peers only
-read them, to fail fast and to say in an error what a missing rank is doing
-(see [Note: how a stuck collective ends] in ``watchdog.py``):
-
-=========  ======  =====================================================
-offset     type    meaning
-=========  ======  =====================================================
-192        u64     sequence number of the collective started last
-200        u32     its kind (``Kind``)
-204        u32     state: running, closed (shut gradring down), failed
-208        u64     its byte size
-216        u32     its dtype code (``desync.DTYPE_CODES``)
-220        u32     why the rank failed (timed out, lost a peer, ...)
-224        u64     its shape hash (``GRADRING_CHECK`` only, else 0)
-232        u32     version: odd while the owner rewrites the block
-=========  ======  =====================================================
+Bytes 192-255 of every control segment (fields and offsets in ``layout.py``)
+hold the collective the rank started last and the rank's state. The owner
+writes them; peers only read them, to fail fast and to say in an error what a
+missing rank is doing (see [Note: how a stuck collective ends] in
+``watchdog.py``).
 
 The owner updates the block while peers may read it, and ``struct.pack_into``
 zero-fills before it writes, so a plain read can see a half-written block
@@ -29,16 +17,14 @@ before and after its read.
 from __future__ import annotations
 
 import os
-import struct
 from typing import Any, NamedTuple
 
 from gradring.comm.transport import CollectiveInfo, Kind
-
-_STRUCT = struct.Struct("<QIIQIIQ")
-OFFSET = 192
-_STATE_WORD = (OFFSET + 12) // 4
-_WHY_WORD = (OFFSET + 28) // 4
-_VERSION_WORD = (OFFSET + 40) // 4
+from gradring.comm.transports.shm.layout import STATUS as _STRUCT
+from gradring.comm.transports.shm.layout import STATUS_OFF as OFFSET
+from gradring.comm.transports.shm.layout import STATUS_STATE_WORD as _STATE_WORD
+from gradring.comm.transports.shm.layout import STATUS_VERSION_WORD as _VERSION_WORD
+from gradring.comm.transports.shm.layout import STATUS_WHY_WORD as _WHY_WORD
 
 RUNNING, CLOSED, FAILED = 0, 1, 2
 TIMEOUT, LOST_PEER, DESYNC, ABORTED = 1, 2, 3, 4

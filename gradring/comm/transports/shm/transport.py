@@ -1,22 +1,8 @@
 """Shared-memory transport for ranks on one host (the default for CPU tensors there).
 
-Each rank owns a *control segment* that every peer maps:
-
-====================  ===================================================
-offset                contents
-====================  ===================================================
-0                     header: magic, pid, rank, world size, cookie
-64                    barrier word: number of barriers this rank reached
-128                   doorbell: bumped by peers whenever a mailbox moved
-192                   status: the collective in flight and this rank's state,
-                      see ``shm_status.py``
-256, 320              two descriptor slots (alternating per exchange)
-384                   (unused)
-448                   retired-segment ring (segments peers may unmap)
-640 + 192·d           towards rank d: mailbox sent, acked, lengths; highest
-                      segno of d's segments mapped here (see ``close``)
-page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
-====================  ===================================================
+Each rank owns a *control segment* that every peer maps; ``layout.py``
+holds its every offset (header, barrier word, doorbell, status block,
+descriptors, retired-segment ring, mailbox channels and slots).
 
 Words written by one rank only (barrier, sent, acked) are plain stores;
 words several ranks bump (the doorbell) use the kernel's atomic add, see
@@ -24,14 +10,14 @@ words several ranks bump (the doorbell) use the kernel's atomic add, see
 ``comm.empty`` tensors -- live in further segments that peers map lazily by
 name, see [Note: segment names and leaks] in ``segments.py``.
 
-A waiting rank reads its peers' status (``shm_status.py``): a dead pid, or a
+A waiting rank reads its peers' status (``status.py``): a dead pid, or a
 peer that shut gradring down or failed, ends the wait at the next 50 ms slice.
 Descriptors and statuses also carry what the desync check compares, see
 [Note: desync checks] in ``desync.py``.
 
 Point-to-point messages (for ring and tree) go through the mailboxes
-(``shm_mailbox.py``): a sender copies fragments into slots, the receiver
-copies (or reduces) them out.
+(``mailbox.py``, an object the transport owns): a sender copies fragments
+into slots, the receiver copies (or reduces) them out.
 The direct algorithms (``direct.py``) skip all that and read exposed buffers.
 Ranks find each other through the store: ``rendezvous.connect``.
 """
@@ -42,7 +28,6 @@ import atexit
 import bisect
 import itertools
 import os
-import struct
 import threading
 import time
 import weakref
@@ -53,26 +38,23 @@ from typing import Any
 import torch
 
 from gradring.comm import desync
+from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
 from gradring.comm.transports.shm import futex, segments
 from gradring.comm.transports.shm import status as shm_status
-from gradring.comm.transports.shm.mailbox import (
-    Mailboxes,
-    _Recv,
-    _Send,
-    slots_offset,
+from gradring.comm.transports.shm.layout import (
+    BARRIER_WORD,
+    CHAN_MAPPED,
+    DESC,
+    HEADER,
+    MAGIC,
+    RETIRED_RING,
+    RETIRED_WORD,
+    chan_word,
+    desc_offset,
 )
+from gradring.comm.transports.shm.mailbox import Mailboxes
 from gradring.comm.transports.shm.segments import Segment
-
-_MAGIC = 0x31676E6972647267  # "grdring1"
-_HEADER = struct.Struct("<QIIIIQ")  # magic, pid, rank, world, reserved, cookie
-_BARRIER_WORD = 64 // 4
-# seq, kind, flags, nbytes, dtype, segno, offset, shape hash, label hash
-_DESC = struct.Struct("<QIIQIIQQQ")
-_DESC_OFF = 256
-_RETIRED_WORD = 448 // 4  # count, then the ring
-_RETIRED_RING = 30
-_MAPPED = 40  # word of a channel header: the highest segno of that peer mapped here
 
 _HAS_BUFFER, _ZERO_COPY = 1, 2
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
@@ -95,7 +77,7 @@ def _retire(name: str, segno: int, retired: deque[int], pid: int) -> None:
     retired.append(segno)
 
 
-class ShmTransport(Mailboxes):
+class ShmTransport:
     """One rank's end of a shared-memory group. Built by ``rendezvous.connect``."""
 
     name = "shm"
@@ -147,11 +129,6 @@ class ShmTransport(Mailboxes):
         self._views: dict[tuple[int, int, int, int, torch.dtype], torch.Tensor] = {}
         # Where the buffer passed to expose() lives: (segno, offset), until exchange.
         self._exposed: tuple[int, int] | None = None
-        # Pending mailbox transfers per peer, in posting order.
-        self._sendq: dict[int, deque[_Send]] = {p: deque() for p in range(world_size)}
-        self._recvq: dict[int, deque[_Recv]] = {p: deque() for p in range(world_size)}
-        # Byte offset of the first mailbox slot in every control segment.
-        self._slot_base = slots_offset(world_size)
         # Collective in flight (for errors) and when it must be done.
         self._info: CollectiveInfo | None = None
         self._deadline = 0.0
@@ -164,8 +141,6 @@ class ShmTransport(Mailboxes):
         # Segment number of the staged buffer exposed last (peers read it after we
         # returned: close() lets them map it before the name goes).
         self._last_staged = 0
-        # Per peer, the seq whose mailbox sender status was checked (desync check).
-        self._checked = [-1] * world_size
         # (seq, kind, bytes, dtype, shape hash, label hash) of the collective in flight;
         # the hashes (and their comparison) only with GRADRING_CHECK (``_full_check``).
         self._fp: tuple[int, ...] = (0,) * 6
@@ -174,6 +149,9 @@ class ShmTransport(Mailboxes):
         self._lock = threading.Lock()
         # Bytes copied into staging so far (tests check comm.empty avoids it).
         self.staged_bytes = 0
+        # Point-to-point messages (ring, tree), through the control segments' slots.
+        self._mail = Mailboxes(rank, self._ctls, check_sender=self._check_sender,
+                               fail=self._fail, block=self._block)
         _live.add(self)
 
     # -- lifecycle and errors ----------------------------------------------------
@@ -185,10 +163,10 @@ class ShmTransport(Mailboxes):
         self._info = info
         self._deadline = time.monotonic() + self._timeout
         full = self._full_check = desync.enabled()
-        self._fp = fp = (info.seq, int(info.kind), info.nbytes, _DTYPE_CODES.get(info.dtype, 0),
-                         desync.shape_hash(info.shape) if full else 0,
-                         desync.text_hash(info.label) if full else 0)
+        self._fp = fp = tuple(desync.fingerprint_words(
+            info.seq, info.kind, info.nbytes, info.dtype, info.shape, info.label, full=full)[:6])
         shm_status.publish(self._ctl.mm, self._ctl.words, info, fp[3], fp[4])
+        self._mail.begin(info.seq)
 
     def abort(self, reason: str) -> None:
         """Make a wait blocked in another thread raise at its next slice."""
@@ -218,6 +196,7 @@ class ShmTransport(Mailboxes):
                 seg.close()
             segs.clear()
         self._words = []
+        self._mail.close()
         for seg in self._ctls:
             if seg is not None:
                 seg.close()
@@ -235,7 +214,7 @@ class ShmTransport(Mailboxes):
         if not segno or info is None:
             return
         deadline = time.monotonic() + grace_s
-        idx = self._chan_word(self.rank, _MAPPED)  # in each peer's own segment
+        idx = chan_word(self.rank, CHAN_MAPPED)  # in each peer's own segment
         for p in range(self.world_size):
             while p != self.rank and self._words[p][idx] < segno \
                     and time.monotonic() < deadline:
@@ -311,19 +290,29 @@ class ShmTransport(Mailboxes):
             if not futex.wait(addr, seen, min(SLICE_S, left)):
                 self._check_alive(what, waiting_for)
 
+    # -- point-to-point (the mailboxes) ------------------------------------------------
+    def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        return self._mail.isend(buf, dst)
+
+    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
+        return self._mail.irecv(buf, src, op)
+
+    def wait_all(self, reqs: Sequence[Any]) -> None:
+        self._mail.wait_all(reqs)
+
     # -- barrier -------------------------------------------------------------------
     def arrive(self) -> None:
         self._epoch += 1
-        futex.add_and_wake(self._ctl.address + 4 * _BARRIER_WORD)
+        futex.add_and_wake(self._ctl.address + 4 * BARRIER_WORD)
 
     def wait_arrivals(self, what: str = "at a barrier inside the collective") -> None:
         target = self._epoch
         reached = lambda v: ((v - target) & _MASK) < _HALF
         for p in range(self.world_size):
-            if p != self.rank and not reached(self._words[p][_BARRIER_WORD]):
+            if p != self.rank and not reached(self._words[p][BARRIER_WORD]):
                 late = [q for q in range(self.world_size)
-                        if q != self.rank and not reached(self._words[q][_BARRIER_WORD])]
-                self._block(p, _BARRIER_WORD, reached, what, late)
+                        if q != self.rank and not reached(self._words[q][BARRIER_WORD])]
+                self._block(p, BARRIER_WORD, reached, what, late)
 
     def barrier(self) -> None:
         self.arrive()
@@ -415,7 +404,7 @@ class ShmTransport(Mailboxes):
                 self._check_alive(f"mapping {name}", [p])
                 raise self._fail(f"cannot map its segment {name}: {exc}", [p]) from exc
             self._peer_segs[p][segno] = seg
-            mine, idx = self._words[self.rank], self._chan_word(p, _MAPPED)
+            mine, idx = self._words[self.rank], chan_word(p, CHAN_MAPPED)
             if segno > mine[idx]:
                 mine[idx] = segno  # p may unlink it now, see _let_peers_map
         return seg
@@ -431,18 +420,18 @@ class ShmTransport(Mailboxes):
         words = self._ctl.words
         while self._retired:
             segno = self._retired.popleft()
-            words[_RETIRED_WORD + 1 + self._retired_count % _RETIRED_RING] = segno
+            words[RETIRED_WORD + 1 + self._retired_count % RETIRED_RING] = segno
             self._retired_count += 1
-            words[_RETIRED_WORD] = self._retired_count & _MASK
+            words[RETIRED_WORD] = self._retired_count & _MASK
 
     def _collect_retired(self, p: int) -> None:
         words = self._words[p]
-        count = words[_RETIRED_WORD]
+        count = words[RETIRED_WORD]
         seen = self._peer_retired[p]
         if count == seen:
             return
-        for i in range(max(seen, count - _RETIRED_RING), count):
-            self._forget_peer_segment(p, words[_RETIRED_WORD + 1 + i % _RETIRED_RING])
+        for i in range(max(seen, count - RETIRED_RING), count):
+            self._forget_peer_segment(p, words[RETIRED_WORD + 1 + i % RETIRED_RING])
         self._peer_retired[p] = count
 
     def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
@@ -461,8 +450,8 @@ class ShmTransport(Mailboxes):
             flags = _HAS_BUFFER | (_ZERO_COPY if zero_copy else 0)
             self._last_staged = 0 if zero_copy else segno
         self._exposed = None
-        desc_off = _DESC_OFF + 64 * slot
-        _DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), flags, nbytes,
+        desc_off = desc_offset(slot)
+        DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), flags, nbytes,
                         dcode, segno, offset, self._fp[4], self._fp[5])
         self.arrive()
         self.wait_arrivals("at the start of the collective")
@@ -472,13 +461,13 @@ class ShmTransport(Mailboxes):
             if p == self.rank:
                 views.append(exposed)
                 continue
-            seq, kind, pflags, pbytes, pcode, psegno, poff, pshape, plabel = _DESC.unpack_from(
+            seq, kind, pflags, pbytes, pcode, psegno, poff, pshape, plabel = DESC.unpack_from(
                 self._ctls[p].mm, desc_off)
             theirs = (seq, kind, pbytes, pcode, pshape, plabel)
             if theirs[:4] != (info.seq, int(info.kind), nbytes, dcode) or \
                     self._full_check and theirs[4:] != self._fp[4:]:
                 self._desync(p, theirs)
-            if self._peer_retired[p] != self._words[p][_RETIRED_WORD]:
+            if self._peer_retired[p] != self._words[p][RETIRED_WORD]:
                 self._collect_retired(p)
             if not pflags & _HAS_BUFFER:
                 views.append(None)
@@ -507,7 +496,6 @@ class ShmTransport(Mailboxes):
         """Before consuming ``src``'s first message of this collective: same collective?"""
         info = self._info
         assert info is not None
-        self._checked[src] = info.seq
         st = self._status(src)
         if st.seq > info.seq:
             return  # it finished this collective and moved on; the message is ours
@@ -518,13 +506,13 @@ class ShmTransport(Mailboxes):
 
 def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
     """Write the header of a fresh control segment."""
-    _HEADER.pack_into(seg.mm, 0, _MAGIC, os.getpid(), rank, world_size, 0, cookie)
+    HEADER.pack_into(seg.mm, 0, MAGIC, os.getpid(), rank, world_size, 0, cookie)
 
 
 def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: int) -> bool:
     """Whether a mapped control segment carries the header its owner announced."""
-    magic, ppid, prank, pworld, _, pcookie = _HEADER.unpack_from(seg.mm, 0)
-    return (magic, ppid, prank, pworld, pcookie) == (_MAGIC, pid, rank, world_size, cookie)
+    magic, ppid, prank, pworld, _, pcookie = HEADER.unpack_from(seg.mm, 0)
+    return (magic, ppid, prank, pworld, pcookie) == (MAGIC, pid, rank, world_size, cookie)
 
 
 @atexit.register

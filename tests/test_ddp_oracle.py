@@ -1,7 +1,8 @@
 """gradring DDP against its oracles: one process on the global batch, and torch's DDP."""
 
-import oracle
 import pytest
+
+from tests import oracle
 
 TOL = 1e-9  # float64 models: summation order is the only difference
 

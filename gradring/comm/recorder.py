@@ -1,0 +1,173 @@
+"""The flight recorder: the last collectives of this process, and the labels they carry.
+
+Each process keeps its last ``GRADRING_FLIGHT_SIZE`` (256)
+collectives in a ring buffer (:class:`Entry`: seq, kind, bytes, dtype, shape,
+label -- e.g. the DDP bucket -- times, state). With
+``GRADRING_FLIGHT_RECORDER=<dir>`` it is written to ``<dir>/rank<R>.json`` on
+every collective failure and at exit; ``gradring flight <dir>`` merges the
+ranks' files and points at the first collective the ranks disagree on.
+
+``label("bucket 3")`` names the collectives issued inside it (in errors, in
+the recorder, and -- with ``GRADRING_CHECK`` -- in the desync fingerprint).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from gradring.comm import desync
+from gradring.comm.transport import Kind, describe_collective
+
+#: Ring-buffer length of the flight recorder.
+FLIGHT_SIZE = int(os.environ.get("GRADRING_FLIGHT_SIZE", "256"))
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def label(text: str) -> Iterator[None]:
+    """Label the collectives issued inside (e.g. ``"bucket 3"``) for errors and the recorder."""
+    prev = getattr(_local, "label", None)
+    _local.label = text
+    try:
+        yield
+    finally:
+        _local.label = prev
+
+
+class Entry:
+    """One collective as the flight recorder keeps it."""
+
+    __slots__ = ("group", "seq", "kind", "nbytes", "dtype", "shape", "label", "algo",
+                 "issued", "started", "ended", "state", "error")
+
+    def __init__(self, group: str, seq: int, kind: str, nbytes: int, dtype: torch.dtype,
+                 shape: Sequence[int], algo: str = "") -> None:
+        self.group = group  # process group name
+        self.seq = seq  # per-group issue number, equal on every rank
+        self.kind = kind  # "all_reduce", "broadcast", ...
+        self.nbytes = nbytes  # bytes of this rank's input
+        self.dtype = dtype  # converted to text only when shown (keeps issue cheap)
+        self.shape = shape
+        self.label = getattr(_local, "label", None)  # e.g. "DDP bucket 3" (comm.label)
+        self.algo = algo  # filled in when it starts
+        self.issued = time.time()  # wall clock: comparable across ranks of one host
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.state = "issued"  # issued -> started -> completed | failed
+        self.error = ""
+
+    def start(self, algo: str) -> None:
+        self.algo, self.started, self.state = algo, time.time(), "started"
+
+    def finish(self) -> None:
+        self.ended, self.state = time.time(), "completed"
+
+    def fail(self, error: str) -> None:
+        self.ended, self.state, self.error = time.time(), "failed", error
+
+    def describe(self) -> str:
+        return describe_collective(self.kind, self.seq, self.nbytes, self.dtype, self.shape,
+                                   self.label)
+
+    def fingerprint(self) -> list[int]:
+        """``desync.fingerprint_words`` of this collective (what the board compares)."""
+        return desync.fingerprint_words(self.seq, Kind[self.kind.upper()], self.nbytes,
+                                        self.dtype, self.shape, self.label,
+                                        full=desync.enabled())
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["dtype"] = str(self.dtype).replace("torch.", "")
+        d["shape"] = list(self.shape)
+        return d
+
+
+class FlightRecorder:
+    """The last ``size`` collectives of this process, all groups together."""
+
+    def __init__(self, size: int = FLIGHT_SIZE) -> None:
+        self._ring: deque[Entry] = deque(maxlen=size)
+        # Why the recorder was dumped so far ("timeout in all_reduce #7", "exit").
+        self.reasons: list[str] = []
+        # Group name -> this process's rank in it and its size (to know who is missing).
+        self.groups: dict[str, dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def note_group(self, name: str, rank: int, world_size: int) -> None:
+        self.groups[name] = {"rank": rank, "world_size": world_size}
+
+    def issue(self, group: str, seq: int, kind: str, nbytes: int, dtype: torch.dtype,
+              shape: Sequence[int]) -> Entry:
+        entry = Entry(group, seq, kind, nbytes, dtype, shape)
+        self._ring.append(entry)  # deque.append is atomic under the GIL
+        return entry
+
+    def entries(self) -> list[Entry]:
+        return list(self._ring)
+
+    def clear(self) -> None:
+        self._ring.clear()
+        self.reasons = []
+
+    def snapshot(self, reason: str) -> dict[str, Any]:
+        rank = dist_rank()
+        return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "time": time.time(), "reasons": self.reasons + [reason],
+                "groups": dict(self.groups), "entries": [e.as_dict() for e in self.entries()]}
+
+    def dump(self, reason: str, directory: str | None = None) -> str | None:
+        """Write this rank's buffer to ``directory`` (default ``$GRADRING_FLIGHT_RECORDER``)."""
+        directory = directory or os.environ.get("GRADRING_FLIGHT_RECORDER")
+        if not directory:
+            return None
+        with self._lock:
+            data = self.snapshot(reason)
+            self.reasons.append(reason)
+            try:
+                os.makedirs(directory, exist_ok=True)
+                name = f"rank{data['rank']}.json" if data["rank"] >= 0 \
+                    else f"pid{data['pid']}.json"
+                path = os.path.join(directory, name)
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(data, f, indent=1)
+                os.replace(tmp, path)
+            except OSError:
+                return None
+        return path
+
+
+def dist_rank() -> int:
+    """Global rank, or -1 outside a process group."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_rank() if dist.is_initialized() else -1
+    except Exception:  # noqa: BLE001 - being torn down
+        return -1
+
+
+#: This process's flight recorder (every group writes into it).
+RECORDER = FlightRecorder()
+
+
+def _dump_at_exit() -> None:
+    if RECORDER.entries():
+        RECORDER.dump("exit")
+
+
+atexit.register(_dump_at_exit)
+if hasattr(os, "register_at_fork"):  # a forked child's recorder starts empty
+    os.register_at_fork(after_in_child=lambda: RECORDER.clear())

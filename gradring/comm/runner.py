@@ -1,0 +1,81 @@
+"""Running one issued collective: pick the transport and algorithm, run it, report.
+
+The engine thread (or the caller, for a synchronous call on shm) runs each
+:class:`Plan` through :func:`run`, in issue order. Algorithms come from the
+registry (``algos/__init__.py``), the choice from ``select.py``, and failures
+go through the group's :class:`~gradring.comm.failures.Failures`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from gradring.comm import algos, desync, select
+from gradring.comm.homes import Homes
+from gradring.comm.ops import Op
+from gradring.comm.recorder import Entry
+from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+
+if TYPE_CHECKING:
+    from gradring.comm.context import GroupContext
+
+
+class Plan(NamedTuple):
+    """One issued collective, as the engine runs it."""
+
+    kind: Kind
+    output: torch.Tensor  # written (all_reduce/broadcast: the tensor itself)
+    input: torch.Tensor  # read (same object as output for in-place collectives)
+    op: Op  # reduction (SUM for copies)
+    root: int  # broadcast source, as a group rank
+    seq: int  # issue number within the group, identical on every rank
+    env: select.Overrides  # GRADRING_TRANSPORT / GRADRING_ALGO at issue time
+    entry: Entry | None = None  # its flight-recorder entry
+    homes: Homes | None = None  # all_reduce only: see [Note: homed all-reduce]
+
+
+def run(ctx: GroupContext, plan: Plan) -> None:
+    """Run ``plan`` on the calling thread (engine or inline) for group ``ctx``."""
+    out, copy_back = _flat(plan.output)
+    inp = out if plan.input is plan.output else _flat(plan.input)[0]
+    entry = plan.entry
+    failures = ctx.failures
+    label = "?"
+    try:
+        label, transport = select.pick_transport(ctx.transports, plan.env.transport, ctx.name)
+        nbytes = inp.numel() * inp.element_size()
+        choice = select.choose(plan.kind, nbytes, ctx.world_size, label, plan.env.algo)
+        info = CollectiveInfo(plan.seq, plan.kind, nbytes, inp.dtype,
+                              f"{choice.algo} over {choice.transport}", ctx.name,
+                              tuple(plan.input.shape), entry.label if entry else None)
+        if entry is not None:
+            entry.start(info.algo)
+        transport.start(info)
+        algos.run(choice.algo, transport,
+                  algos.Call(info, out, inp, plan.op, plan.root, plan.homes))
+    except desync.DesyncError as exc:
+        raise failures.desync(entry, exc) from None
+    except CollectiveError as exc:
+        # shm's own errors already say who is missing; elsewhere the board knows more.
+        err = exc if label == "shm" else failures.with_board(exc)
+        failures.record(entry, err)
+        if err is exc:
+            raise
+        raise err from exc
+    except BaseException as exc:
+        failures.record(entry, exc)
+        raise
+    if copy_back:
+        plan.output.copy_(out.view(plan.output.shape))
+    if entry is not None:
+        entry.finish()
+    ctx.last_seq = plan.seq
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A flat contiguous view of ``t``, or a contiguous copy (then copy back after)."""
+    if t.is_contiguous():
+        return t.view(-1), False
+    return t.contiguous().view(-1), True

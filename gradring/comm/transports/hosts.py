@@ -1,0 +1,137 @@
+"""The transports of a group spanning several hosts, and how they connect.
+
+A multi-host group with several ranks on every host gets two transports:
+shared memory among the ranks of each host (``shm/``), and the process
+group's point-to-point across hosts (``torchdist.py``). :class:`HostTransports`
+holds both; :class:`SubsetTransport` addresses the same-local-rank peers on
+the other hosts through the group's point-to-point. The hierarchical
+all-reduce (``algos/hierarchical.py``) runs on them. :func:`connect` learns
+which ranks share a host (``topology.py``) and connects each host's shared
+memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradring.comm.ops import Op
+from gradring.comm.transport import CollectiveError, CollectiveInfo, DirectTransport, Transport
+from gradring.comm.transports.shm import rendezvous
+from gradring.comm.transports.topology import Topology, exchange
+
+
+class SubsetTransport:
+    """Point-to-point among some of a transport's ranks, addressed by index in ``ranks``.
+
+    The inter-host step talks to the same-local-rank peers through the whole
+    group's transport (the process group's send/recv), so no sub-process-group
+    has to be created collectively; messages between a pair stay in order.
+    """
+
+    name = "subset"
+
+    def __init__(self, inner: Transport, ranks: Sequence[int]) -> None:
+        # The transport that moves the bytes (group ranks).
+        self.inner = inner
+        # Group rank of each member; index = rank within the subset.
+        self.ranks = tuple(ranks)
+        self.rank = self.ranks.index(inner.rank)
+        self.world_size = len(self.ranks)
+
+    def start(self, info: CollectiveInfo) -> None:
+        self.inner.start(info)
+
+    def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        return self.inner.isend(buf, self.ranks[dst])
+
+    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
+        return self.inner.irecv(buf, self.ranks[src], op)
+
+    def wait_all(self, reqs: Sequence[Any]) -> None:
+        self.inner.wait_all(reqs)
+
+    def close(self) -> None:
+        """The inner transport belongs to whoever made it."""
+
+
+class HostTransports:
+    """The transports of a multi-host group: shm inside the host, p2p across.
+
+    It is itself a point-to-point transport over the whole group (delegating
+    to ``flat``), so ring, tree and broadcast still run on it unchanged.
+    """
+
+    name = "shm+torch"
+
+    def __init__(self, topology: Topology, local: DirectTransport, flat: Transport) -> None:
+        # Which ranks share a host; fixed for the group's lifetime.
+        self.topology = topology
+        # Shared memory among this host's ranks (local ranks 0..L-1).
+        self.local = local
+        # Point-to-point over the whole group (the process group's send/recv).
+        self.flat = flat
+        # The same, restricted to this rank's same-local-rank peer on every host.
+        self.inter = SubsetTransport(flat, topology.peers)
+        self.rank = flat.rank
+        self.world_size = flat.world_size
+
+    def start(self, info: CollectiveInfo) -> None:
+        self.flat.start(info)
+        self.local.start(info)
+
+    def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        return self.flat.isend(buf, dst)
+
+    def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
+        return self.flat.irecv(buf, src, op)
+
+    def wait_all(self, reqs: Sequence[Any]) -> None:
+        self.flat.wait_all(reqs)
+
+    def close(self) -> None:
+        """Close the host's shared memory; ``flat`` belongs to the group context."""
+        self.local.close()
+
+    def local_error(self, exc: CollectiveError) -> CollectiveError:
+        """``exc`` (naming local ranks) with this host's local-to-group rank map."""
+        topo = self.topology
+        legend = ", ".join(f"local {i} = rank {r}" for i, r in enumerate(topo.local_ranks))
+        name = topo.names[topo.host_index] if topo.names else f"host{topo.host_index}"
+        return CollectiveError(f"{exc} [ranks above are local to host {name!r}: {legend}]")
+
+
+def connect(store: Any, rank: int, world_size: int, timeout: float,
+            flat: Transport) -> tuple[HostTransports | None, str]:
+    """Learn the topology and connect each host's shared memory; collective.
+
+    Returns ``(transports, "")`` when the group spans several hosts with the
+    same number (> 1) of ranks each and every host's shared memory connected,
+    else ``(None, reason)``. Every rank reaches the same verdict: the last
+    round agrees on the shm outcome of all hosts.
+    """
+    topo, prefix = exchange(store, rank, world_size, timeout)
+    if topo.num_hosts == 1:
+        return None, "all ranks are on one host"
+    if not topo.uniform:
+        return None, (f"hosts have different numbers of ranks "
+                      f"({[len(h) for h in topo.hosts]}): {topo.describe()}")
+    if topo.local_size == 1:
+        return None, f"one rank per host: {topo.describe()}"
+    host_store = dist.PrefixStore(f"{prefix}host{topo.host_index}/", store)
+    local, why = rendezvous.connect(host_store, topo.local_rank, topo.local_size, timeout)
+    store.set(f"{prefix}shm/{rank}", json.dumps(why if local is None else ""))
+    keys = [f"{prefix}shm/{p}" for p in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    verdicts = [json.loads(store.get(k)) for k in keys]
+    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
+    if bad:
+        if local is not None:
+            local.close()
+        return None, "shared memory inside a host failed: " + "; ".join(bad)
+    return HostTransports(topo, local, flat), ""  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""Where everything lives in a rank's control segment: every offset, once.
+
+Each rank owns a *control segment* that every peer maps:
+
+====================  ===================================================
+offset                contents
+====================  ===================================================
+0                     header: magic, pid, rank, world size, cookie
+64                    barrier word: number of barriers this rank reached
+128                   doorbell: bumped by peers whenever a mailbox moved
+192                   status: the collective in flight and this rank's state
+                      (``status.py``)
+256, 320              two descriptor slots (alternating per exchange)
+384                   (unused)
+448                   retired-segment ring (segments peers may unmap)
+640 + 192·d           towards rank d: mailbox sent, acked, lengths; highest
+                      segno of d's segments mapped here (see ``close``)
+page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
+====================  ===================================================
+
+Offsets are in bytes; ``*_WORD`` names are indices into the segment's 32-bit
+word view (what the hot loops and the futexes use).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+# -- header -------------------------------------------------------------------------
+#: Written first in every control segment ("grdring1").
+MAGIC = 0x31676E6972647267
+#: magic, pid, rank, world, reserved, cookie; at byte 0.
+HEADER = struct.Struct("<QIIIIQ")
+
+# -- barrier and doorbell -----------------------------------------------------------------
+#: Number of barriers this rank has arrived at (written by the owner only).
+BARRIER_WORD = 64 // 4
+#: Bumped (atomically) by any peer that moved a mailbox towards or from this rank.
+DOORBELL_WORD = 128 // 4
+
+# -- status block (status.py) ---------------------------------------------------------------
+# =========  ======  =====================================================
+# offset     type    meaning
+# =========  ======  =====================================================
+# 192        u64     sequence number of the collective started last
+# 200        u32     its kind (``Kind``)
+# 204        u32     state: running, closed (shut gradring down), failed
+# 208        u64     its byte size
+# 216        u32     its dtype code (``desync.DTYPE_CODES``)
+# 220        u32     why the rank failed (timed out, lost a peer, ...)
+# 224        u64     its shape hash (``GRADRING_CHECK`` only, else 0)
+# 232        u32     version: odd while the owner rewrites the block
+# =========  ======  =====================================================
+STATUS_OFF = 192
+#: seq (u64), kind, state, nbytes (u64), dtype, why, shape hash (u64), then the version.
+STATUS = struct.Struct("<QIIQIIQ")
+STATUS_STATE_WORD = (STATUS_OFF + 12) // 4
+STATUS_WHY_WORD = (STATUS_OFF + 28) // 4
+STATUS_VERSION_WORD = (STATUS_OFF + 40) // 4
+
+# -- descriptors (exchange of the direct algorithms) ------------------------------------------
+#: seq, kind, flags, nbytes, dtype, segno, offset, shape hash, label hash.
+DESC = struct.Struct("<QIIQIIQQQ")
+DESC_OFF = 256
+DESC_STRIDE = 64
+
+
+def desc_offset(slot: int) -> int:
+    """Byte offset of descriptor slot ``slot`` (0 or 1)."""
+    return DESC_OFF + DESC_STRIDE * slot
+
+
+# -- retired segments ---------------------------------------------------------------------
+#: Count of retirements announced, then ``RETIRED_RING`` segment numbers.
+RETIRED_WORD = 448 // 4
+RETIRED_RING = 30
+
+# -- mailbox channels ---------------------------------------------------------------------
+CHAN_OFF = 640
+#: sent, acked and lengths on separate cache lines.
+CHAN_STRIDE = 192
+#: Words of a channel header: fragments sent, fragments acked, length of slot k
+#: (``CHAN_LEN + k``), highest segno of the peer's segments mapped here.
+CHAN_SENT, CHAN_ACKED, CHAN_LEN, CHAN_MAPPED = 0, 16, 32, 40
+
+#: Mailbox geometry: slots per (sender, receiver) pair and bytes per slot.
+SLOTS = 4
+SLOT_BYTES = 256 * 1024
+
+
+def chan_word(peer: int, which: int) -> int:
+    """Word index of field ``which`` of the channel towards ``peer``."""
+    return (CHAN_OFF + CHAN_STRIDE * peer) // 4 + which
+
+
+def slots_offset(world_size: int) -> int:
+    """Byte offset of the first mailbox slot in a control segment."""
+    end = CHAN_OFF + CHAN_STRIDE * world_size
+    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def slot_offset(world_size: int, peer: int, k: int) -> int:
+    """Byte offset of slot ``k`` of the channel towards ``peer``."""
+    return slots_offset(world_size) + (peer * SLOTS + k) * SLOT_BYTES
+
+
+def control_size(world_size: int) -> int:
+    """Bytes of one rank's control segment, mailbox slots included."""
+    return slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
+
+
+assert RETIRED_WORD * 4 + 4 * (1 + RETIRED_RING) <= CHAN_OFF, "retired ring overlaps channels"
+assert STATUS_OFF + 44 <= DESC_OFF, "status block overlaps the descriptors"

@@ -1,0 +1,1 @@
+"""gradring's test suite; helpers are imported as ``tests.<module>``."""

@@ -1,0 +1,1 @@
+"""Multi-host tests over network namespaces (skipped where the harness cannot run)."""
