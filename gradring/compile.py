@@ -23,14 +23,18 @@ partition follows the reducer's buckets; for torch's own DDP it builds
 torch's ``DDPOptimizer`` unchanged. The splitting, metadata propagation and
 per-piece compilation after the partition are torch's own helpers.
 
-Which buckets: after the rebuild, the reducer's installed buckets. Before
-it (Dynamo compiles at the first forward, the rebuild happens at the second),
-the buckets the rebuild *will* make, predicted with the same assignment
-(``assign_buckets`` with the rebuild caps) over the parameters in reverse
-order of use in the graph, which is the order the split graph's backward
-delivers them in. The rebuild records exactly that order, so the prediction
-holds and no recompile is needed; ``splits`` on the DDP records every split
-made, for tests and for ``explain``-style inspection.
+Where a piece ends: walking the graph from its end (the order backward runs
+in), right after the node that completes a bucket, i.e. brings the last of
+its parameters; a cut anywhere else adds a graph and launches nothing sooner.
+
+Which buckets: after the rebuild (and always with find_unused_parameters),
+the reducer's installed ones. Dynamo compiles at the first forward, before
+the rebuild, when there is nothing to follow yet; then every node that uses
+parameters gets a piece of its own, so the first backward delivers gradients
+in true backward order for the rebuild to record. Right after the rebuild,
+``after_rebuild`` drops the code compiled that way (``torch._dynamo.reset_code``)
+and the next call compiles once more at the rebuilt buckets: the one
+recompile. ``splits(ddp)`` lists every split made.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ _NEVER_TRACED = (
     "gradring.reducer", "gradring.comm", "gradring.lending", "gradring.buckets",
     "gradring.observe", "gradring.group_comm", "gradring.grad_bucket", "gradring.hooks",
     "gradring.fused_optim", "gradring.join", "gradring.autocap", "gradring.graph",
-    "gradring.ddp", "gradring.ddp_surface", "gradring.compile",
+    "gradring.ddp", "gradring.ddp_surface", "gradring.compile", "gradring.output_boundary",
+    "gradring.errors", "gradring._store",
 )
 
 #: "buckets": split a gradring DDP's graphs at its own buckets (BucketSplit);
