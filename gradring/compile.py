@@ -40,16 +40,21 @@ recompile. ``splits(ddp)`` lists every split made.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from torch import fx
 
 from gradring.graph import GraphMode
+
+if TYPE_CHECKING:
+    from torch import fx
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +96,33 @@ class Split:
     retired: bool = False
 
 
+def never_traced(*, recursive: bool) -> Callable[[_F], _F]:
+    """Decorator: Dynamo never inlines the function nor compiles its frame; with
+    ``recursive``, no frame it calls either. Unlike ``torch._dynamo.disable`` it
+    adds no wrapper (nothing to pay per call in eager mode) and does not import
+    Dynamo: it marks the code object through torch's C frame evaluator."""
+
+    def mark(fn: _F) -> _F:
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # no inlining
+        try:
+            ev = torch._C._dynamo.eval_frame
+            nested = ev._FrameAction.SKIP if recursive else ev._FrameAction.DEFAULT
+            ev.set_code_exec_strategy(fn.__code__,
+                                      ev._FrameExecStrategy(ev._FrameAction.SKIP, nested))
+        except AttributeError:  # a torch without Dynamo's frame evaluator
+            pass
+        return fn
+    return mark
+
+
 def install() -> None:
-    """Let Dynamo's DDP support split graphs at gradring's buckets (idempotent)."""
+    """Let Dynamo's DDP support split graphs at gradring's buckets (idempotent).
+
+    Does nothing until Dynamo is imported (then nothing can be compiled yet);
+    the DDP forward calls it every time, so it takes effect before the first
+    compiled call."""
     global _installed
-    if _installed:
+    if _installed or "torch._dynamo" not in sys.modules:
         return
     with _install_lock:
         if _installed:

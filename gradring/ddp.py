@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.decorators import skip as _dynamo_skip
 
 from gradring import autocap, errors
 from gradring import compile as compile_split
@@ -256,14 +255,15 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     # may be compiled) nor the bookkeeping before and after; the wrapped module
     # is compiled as a frame of its own, split at the buckets (see [Note:
     # compile and the buckets] in compile.py).
-    @_dynamo_skip
+    @compile_split.never_traced(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        compile_split.install()
         with torch.autograd.profiler.record_function("gradring::forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
             out = self._run_ddp_forward(*inputs, **kwargs)
             return self._post_forward(out)
 
-    @torch._dynamo.disable
+    @compile_split.never_traced(recursive=True)
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Before the module runs: rebuild buckets once, sync buffers, move inputs."""
         if not self._lazy_init_ran:
@@ -286,7 +286,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             kwargs = _move_to(kwargs, self.device_ids[0])
         return inputs, kwargs
 
-    @torch._dynamo.disable
+    @compile_split.never_traced(recursive=True)
     def _post_forward(self, output: Any) -> Any:
         """After the module ran: prepare the reducer for the backward to come.
         The sync flag is read again, as torch does: code inside the module's

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.decorators import skip as _dynamo_skip
 from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import errors
+from gradring.compile import never_traced
 from gradring.join import global_flag, last_joiner_rank
 
 #: torch's class, captured at import time (``gradring.install()`` may later
@@ -292,13 +292,10 @@ class TorchSurface:
         finally:
             TorchDDP._active_ddp_module = old
 
-    @_dynamo_skip
+    @never_traced(recursive=False)
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module as the active DDP: a frame Dynamo compiles in
         it is split at this DDP's buckets ([Note: compile and the buckets])."""
-        from gradring import compile as compile_support
-
-        compile_support.install()
         with self._inside_ddp_forward():
             return self.module(*inputs, **kwargs)
 
