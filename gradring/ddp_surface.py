@@ -295,9 +295,15 @@ class TorchSurface:
     @never_traced(recursive=False)
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module as the active DDP: a frame Dynamo compiles in
-        it is split at this DDP's buckets ([Note: compile and the buckets])."""
-        with self._inside_ddp_forward():
+        it is split at this DDP's buckets ([Note: compile and the buckets]).
+        What _inside_ddp_forward does, written out: contextlib's frames would
+        be compiled by Dynamo at the first call (this frame's callees are)."""
+        old = TorchDDP._active_ddp_module
+        TorchDDP._active_ddp_module = self
+        try:
             return self.module(*inputs, **kwargs)
+        finally:
+            TorchDDP._active_ddp_module = old
 
     # ------------------------------------------------- data-parallel helpers
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
