@@ -74,7 +74,7 @@ def _group_of(process_group: Any, device_mesh: Any) -> Any:
     if process_group is not None:
         return process_group
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(errors.not_initialized())
+        raise errors.NotInitializedError(errors.not_initialized())
     return dist.group.WORLD
 
 
@@ -278,6 +278,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             if self.reducer.rebuild_if_needed():
                 compile_split.after_rebuild(self)
         else:
+            if torch.is_grad_enabled():
+                # Under no_sync too: the previous reducing backward must have finished.
+                self._guarded(self.reducer.check_prior_finished)
             self.reducer.note_unsynced_forward()
         if self._check_sync_bufs_pre_fwd():
             self._sync_buffers(active=True)

@@ -235,3 +235,11 @@ def reducer_not_finalized() -> str:
 def in_backward_optim_with_hook() -> str:
     return ("Parameters with optimizers applied in backward (_apply_optimizer_in_backward) "
             "cannot be combined with a communication hook or _register_fused_optim.")
+
+
+class NotInitializedError(ValueError, RuntimeError):
+    """DDP constructed before ``init_process_group``.
+
+    torch's DDP raises ``ValueError`` here (from ``_get_default_group``); code
+    written against earlier gradring caught ``RuntimeError``. Both catch this.
+    """

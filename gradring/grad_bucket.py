@@ -29,7 +29,12 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self._bucket.views)
+        b = self._bucket
+        if self._buffer is b.buffer:
+            return list(b.views)
+        # After set_buffer (torch's fp16/bf16 wrappers), views of the current buffer.
+        return [self._buffer.narrow(0, off, n).view(p.shape)
+                for off, n, p in zip(b.offsets, b.numels, b.params)]
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)

@@ -1,6 +1,8 @@
 """The autograd Function placed around the forward's outputs.
 
-It is an identity in forward. In backward it does two things:
+It is an identity in forward that hands out copies, so the caller may
+modify the outputs in place (``loss /= 10``), as torch's DDP allows. In
+backward it does two things:
 - grads of outputs the loss never used arrive as None and are passed on as
   None, so no zero tensors are materialised for them;
 - in static_graph's first iteration it queues the delayed all-reduce that
@@ -23,7 +25,9 @@ class _OutputBoundary(torch.autograd.Function):
     def forward(ctx: Any, reducer: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.reducer = reducer
-        return tuple(t.view_as(t) for t in tensors)
+        # Copies, not views: an in-place change of a custom Function's view
+        # output is an autograd error.
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -32,8 +36,11 @@ class _OutputBoundary(torch.autograd.Function):
 
 
 def wrap_outputs(out: Any, reducer: Any) -> Any:
-    """Route every grad-requiring tensor of ``out`` through the boundary Function."""
-    tensors = [t for t in iter_tensors(out) if t.requires_grad]
+    """Route every tensor of ``out`` that has a grad_fn through the boundary Function.
+
+    Tensors without one (inputs passed through, leaves such as a parameter
+    returned as is) are left alone, as torch's DDP leaves them."""
+    tensors = [t for t in iter_tensors(out) if t.grad_fn is not None]
     if not tensors:
         return out
     wrapped = _OutputBoundary.apply(reducer, *tensors)

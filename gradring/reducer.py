@@ -129,7 +129,10 @@ class Reducer:
         # Sizes in bytes and (dtype, device) keys, fixed for the module's life.
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [bucket_key(p) for p in self.params]
-        groups = assign_buckets(self._sizes, initial_caps, keys=self._keys)
+        # Ranks may pass different bucket caps; torch's DDP then follows rank
+        # 0's assignment, and so does this one.
+        groups = self._rank0_groups(assign_buckets(self._sizes, initial_caps, keys=self._keys),
+                                    list(range(len(self.params))))
         groups.reverse()
         self.buckets: list[Bucket] = []
         # Per lent parameter, the private gradient it last gave up (see [Note: lent
@@ -141,6 +144,9 @@ class Reducer:
         self._recycled: dict[int, torch.Tensor] = {}
         # param index -> (bucket index, slot index)
         self._locator: list[tuple[int, int]] = []
+        # True once another live reducer acts on these parameters too (nested
+        # DDP): both then copy gradients, never keep or lend .grad.
+        self._shared = False
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
@@ -208,6 +214,9 @@ class Reducer:
         ]
         # A reducer dropped without remove_hooks() takes its hooks with it.
         weakref.finalize(self, _remove_handles, self._hook_handles)
+        # Whether a newer reducer took these parameters over (see [Note: owners]).
+        self._superseded = False
+        self._claim()
 
     # ------------------------------------------------------------ configuration
     @property
@@ -248,7 +257,7 @@ class Reducer:
         locator: list[tuple[int, int]] = [(0, 0)] * len(self.params)
         for bi, idxs in enumerate(groups):
             bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], comm.empty)
-            homable = (comm.world_size > 1 and not self.grad_as_view
+            homable = (comm.world_size > 1 and not self.grad_as_view and not self._shared
                        and bucket.buffer.dtype.is_floating_point
                        and bucket.buffer.device.type == "cpu")
             bucket.place(comm.own_range(bucket.buffer.numel()), homable=homable,
@@ -275,9 +284,7 @@ class Reducer:
             return False
         if len(self._arrival) != len(self.params):
             return False
-        order = torch.tensor(self._arrival, dtype=torch.int64)
-        # Every rank must bucket identically: rank 0's order wins.
-        self.comm.broadcast_coalesced([order])
+        order = list(self._arrival)
         if self.auto_stamps is not None:
             from gradring import autocap  # only for bucket_cap_mb="auto"
 
@@ -288,13 +295,36 @@ class Reducer:
             caps = self.caps.rebuild(self.bucket_cap_bytes)
         else:
             caps = self.caps.rebuild()
-        groups = assign_buckets(self._sizes, caps, keys=self._keys, order=order.tolist())
+        # Every rank must bucket identically: rank 0's order and caps win.
+        groups = self._rank0_groups(
+            assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
         self._install(groups)
         self.has_rebuilt = True
         self.rebuilt_bucket_sizes = [b.nbytes for b in self.buckets]
         self.rebuilt_param_indices = [list(b.param_indices) for b in self.buckets]
         self._arrival = []
         return True
+
+    def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
+        """Rank 0's bucket assignment, on every rank.
+
+        ``groups`` (this rank's assignment) was built by walking ``order``, so
+        each bucket lists its parameters in walk order; one broadcast of the
+        walk order and of each parameter's bucket number rebuilds rank 0's.
+        """
+        n = len(self.params)
+        if self.comm.world_size == 1:
+            return groups
+        plan = torch.empty(2 * n, dtype=torch.int64)
+        plan[:n] = torch.tensor(order, dtype=torch.int64)
+        for g, idxs in enumerate(groups):
+            plan[n + torch.tensor(idxs, dtype=torch.int64)] = g
+        self.comm.broadcast_coalesced([plan])
+        walk, bucket_of = plan[:n].tolist(), plan[n:].tolist()
+        out: list[list[int]] = [[] for _ in range(max(bucket_of) + 1)]
+        for i in walk:
+            out[bucket_of[i]].append(i)
+        return out
 
     def _recording_arrival(self) -> bool:
         if self.has_rebuilt or self.mode is GraphMode.FIND_UNUSED:
@@ -308,14 +338,64 @@ class Reducer:
         """A forward under no_sync() or no_grad: its backward (if any) only accumulates."""
         self._finalized_since_forward = False
 
-    def prepare_for_forward(self) -> None:
-        """Called by a forward that will be followed by a synchronised backward."""
+    def _claim(self, *, again: bool = False) -> None:
+        """Become the owner of this reducer's parameters (see [Note: owners]).
+        ``again``: an older reducer takes them back, so two act on them."""
+        self._superseded = False
+        me = weakref.ref(self)
+        for p in self.params:
+            entry = _OWNERS.get(id(p))
+            if entry is not None and entry[0]() is p:
+                old = entry[1]()
+                if old is not None and old is not self:
+                    if again:
+                        old._share()
+                        self._share()
+                    if not old._superseded:
+                        old._step_aside()
+            _OWNERS[id(p)] = (weakref.ref(p, _forget_owner(id(p))), me)
+
+    def _share(self) -> None:
+        """Another reducer reduces these gradients too: copy them, never keep
+        them in place in .grad (homed) or lend bucket memory."""
+        if self._shared:
+            return
+        self._shared = True
+        hooked = self.comm_hook is not None
+        for bucket in self.buckets:
+            bucket.place(bucket.own, homable=False, view_mode=self.grad_as_view, hooked=hooked)
+
+    def _step_aside(self) -> None:
+        """A newer reducer owns the parameters now: this one's hooks go quiet
+        (it forgets a half-done backward) until its own next forward."""
+        self._superseded = True
+        self.expect_hooks = False
+        self.require_finalize = False
+        self._finalized_since_forward = False
+        for b in self.buckets:
+            if b.future is not None:
+                try:
+                    b.future.wait()
+                except Exception:  # noqa: BLE001 - the old reduction is abandoned
+                    pass
+            b.reset()
+
+    def check_prior_finished(self) -> None:
+        """Any forward with grad enabled, under no_sync() too: the previous
+        synchronised backward must have finished its reduction (torch checks
+        this in every such forward)."""
         if self.require_finalize:
             self._raise_unfinished()
         # A backward after this forward is not "a second backward after one
         # forward", even when it runs before prepare_for_backward (Lightning's
         # manual optimization under no_sync): its hooks are then ignored.
         self._finalized_since_forward = False
+
+    def prepare_for_forward(self) -> None:
+        """Called by a forward that will be followed by a synchronised backward."""
+        self.check_prior_finished()
+        if self._superseded:
+            self._claim(again=True)  # an old wrapper trains again: its hooks count again
         self.num_forward += 1
         if self.auto_stamps is not None and not self._arrival:
             self.auto_stamps.t_forward = time.perf_counter()  # the backward to record is next
@@ -431,7 +511,7 @@ class Reducer:
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
                 view.mul_(scale)
-        elif grad.layout is torch.strided and fresh(grad):
+        elif grad.layout is torch.strided and not grad.requires_grad and fresh(grad):
             self.params[i].grad = bucket.lending.lend(s, grad, scale)
             self._recycled[i] = grad
         else:
@@ -444,7 +524,10 @@ class Reducer:
         whole result back into it."""
         grad = self.params[i].grad
         view = bucket.views[s]
+        # A gradient that requires grad (backward(create_graph=True)) is
+        # copied: the collective's thread would record autograd history on it.
         if not (grad.layout is torch.strided and grad.is_contiguous()
+                and not grad.requires_grad
                 and grad.dtype == view.dtype and grad.device == view.device
                 and grad.numel() == view.numel()):
             self._put_copied(bucket, s, i, scale)
@@ -501,7 +584,12 @@ class Reducer:
     def delay_all_reduce(self) -> None:
         """static_graph, iteration 1: everything was counted; now reduce all buckets at once."""
         self._static_unused = [i for i, c in enumerate(self._static_counts) if c == 0]
-        used = torch.tensor([int(c > 0) for c in self._static_counts], dtype=torch.int32)
+        # Two maps in one collective: which parameters' hooks fired anywhere
+        # (kept for later iterations), and which had a gradient anywhere (this
+        # iteration only: a hook that fired without one leaves .grad None, as
+        # torch's does).
+        used = torch.tensor([int(c > 0) for c in self._static_counts]
+                            + [int(p.grad is not None) for p in self.params], dtype=torch.int32)
         self._delayed = True
         try:
             for i in range(len(self.params)):
@@ -547,8 +635,8 @@ class Reducer:
             used_t = self._used_future.wait()
             used = (used_t[0] if isinstance(used_t, (list, tuple)) else used_t).tolist()
             self._used_future = None
-            if self.mode is GraphMode.STATIC:
-                self._static_used = used
+            if self.mode is GraphMode.STATIC and len(used) == 2 * len(self.params):
+                self._static_used, used = used[:len(self.params)], used[len(self.params):]
         try:
             with torch.no_grad():
                 for bucket in self.buckets:
@@ -605,6 +693,12 @@ class Reducer:
             elif grad is None:
                 p.grad = bucket.lending.hand_out(slot) if kind is SlotKind.LENT \
                     else view.clone()
+            elif grad.requires_grad:
+                # backward(create_graph=True): torch's DDP writes the result
+                # with autograd recording, so .grad keeps requiring grad (its
+                # history is the copy; the all-reduce is not differentiated).
+                with torch.enable_grad():
+                    grad.copy_(view)
             else:
                 grad.copy_(view)
 
@@ -651,6 +745,18 @@ class Reducer:
         """
         return self.comm.exchange_lists(f"unused/{self.num_forward}", missing)
 
+    # torch's Reducer names, called on ``ddp.reducer`` by Lightning's manual
+    # optimization (a backward that runs inside the wrapped module's forward).
+    def _rebuild_buckets(self) -> bool:
+        """torch's ``_rebuild_buckets``: check the prior reduction finished, then
+        rebuild the buckets if this is the time; True if they were rebuilt."""
+        self.check_prior_finished()
+        return self.rebuild_if_needed()
+
+    def _delay_all_reduce(self) -> None:
+        """torch's ``_delay_all_reduce``: static_graph's first iteration, reduce all now."""
+        self.delay_all_reduce()
+
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
 
@@ -664,6 +770,25 @@ class Reducer:
     def _delay_all_reduce(self) -> None:
         """torch's name for :meth:`delay_all_reduce` (static_graph's first iteration)."""
         self.delay_all_reduce()
+
+
+# [Note: owners]
+# Each parameter's hooks belong to every reducer built on it, but only its
+# owner, the reducer built or run most recently, acts on them. Wrapping a module
+# again while the old wrapper is alive (a second Trainer.fit) makes the old
+# reducer step aside: its hooks return at once, as torch's do for a reducer that
+# expects no hooks, and never raise "backward twice" or join a reduction of the
+# new one. The check costs nothing per gradient: stepping aside clears the
+# state the hooks look at. A nested DDP (a DDP wrapping a DDP) hands ownership
+# back and forth within one forward, so that both reduce, as torch's do.
+# id(param) -> (weak param, weak reducer); entries go with their parameter.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _forget_owner(key: int) -> Callable[[Any], None]:
+    def forget(_ref: Any) -> None:
+        _OWNERS.pop(key, None)
+    return forget
 
 
 def _offset(piece: tuple[int, torch.Tensor]) -> int:

@@ -1,0 +1,1 @@
+"""Lightning, Accelerate and transformers' Trainer on gradring, against their torch-DDP paths."""
