@@ -6,12 +6,20 @@ Launch (2 processes, one restart allowed):
         --steps 20 --ckpt /tmp/elastic/ckpt.pt --out /tmp/elastic/final.pt
 
     # simulate a crash: rank 1 kills itself (SIGKILL) at step 7 of the first attempt
-    torchrun ... examples/elastic_train.py ... --crash-at 7 --crash-rank 1
+    torchrun --standalone --nproc-per-node=2 --max-restarts=1 examples/elastic_train.py \
+        --steps 20 --ckpt /tmp/elastic-crash/ckpt.pt --out /tmp/elastic-crash/final.pt \
+        --crash-at 7 --crash-rank 1
 
 Every --every steps rank 0 writes an atomic checkpoint (model, optimizer, step).
 After a failure torchrun restarts every worker; they resume from the last
 checkpoint, and because each step's data depends only on the step number,
 the final parameters equal those of an uninterrupted run.
+
+Without --crash-at, a checkpoint left at --ckpt by an earlier launch is
+resumed (a resubmitted job carries on). With --crash-at, the first attempt
+always starts from step 0: rank 0 removes a checkpoint an earlier launch left
+there, so the crash recipe crashes every time it is run (otherwise the
+second run would resume at step 18 and never reach step 7).
 
 Multi-node runs restart more reliably with the agent store unshared (see
 ``init_distributed``):
@@ -88,6 +96,14 @@ def main() -> None:
         nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
+    if attempt == 0 and args.crash_at >= 0:
+        # The crash demo must reach --crash-at: an earlier launch's checkpoint would
+        # resume past it. Restarts (attempt > 0) keep this launch's own checkpoint.
+        if rank == 0 and os.path.exists(args.ckpt):
+            os.remove(args.ckpt)
+            print(f"crash run: removed the checkpoint of an earlier launch at {args.ckpt}",
+                  flush=True)
+        dist.barrier()
     state = load_if_exists(args.ckpt)
     if state is not None:
         model.module.load_state_dict(state["model"])

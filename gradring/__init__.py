@@ -13,5 +13,17 @@ from gradring.nn import SyncBatchNorm
 
 DDP = DistributedDataParallel
 
+
+def explain(ddp: DistributedDataParallel, **kw: object) -> object:
+    """Why is this DDP step slow? A measured step breakdown, stragglers and ranked findings.
+
+    Collective: call it on every rank at the same point, after a few training
+    steps. Returns a ``gradring.observe.explain.Explanation``; ``print`` it.
+    Keyword arguments go to ``gradring.observe.explain.explain_ddp``."""
+    from gradring.observe.explain import explain_ddp
+
+    return explain_ddp(ddp, **kw)  # type: ignore[arg-type]
+
+
 __all__ = ["DDP", "DistributedDataParallel", "Join", "JoinHook", "Joinable", "SyncBatchNorm",
-           "comm", "install", "uninstall"]
+           "comm", "explain", "install", "uninstall"]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradring import autocap, errors
+from gradring import compile as compile_split
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.ddp_surface import TorchDDP, TorchSurface
 from gradring.graph import GraphMode, iter_tensors
@@ -250,12 +251,25 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._log_and_throw(RuntimeError, str(exc))
 
     # ----------------------------------------------------------------- forward
+    # Under torch.compile Dynamo never traces this frame (frames it calls still
+    # may be compiled) nor the bookkeeping before and after; the wrapped module
+    # is compiled as a frame of its own, split at the buckets (see [Note:
+    # compile and the buckets] in compile.py).
+    @compile_split.never_traced(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        compile_split.install()
+        trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
         with torch.autograd.profiler.record_function("gradring::forward"):
+            trace.mark("forward_start")
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            trace.mark("module_start")
             out = self._run_ddp_forward(*inputs, **kwargs)
-            return self._post_forward(out)
+            trace.mark("module_end")
+            out = self._post_forward(out)
+            trace.mark("forward_end")
+            return out
 
+    @compile_split.never_traced(recursive=True)
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Before the module runs: rebuild buckets once, sync buffers, move inputs."""
         if not self._lazy_init_ran:
@@ -267,7 +281,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             global_flag(self._comm, sync, self.device)
         if sync:
             self._guarded(self.reducer.prepare_for_forward)
-            self.reducer.rebuild_if_needed()
+            if self.reducer.rebuild_if_needed():
+                compile_split.after_rebuild(self)
         else:
             if torch.is_grad_enabled():
                 # Under no_sync too: the previous reducing backward must have finished.
@@ -280,6 +295,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             kwargs = _move_to(kwargs, self.device_ids[0])
         return inputs, kwargs
 
+    @compile_split.never_traced(recursive=True)
     def _post_forward(self, output: Any) -> Any:
         """After the module ran: prepare the reducer for the backward to come.
         The sync flag is read again, as torch does: code inside the module's

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import errors
+from gradring.compile import never_traced
 from gradring.join import global_flag, last_joiner_rank
 
 #: torch's class, captured at import time (``gradring.install()`` may later
@@ -291,8 +292,18 @@ class TorchSurface:
         finally:
             TorchDDP._active_ddp_module = old
 
+    @never_traced(recursive=False)
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        """Run the wrapped module as the active DDP: a frame Dynamo compiles in
+        it is split at this DDP's buckets ([Note: compile and the buckets]).
+        What _inside_ddp_forward does, written out: contextlib's frames would
+        be compiled by Dynamo at the first call (this frame's callees are)."""
+        old = TorchDDP._active_ddp_module
+        TorchDDP._active_ddp_module = self
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            TorchDDP._active_ddp_module = old
 
     # ------------------------------------------------- data-parallel helpers
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:

@@ -100,8 +100,12 @@ def static_graph_newly_used(index: int, name: str) -> str:
 def backward_twice() -> str:
     return (
         "gradring DDP: backward() ran a second time after a single forward() while "
-        "gradient synchronization is on. Gradients are reduced once per forward; run "
-        "forward again before the next backward, or accumulate locally inside no_sync()."
+        "gradient synchronization is on. As with torch's DDP, the gradients of this "
+        "backward are only accumulated locally, NOT averaged across ranks, so replicas "
+        "will drift apart. To average two losses from one forward, use "
+        "torch.autograd.backward([l1, l2]) or (l1 + l2).backward(); to accumulate "
+        "locally on purpose, run the extra forward and backward inside no_sync(). "
+        "(Reported once per DDP instance.)"
     )
 
 

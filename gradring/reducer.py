@@ -27,6 +27,7 @@ stays unfinished, and the next forward raises, naming the parameters.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 import weakref
@@ -55,7 +56,40 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
 def _queue_engine_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the autograd engine finishes this backward.
+
+    [Note: compiled autograd]
+    Under compiled autograd the backward runs as one compiled function; the
+    gradient hooks (modules Dynamo never traces, see ``gradring/compile.py``)
+    are graph breaks inside it and run eagerly, in backward order, so the
+    buckets still launch while later pieces of the backward compute. The
+    engine's final callbacks are not available there (Dynamo only accepts
+    ``queue_callback`` in a full graph), so the finalize runs as soon as the
+    last bucket has launched: every parameter's gradient is in by then, and
+    what is left of the backward (gradients of inputs) runs after it instead
+    of beside it. static_graph's first iteration, whose reduction has to wait
+    for the end of a backward it cannot see coming, is refused.
+    """
+    if _in_compiled_autograd():
+        if getattr(fn, "__func__", None) is Reducer.delay_all_reduce:
+            raise RuntimeError(_STATIC_UNDER_CA)
+        fn()
+        return
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+_STATIC_UNDER_CA = (
+    "static_graph=True: the first iteration cannot run under compiled autograd "
+    "(its delayed all-reduce must run when the whole backward ended, which compiled "
+    "autograd does not report). Run the first backward with compiled autograd off, "
+    "then turn it on."
+)
+
+
+def _in_compiled_autograd() -> bool:
+    """Whether a compiled-autograd backward is running (without importing Dynamo)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.in_compiled_autograd_region)
 
 
 class Reducer:
@@ -164,6 +198,8 @@ class Reducer:
         self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
         self._used_future: Any = None
         self._warned_nothing_unused = False
+        # Whether a second backward after one forward was reported (once).
+        self._warned_second_backward = False
         # STATIC: hook firings per parameter counted in iteration 1.
         self._static_counts = [0] * len(self.params)
         self._static_remaining = [0] * len(self.params)
@@ -420,7 +456,12 @@ class Reducer:
     def _on_grad(self, i: int) -> None:
         if not self.expect_hooks:
             if self._finalized_since_forward:
-                raise self._fail(errors.backward_twice())
+                # As torch: this backward only accumulates locally. Unlike
+                # torch, say so once (docs/ddp-differences.md).
+                self._finalized_since_forward = False
+                if not self._warned_second_backward:
+                    self._warned_second_backward = True
+                    warnings.warn(errors.backward_twice(), RuntimeWarning, stacklevel=2)
             return  # no_sync, or a backward not preceded by a DDP forward
         mode = self.mode
         if mode is GraphMode.STATIC:
@@ -765,17 +806,6 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
-
-    # --------------------------------------------- torch's Reducer, as libraries call it
-    # Lightning's manual optimization calls these on ``ddp.reducer`` with the
-    # meaning of torch's C++ Reducer methods of the same names.
-    def _rebuild_buckets(self) -> bool:
-        """torch's name for :meth:`rebuild_if_needed`."""
-        return self.rebuild_if_needed()
-
-    def _delay_all_reduce(self) -> None:
-        """torch's name for :meth:`delay_all_reduce` (static_graph's first iteration)."""
-        self.delay_all_reduce()
 
 
 # [Note: owners]

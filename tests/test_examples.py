@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,6 +25,24 @@ def test_cli_help():
         proc = subprocess.run([sys.executable, "-m", "gradring.tools.cli", *args],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert "usage" in proc.stdout
+
+
+def test_every_subcommand_help_names_the_real_command():
+    from gradring.tools.cli import COMMANDS
+
+    for name in COMMANDS:
+        if name == "bench":
+            continue
+        proc = subprocess.run([sys.executable, "-m", "gradring.tools.cli", name, "--help"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"usage: gradring {name} "), proc.stdout
+    # The source checkout's wrappers show the installed command too.
+    for script, name in (("ddp_step.py", "ddp"), ("hooks.py", "hooks"),
+                         ("allreduce.py", "allreduce")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script),
+                               "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.stdout.startswith(f"usage: gradring bench {name} "), proc.stdout
 
 
 def test_bench_help_names_the_real_command():
@@ -49,3 +69,24 @@ def test_bench_runs_from_the_package_alone(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("4 KiB")]
     assert len(rows) == 2, proc.stdout
     assert "gradring-shm (comm.empty)" in rows[0] and "gloo native" in rows[1], proc.stdout
+
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed in this env")
+def test_elastic_crash_recipe_crashes_again_when_rerun(tmp_path):
+    # The docstring's crash recipe, twice with the same paths: the second run must not
+    # resume the first run's finished checkpoint (that skipped the crash entirely).
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           os.path.join(ROOT, "examples", "elastic_train.py"), "--steps", "9", "--every", "3",
+           "--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "final.pt"),
+           "--crash-at", "4", "--crash-rank", "1"]
+    logs = []
+    for _ in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        logs.append(proc.stdout + proc.stderr)
+    for log in logs:
+        assert "exitcode: -9" in log and "resuming from step 3" in log, log
+    assert "removed the checkpoint of an earlier launch" in logs[1]

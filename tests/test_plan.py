@@ -159,3 +159,25 @@ def test_cli_prints_a_table(capsys):
                      "--ranks-per-host", "2", "--ranks", "2,4,1024"]) == 0
     out = capsys.readouterr().out
     assert "hierarchical" in out and "1024" in out and "efficiency" in out
+
+
+def test_workload_is_profiled_on_one_thread_like_tune(monkeypatch):
+    import torch
+
+    seen = []
+    real = plan.profile_backward
+
+    def spy(make, **kw):
+        seen.append(torch.get_num_threads())
+        return real(make, warmup=1, steps=1)
+
+    monkeypatch.setattr(plan, "profile_backward", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        profile = plan.profile_workload("tiny")
+        assert seen == [1], "plan must time the compute step as tune's ranks do: one thread"
+        assert torch.get_num_threads() == 2  # the caller's setting comes back
+        assert profile.step_ms > 0 and len(profile.sizes) == 8
+    finally:
+        torch.set_num_threads(before)

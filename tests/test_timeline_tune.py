@@ -173,3 +173,43 @@ def test_demo_small_end_to_end(tmp_path) -> None:
     assert "matches one process on the global batches: True" in proc.stdout
     assert "exposed communication" in proc.stdout
     assert png.stat().st_size > 10_000 and trace.stat().st_size > 1_000
+    # The demo's model spans several buckets and at least one all-reduce runs under the
+    # backward: check the trace data behind the picture, rank by rank, iteration by iteration.
+    spans = timeline.select_iterations(timeline._load(str(trace)), 3)
+    back = {(e["pid"], e["args"]["iteration"]): (e["ts"], e["ts"] + e["dur"])
+            for e in spans if e["name"] == "gradring::backward"}
+    comm = [e for e in spans if e["name"].startswith("gradring::bucket_all_reduce#")]
+    assert len({e["args"]["bucket"] for e in comm}) >= 3
+    under = [e for e in comm if back[(e["pid"], e["args"]["iteration"])][0] <= e["ts"]
+             < back[(e["pid"], e["args"]["iteration"])][1]]
+    assert under, "no bucket's all-reduce started during its backward"
+    # It ends with explain's summary, and says where its files are.
+    assert "gradring explain: 2 rank(s)" in proc.stdout and "findings" in proc.stdout
+    assert str(png) in proc.stdout and str(trace) in proc.stdout
+
+
+def test_demo_writes_into_out_by_default(tmp_path) -> None:
+    _needs_matplotlib()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "gradring.tools.demo", "--small", "--out", "run1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = sorted(p.name for p in (tmp_path / "run1").iterdir())
+    assert files == ["explain.txt", "rank0.json", "rank1.json", "timeline.png", "trace.json"]
+    for name in files:
+        assert os.path.join("run1", name) in proc.stdout
+    from gradring.observe import explain
+
+    # The folder is what `gradring explain` reads.
+    assert explain.analyse(explain.load(str(tmp_path / "run1" / "trace.json"))).steps > 0
+
+
+def test_iteration_labels_never_collide() -> None:
+    # 50 iterations 1 ms apart on a 50 ms axis: "it 8it 9" came from labelling all of them.
+    labels = timeline.iteration_labels([(float(k), k) for k in range(50)], 50.0)
+    xs = [x for x, _ in labels]
+    assert xs[0] == 0.0 and len(labels) < 50
+    assert all(b - a >= 0.04 * 50 for a, b in zip(xs, xs[1:]))
+    # Few long iterations keep every label.
+    assert [t for _, t in timeline.iteration_labels([(0.0, 7), (10.0, 8)], 20.0)] == \
+        [" it 7", " it 8"]

@@ -349,12 +349,18 @@ def chrome_events(iterations: Sequence[IterationTimes], buckets: Sequence[Bucket
     return out
 
 
-def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None) -> str:
+def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None,
+                        curve: Any = None) -> str:
     """Write this rank's trace (every complete iteration still in the ring buffer) to ``path``.
 
     Open it in Perfetto (ui.perfetto.dev) or chrome://tracing, or merge all
-    ranks' files with :func:`merge_traces`. Returns ``path``.
+    ranks' files with :func:`merge_traces`. The file also keeps the raw
+    events and the DDP's settings that ``gradring explain`` reads, and
+    ``curve`` (a ``step_model.CommCurve`` measured on the link), if given.
+    Returns ``path``.
     """
+    from gradring.observe.explain import rank_record
+
     comm = getattr(ddp.reducer, "comm", None)
     if rank is None:
         rank = comm.rank if comm is not None else 0
@@ -368,6 +374,8 @@ def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None) -> str:
                       "origin_unix_us": (origin + clock_offset()) * 1e6,
                       "clock": "perf_counter; ts relative to origin_unix_us"},
     }
+    if hasattr(ddp, "_comm") and hasattr(ddp, "module"):  # a gradring DDP, not a stand-in
+        doc["otherData"]["gradring_explain"] = rank_record(ddp, curve)
     with open(path, "w") as f:
         json.dump(doc, f)
     return path
@@ -397,6 +405,9 @@ def merge_traces(paths: Sequence[str], out: str) -> str:
     merged = {"traceEvents": events, "displayTimeUnit": "ms",
               "otherData": {"ranks": [d.get("otherData", {}).get("gradring_rank") for d in docs],
                             "origin_unix_us": first,
+                            "gradring_explain": [d["otherData"]["gradring_explain"]
+                                                 for d in docs if "gradring_explain"
+                                                 in d.get("otherData", {})],
                             "alignment": "per-rank wall-clock origin (time.time offset)"}}
     with open(out, "w") as f:
         json.dump(merged, f)

@@ -52,6 +52,20 @@ def select_iterations(events: Sequence[dict[str, Any]], last: int) -> list[dict[
     return [e for e in spans if e["args"]["iteration"] in keep]
 
 
+def iteration_labels(starts: Sequence[tuple[float, int]], width: float,
+                     min_gap: float = 0.04) -> list[tuple[float, str]]:
+    """Labels for the iteration starts ``(x, iteration)`` on an axis ``width`` wide: one
+    every time the previous label is at least ``min_gap`` of the width away, so that
+    with many short iterations (``--last 0``) labels thin out instead of colliding."""
+    out: list[tuple[float, str]] = []
+    last = float("-inf")
+    for x, it in sorted(starts):
+        if x - last >= min_gap * max(width, 1e-9):
+            out.append((x, f" it {it}"))
+            last = x
+    return out
+
+
 def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
                   title: str | None = None) -> str:
     """Render ``trace`` (a path or a loaded Chrome-trace dict) to the image ``out``."""
@@ -103,9 +117,10 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
                         linewidth=0.9)
     top = len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
     ax.set_ylim(-0.3, top + 0.2)
-    for x, it in starts:
+    for x, _it in starts:
         ax.axvline(x, color="#888888", linestyle=":", linewidth=0.8)
-        ax.text(x, top + 0.2, f" it {it}", fontsize=7, va="bottom", color="#555555")
+    for x, text in iteration_labels(starts, max((e["ts"] + e["dur"] - t0) / 1e3 for e in spans)):
+        ax.text(x, top + 0.2, text, fontsize=7, va="bottom", color="#555555")
     ax.set_yticks(yticks, ylabels)
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "gradring: backward compute vs bucket all-reduce")

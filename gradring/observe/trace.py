@@ -1,24 +1,61 @@
 """Per-iteration events of the reducer, kept in a fixed-size ring buffer.
 
 The reducer marks a handful of events per bucket per iteration (ready,
-launch, comm done, written) plus the backward's start and end. Each mark is
-one ``perf_counter`` call and a deque append, so tracing stays on always.
+launch, comm done, written) plus the backward's start and end; DDP's forward
+marks its start, the module's start and end, and its end; every optimizer
+step marks its start and end (a process-wide optimizer hook, installed with
+the first trace). Each mark is one ``perf_counter`` call and a deque append,
+so tracing stays on always. ``gradring.explain`` (observe/explain.py) turns
+them into a step breakdown.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import NamedTuple
+import weakref
+from typing import Any, NamedTuple
 
 
 class Event(NamedTuple):
     """One timestamped reducer event."""
 
     iteration: int
-    kind: str        # backward_start | ready | launch | comm_done | written | backward_end
+    # backward_start | ready | launch | comm_done | written | backward_end (reducer);
+    # forward_start | module_start | module_end | forward_end (DDP.forward);
+    # optimizer_start | optimizer_end (any torch optimizer's step, see _install_optimizer_marks)
+    kind: str
     bucket: int      # -1 for iteration-wide events
     t: float         # time.perf_counter() seconds
+
+
+#: Every live trace: optimizer steps are marked into each (there is rarely more than one).
+_LIVE: weakref.WeakSet[Trace] = weakref.WeakSet()
+_OPTIMIZER_HOOKS: list[Any] = []
+
+
+def _mark_all(kind: str) -> None:
+    for trace in list(_LIVE):
+        trace.mark(kind)
+
+
+def _install_optimizer_marks() -> None:
+    """Mark every optimizer step's start and end into the live traces (once per process).
+
+    The optimizer runs after the backward's finalize advanced the iteration
+    counter, so its marks carry the *next* iteration's number; explain.py
+    assigns them to steps by time, not by number."""
+    if _OPTIMIZER_HOOKS:
+        return
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(
+        lambda _opt, _args, _kwargs: _mark_all("optimizer_start")))
+    _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(
+        lambda _opt, _args, _kwargs: _mark_all("optimizer_end")))
 
 
 class Trace:
@@ -30,8 +67,10 @@ class Trace:
         # Iteration number stamped on new events (the reducer advances it).
         self.iteration = 0
         # Internal switch for measuring what tracing costs (``gradring bench ddp``
-        # compares both); overlap statistics and timelines need it on.
+        # compares both); overlap statistics, timelines and explain need it on.
         self.enabled = True
+        _install_optimizer_marks()
+        _LIVE.add(self)
 
     def mark(self, kind: str, bucket: int = -1, iteration: int | None = None) -> None:
         if not self.enabled:

@@ -13,6 +13,8 @@ COMMANDS = {
              "pick bucket_cap_mb by measuring, then check it by running DDP"),
     "flight": ("gradring.tools.flight",
                "merge flight-recorder dumps and name the stuck collective"),
+    "explain": ("gradring.tools.explain",
+                "why is my DDP step slow? step breakdown and measured findings from a trace"),
     "plan": ("gradring.tools.plan",
              "predict step time and scaling, 2-1024 ranks (alpha-beta model)"),
 }

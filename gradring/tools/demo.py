@@ -2,14 +2,18 @@
 
     gradring demo                                   # 2 processes, 3 epochs
     gradring demo --small                           # CI: 1 epoch of 10 batches
-    gradring demo --timeline run.png --trace run.json --nproc 3
+    gradring demo --out run1 --nproc 3              # files into ./run1
 
 scikit-learn's handwritten digits (1,797 8x8 images, shipped inside the
-package, no download) train an MLP under gradring's DDP. At the end the demo
-retrains the same model in one process on the same global batches and checks
-that the parameters agree, then prints how much communication the backward
-left exposed, and draws a timeline of the last iterations from the ranks'
-merged trace (see docs/overlap.md for how to read both).
+package, no download) train an MLP under gradring's DDP; its 2.2 MiB of
+gradients travel in several buckets, so the first buckets' all-reduces run
+while the backward still computes. At the end the demo retrains the same
+model in one process on the same global batches and checks that the
+parameters agree, prints how much communication the backward left exposed,
+draws a timeline of the last iterations from the ranks' merged trace, and
+ends with ``gradring explain``'s summary of the step (docs/overlap.md and
+docs/explain.md say how to read them). Every file goes into ``--out``
+(default: a new folder named for the run), and the demo prints each path.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -50,8 +53,10 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
+    # Two 1 MiB layers: after the rebuild (first bucket 1 MiB, then bucket_cap_mb=0.1)
+    # the gradients travel in three buckets, the output layers' first.
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
 def global_batches(n: int, batch: int, epoch: int,
@@ -69,6 +74,7 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
                max_batches: int | None = None, trace_dir: str | None = None) -> dict[str, Any]:
     import gradring
+    from gradring.observe import explain
     from gradring.observe.overlap import ddp_overlap_stats, export_chrome_trace
 
     xtr, ytr, xte, yte = load_digits_tensors()
@@ -95,10 +101,15 @@ def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
             print(f"  test accuracy {acc:.3f}", flush=True)
     stats = model.overlap_stats() if hasattr(model, "overlap_stats") \
         else ddp_overlap_stats(model)
+    # Collective, every rank: time a few all-reduces on this link, then explain the run.
+    curve = explain.measure_link(model)
+    summary = explain.analyse(model._comm.all_gather_object(explain.rank_record(model, curve)))
     trace = None
     if trace_dir is not None:
-        trace = export_chrome_trace(model, os.path.join(trace_dir, f"rank{rank}.json"))
+        trace = export_chrome_trace(model, os.path.join(trace_dir, f"rank{rank}.json"),
+                                    curve=curve)
     return {
+        "explain": summary.text,
         "params": [p.detach().clone() for p in model.module.parameters()],
         "accs": accs,
         "step_ms": 1e3 * sorted(step_times)[len(step_times) // 2],
@@ -137,14 +148,12 @@ def _overlap_summary(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def _draw(results: list[dict[str, Any]], image: str | None, trace_out: str | None,
-          tmp: str) -> list[str]:
-    """Merge the ranks' traces (kept at ``trace_out`` if given) and draw ``image`` from them."""
+def _draw(results: list[dict[str, Any]], image: str | None, merged_out: str) -> list[str]:
+    """Merge the ranks' traces into ``merged_out`` and draw ``image`` from them."""
     from gradring.observe.overlap import merge_traces
 
-    merged = merge_traces([r["trace"] for r in results],
-                          trace_out or os.path.join(tmp, "merged.json"))
-    lines = [f"merged trace (open in ui.perfetto.dev): {merged}"] if trace_out else []
+    merged = merge_traces([r["trace"] for r in results], merged_out)
+    lines = [f"merged trace (open in ui.perfetto.dev; `gradring explain` reads it): {merged}"]
     if not image:
         return lines
     try:
@@ -165,35 +174,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--small", action="store_true",
                     help="a quick run for CI: 1 epoch of 10 batches")
-    ap.add_argument("--timeline", default="gradring-demo-timeline.png", metavar="PNG",
-                    help="where to draw the timeline ('' to skip; default %(default)s)")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for every file the demo writes (default: a new folder "
+                         "gradring-demo-YYYYMMDD-HHMMSS)")
+    ap.add_argument("--timeline", default=None, metavar="PNG",
+                    help="where to draw the timeline (default OUT/timeline.png; '' to skip)")
     ap.add_argument("--trace", default=None, metavar="JSON",
-                    help="also keep the merged Chrome trace here")
+                    help="where to keep the merged Chrome trace (default OUT/trace.json)")
     a = ap.parse_args(argv)
     from gradring.tools.launch import run_local
 
+    out = a.out or time.strftime("gradring-demo-%Y%m%d-%H%M%S")
+    os.makedirs(out, exist_ok=True)
+    image = os.path.join(out, "timeline.png") if a.timeline is None else a.timeline
+    merged = a.trace or os.path.join(out, "trace.json")
     epochs, max_batches = (1, 10) if a.small else (a.epochs, None)
     torch.set_num_threads(1)
-    print(f"gradring demo: {a.nproc} processes, digits MLP, per-rank batch {a.batch}",
-          flush=True)
-    with tempfile.TemporaryDirectory(prefix="gradring-demo-") as tmp:
-        t0 = time.perf_counter()
-        results = run_local(train_rank, a.nproc, epochs, a.batch, a.lr, max_batches, tmp)
-        wall = time.perf_counter() - t0
-        ref = train_single(a.nproc, epochs, a.batch, a.lr, max_batches)
-        worst = max((p - q).abs().max().item() for p, q in zip(results[0]["params"], ref))
-        same_everywhere = all(
-            all(torch.equal(p, q) for p, q in zip(results[0]["params"], r["params"]))
-            for r in results)
-        print(f"trained in {wall:.1f}s; final test accuracy {results[0]['accs'][-1]:.3f}")
-        print(f"replicas identical on all ranks: {same_everywhere}")
-        ok = worst < 1e-4
-        print(f"matches one process on the global batches: {ok} (max |diff| {worst:.2e})")
-        for line in _overlap_summary(results[0]):
-            print(line)
-        if a.timeline or a.trace:
-            for line in _draw(results, a.timeline, a.trace, tmp):
-                print(line)
+    print(f"gradring demo: {a.nproc} processes, digits MLP, per-rank batch {a.batch}; "
+          f"files in {out}", flush=True)
+    t0 = time.perf_counter()
+    results = run_local(train_rank, a.nproc, epochs, a.batch, a.lr, max_batches, out)
+    wall = time.perf_counter() - t0
+    ref = train_single(a.nproc, epochs, a.batch, a.lr, max_batches)
+    worst = max((p - q).abs().max().item() for p, q in zip(results[0]["params"], ref))
+    same_everywhere = all(
+        all(torch.equal(p, q) for p, q in zip(results[0]["params"], r["params"]))
+        for r in results)
+    print(f"trained in {wall:.1f}s; final test accuracy {results[0]['accs'][-1]:.3f}")
+    print(f"replicas identical on all ranks: {same_everywhere}")
+    ok = worst < 1e-4
+    print(f"matches one process on the global batches: {ok} (max |diff| {worst:.2e})")
+    for line in _overlap_summary(results[0]):
+        print(line)
+    print("per-rank traces: " + ", ".join(r["trace"] for r in results))
+    for line in _draw(results, image, merged):
+        print(line)
+    summary = os.path.join(out, "explain.txt")
+    with open(summary, "w") as f:
+        f.write(results[0]["explain"] + "\n")
+    print(f"explain summary: {summary}")
+    print(results[0]["explain"])
     return 0 if ok and same_everywhere else 1
 
 

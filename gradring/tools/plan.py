@@ -32,7 +32,8 @@ efficiency is weak scaling: compute step / predicted step (per-rank batch
 fixed, so W ranks do W times the work of one).
 
 Backward timing comes from one of: a built-in or ``module:function`` workload
-profiled here on one process (``tune.profile_backward``: per-parameter
+profiled here on one process with one intra-op thread, as tune's ranks run
+(``tune.profile_backward``: per-parameter
 gradient-ready times), a ``tune --json`` result, or a Chrome trace written by
 ``gradring.observe.overlap.export_chrome_trace`` (per-bucket ready times and sizes).
 """
@@ -258,6 +259,22 @@ def profile_from_trace(path: str) -> Profile:
                    backward_ms=backward, step_ms=max(step, backward))
 
 
+def profile_workload(workload: str, threads: int = 1) -> Profile:
+    """``tune.profile_backward`` of a workload with ``threads`` intra-op threads, as each
+    of ``gradring tune``'s ranks runs (one thread: ranks share the host's cores). Without
+    pinning, a 2-core VM measured a 558 ms compute step here where tune measured 36 ms."""
+    import functools
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return profile_backward(functools.partial(load_workload, workload))
+    finally:
+        torch.set_num_threads(before)
+
+
 def profile_from_tune_json(path: str) -> Profile:
     with open(path) as f:
         return Profile(**json.load(f)["profile"])
@@ -332,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.tune_json:
         profile, fixed = profile_from_tune_json(a.tune_json), False
     else:
-        import functools
-
-        profile, fixed = profile_backward(functools.partial(load_workload, a.workload)), False
+        profile, fixed = profile_workload(a.workload), False
     cluster = Cluster(Link(parse_bandwidth(a.bandwidth), parse_seconds(a.latency)),
                       a.ranks_per_host,
                       Link(parse_bandwidth(a.intra_bandwidth), parse_seconds(a.intra_latency)))

@@ -284,7 +284,8 @@ def format_table(res: Result) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog or "gradring bench allreduce",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                         help="comma-separated byte sizes, suffixes K/M/G allowed")

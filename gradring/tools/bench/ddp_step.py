@@ -234,21 +234,27 @@ def _slowest(per_rank: list[dict[str, dict[str, list[float]]]]
 
 
 def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
-    lines = [f"DDP step time, world {world}, CPU, 1 thread/rank (median ms/step over rounds;",
-             "pair = the slower rank's, see the docstring)",
-             f"{'model':<12}{'pair':>8}{'torch':>8}{'gradring':>10}{'g/torch':>9}"
-             f"{'ovh torch':>11}{'ovh gradring':>14}{'ovh ratio':>11}{'view':>8}"
-             f"{'ratio vs rank0 pair':>21}"]
+    """Medians over rounds ± half their range; ratios only where noise allows
+    (``noise.ratio``), otherwise a footnote says why."""
+    from gradring.tools.bench.noise import effect, figure, ratio
+
+    lines = [f"DDP step time, world {world}, CPU, 1 thread/rank (median ms/step over rounds "
+             "± half the range across rounds;",
+             "pair = the slower rank's, see the docstring; ovh = DDP - pair, round by round)",
+             f"{'model':<12}{'pair':>12}{'torch':>12}{'gradring':>12}{'view':>12}"
+             f"{'ovh torch':>12}{'ovh gradring':>14}{'ovh ratio':>11}{'vs rank0 pair':>15}"]
+    notes = []
     for name, res in results.items():
-        med = {k: statistics.median(v) for k, v in res.items() if k != "_mem"}
-        ot, og = med["torch"] - med["pair"], med["gradring"] - med["pair"]
-        ratio = og / ot if ot > 0 else float("nan")
-        p0 = med["_pair_rank0"]
-        ratio0 = (med["gradring"] - p0) / (med["torch"] - p0)
+        fig = {k: figure(v) for k, v in res.items() if not k.startswith("_")}
+        ot, og = effect(res["pair"], res["torch"]), effect(res["pair"], res["gradring"])
+        verdict = ratio(og, ot, ("gradring", "torch"))
+        v0 = ratio(effect(res["_pair_rank0"], res["gradring"]),
+                   effect(res["_pair_rank0"], res["torch"]), ("gradring", "torch"))
         lines.append(
-            f"{name:<12}{med['pair']:>8.1f}{med['torch']:>8.1f}{med['gradring']:>10.1f}"
-            f"{med['gradring'] / med['torch']:>9.2f}{ot:>11.1f}{og:>14.1f}{ratio:>11.2f}"
-            f"{med['gradring_view']:>8.1f}{ratio0:>21.2f}")
+            f"{name:<12}{fig['pair']!s:>12}{fig['torch']!s:>12}{fig['gradring']!s:>12}"
+            f"{fig['gradring_view']!s:>12}{ot!s:>12}{og!s:>14}{verdict.cell(11)}{v0.cell(15)}")
+        if verdict.problem:
+            notes.append(f"{name}: no overhead ratio: {verdict.problem}")
     lines += ["", "per parameter and step (overhead / tensors), ratio spread = each round's "
               "overhead ratio, min-max",
               f"{'model':<12}{'tensors':>8}{'ratio':>7}{'spread':>14}{'us torch':>10}"
@@ -261,8 +267,8 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
         per_round = [(g - p) / (t - p) for p, t, g in zip(res["pair"], res["torch"],
                                                           res["gradring"]) if t > p]
         spread = (f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "n/a")
-        ratio = og / ot if ot > 0 else float("nan")
-        lines.append(f"{name:<12}{n:>8.0f}{ratio:>7.2f}{spread:>14}{ot * 1e3 / n:>10.2f}"
+        r_med = og / ot if ot > 0 else float("nan")
+        lines.append(f"{name:<12}{n:>8.0f}{r_med:>7.2f}{spread:>14}{ot * 1e3 / n:>10.2f}"
                      f"{og * 1e3 / n:>13.2f}{on * 1e3 / n:>12.2f}{(og - on) * 1e3 / n:>10.2f}")
     lines += ["", "CPU time per step (rank 0's process, all threads: waiting and a loaded "
               "machine's stalls do not count)",
@@ -272,9 +278,9 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
         n = res["_nparams"][0]
         cpu = {k: statistics.median(res["_cpu_" + k]) for k in ("pair", "torch", "gradring")}
         ot, og = cpu["torch"] - cpu["pair"], cpu["gradring"] - cpu["pair"]
-        ratio = og / ot if ot > 0 else float("nan")
+        r_med = og / ot if ot > 0 else float("nan")
         lines.append(f"{name:<12}{cpu['pair']:>8.1f}{cpu['torch']:>8.1f}{cpu['gradring']:>10.1f}"
-                     f"{ratio:>11.2f}{ot * 1e3 / n:>10.2f}{og * 1e3 / n:>13.2f}")
+                     f"{r_med:>11.2f}{ot * 1e3 / n:>10.2f}{og * 1e3 / n:>13.2f}")
     for name, res in results.items():
         if "_mem" in res:
             out_plain, buck_plain, out_view, buck_view = res["_mem"]
@@ -284,6 +290,9 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"{(out_plain + buck_plain) / mib:.1f} MiB (private grads {out_plain / mib:.1f} + "
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
+    if notes:
+        lines += ["", "NOT TRUSTWORTHY on this machine now (rerun with more --rounds/--steps, "
+                  "or on a quieter machine):", *("  " + n for n in notes)]
     return "\n".join(lines)
 
 
@@ -304,7 +313,7 @@ def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog or "gradring bench ddp", description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

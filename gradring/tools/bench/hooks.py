@@ -191,14 +191,18 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any], world: int, opts: dict[str, Any]) -> str:
-    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    from gradring.tools.bench.noise import figure
+
+    fig = {k: figure(v) for k, v in res["times"].items()}
+    med = {k: f.median for k, f in fig.items()}
     base_ms = med.get("no-hook", float("nan"))
     base_payload = res["traffic"]["no-hook"][0]
     lines = [
         f"Comm hooks, 12 x Linear(1024) MLP, batch {opts['batch']}/rank, world {world}, CPU, "
-        f"1 thread/rank; median over {opts['rounds']} rounds of {opts['steps']} steps",
+        f"1 thread/rank; median over {opts['rounds']} rounds of {opts['steps']} steps "
+        "(± half the range across rounds)",
         f"buckets after the rebuild: {[round(b / MIB, 1) for b in res['buckets']]} MiB",
-        f"{'set-up':<14}{'ms/step':>9}{'x no hook':>11}{'payload MB':>12}{'wire MB':>9}"
+        f"{'set-up':<14}{'ms/step':>14}{'x no hook':>11}{'payload MB':>12}{'wire MB':>9}"
         f"{'compression':>13}{'codec ms':>10}",
     ]
     for k in res["times"]:
@@ -206,9 +210,17 @@ def report(res: dict[str, Any], world: int, opts: dict[str, Any]) -> str:
         comp = "-" if k == "local" or payload == 0 else f"{base_payload / payload:.1f}x"
         codec = res["codec"][k]
         codec_s = "-" if codec != codec else f"{codec:.1f}"  # NaN: not a hook
-        lines.append(f"{k:<14}{med[k]:>9.1f}{med[k] / base_ms:>11.2f}{payload / 1e6:>12.2f}"
+        lines.append(f"{k:<14}{fig[k]!s:>14}{med[k] / base_ms:>11.2f}{payload / 1e6:>12.2f}"
                      f"{wire / 1e6:>9.2f}{comp:>13}{codec_s:>10}")
-    lines += ["(local: the same model without DDP, no communication at all)", "", NOTE]
+    lines.append("(local: the same model without DDP, no communication at all)")
+    base_fig = fig.get("no-hook")
+    if base_fig is not None:
+        close = [k for k, f in fig.items() if k != "no-hook"
+                 and abs(f.median - base_fig.median) < max(f.spread, base_fig.spread)]
+        if close:
+            lines.append("within noise of no-hook (difference smaller than the spread across "
+                         f"rounds): {', '.join(close)}")
+    lines += ["", NOTE]
     return "\n".join(lines)
 
 
@@ -223,7 +235,7 @@ def run(nproc: int = 2, steps: int = 2, rounds: int = 5, batch: int = 64,
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog or "gradring bench hooks", description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per set-up per round")

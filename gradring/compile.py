@@ -1,0 +1,336 @@
+"""torch.compile and gradring's DDP: compiled graphs split at gradring's buckets.
+
+[Note: compile and the buckets]
+AOTAutograd turns the backward of a compiled graph into one function that the
+autograd engine runs as a single node: every parameter gradient inside it
+becomes ready when that function returns, so a bucket can only launch when
+the whole compiled backward is done and nothing overlaps. The cure is to
+split the forward graph where one bucket ends and the next begins; each
+piece is compiled on its own, its backward is its own autograd node, and the
+gradients of the pieces that run first in backward (the last layers) fire
+their hooks while earlier pieces still compute.
+
+Dynamo calls the splitter itself: while a compiled frame runs inside a DDP
+forward (torch's class attribute ``_active_ddp_module`` is set, see
+``TorchSurface._inside_ddp_forward``), ``convert_frame`` builds a
+``DDPOptimizer`` from ``torch._dynamo.backends.distributed`` and compiles the
+frame through its ``compile_fn``. ``DDPOptimizer`` only knows one byte cap
+and a fixed 1 MiB first bucket; gradring's buckets have their own rules (an
+explicit ``bucket_cap_mb`` caps the first bucket too, ``bucket_cap_mb_list``,
+dtype keys, the arrival-order rebuild). So ``install()`` puts a small factory
+in that name: for a gradring DDP it builds :class:`BucketSplit`, whose
+partition follows the reducer's buckets; for torch's own DDP it builds
+torch's ``DDPOptimizer`` unchanged. The splitting, metadata propagation and
+per-piece compilation after the partition are torch's own helpers.
+
+Where a piece ends: walking the graph from its end (the order backward runs
+in), right after the node that completes a bucket, i.e. brings the last of
+its parameters; a cut anywhere else adds a graph and launches nothing sooner.
+
+Which buckets: after the rebuild (and always with find_unused_parameters),
+the reducer's installed ones. Dynamo compiles at the first forward, before
+the rebuild, when there is nothing to follow yet; then every node that uses
+parameters gets a piece of its own, so the first backward delivers gradients
+in true backward order for the rebuild to record. Right after the rebuild,
+``after_rebuild`` drops the code compiled that way (``torch._dynamo.reset_code``)
+and the next call compiles once more at the rebuilt buckets: the one
+recompile. ``splits(ddp)`` lists every split made.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from gradring.graph import GraphMode
+
+if TYPE_CHECKING:
+    from torch import fx
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+log = logging.getLogger(__name__)
+
+#: gradring's per-step machinery: Dynamo neither traces into these modules
+#: (a call into them from traced code runs eagerly) nor compiles their frames.
+#: This is what keeps the gradient hooks eager when compiled autograd traces
+#: the backward (see [Note: compiled autograd] in reducer.py).
+_NEVER_TRACED = (
+    "gradring.reducer", "gradring.comm", "gradring.lending", "gradring.buckets",
+    "gradring.observe", "gradring.group_comm", "gradring.grad_bucket", "gradring.hooks",
+    "gradring.fused_optim", "gradring.join", "gradring.autocap", "gradring.graph",
+    "gradring.ddp", "gradring.ddp_surface", "gradring.compile", "gradring.output_boundary",
+    "gradring.errors", "gradring._store",
+)
+
+#: "buckets": split a gradring DDP's graphs at its own buckets (BucketSplit);
+#: "torch": let torch's DDPOptimizer split them by ``bucket_bytes_cap`` and its
+#: fixed 1 MiB first bucket, as it does for torch's DDP (kept for comparison,
+#: ``benchmarks/compile.py --split torch``).
+SPLIT_BY = "buckets"
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+@dataclass
+class Split:
+    """One split made for a gradring DDP: the pieces, first in forward order."""
+
+    #: per piece, the bucket indices whose parameters it uses
+    piece_buckets: list[list[int]] = field(default_factory=list)
+    #: per piece, its number of call nodes (ops)
+    piece_ops: list[int] = field(default_factory=list)
+    #: whether the pieces are provisional (made before the bucket rebuild)
+    predicted: bool = False
+    #: weak reference to the code object Dynamo compiled (to drop it at the rebuild)
+    code: Any = None
+    #: set once the rebuild dropped this split's compiled code
+    retired: bool = False
+
+
+def never_traced(*, recursive: bool) -> Callable[[_F], _F]:
+    """Decorator: Dynamo never inlines the function nor compiles its frame; with
+    ``recursive``, no frame it calls either. Unlike ``torch._dynamo.disable`` it
+    adds no wrapper (nothing to pay per call in eager mode) and does not import
+    Dynamo: it marks the code object through torch's C frame evaluator."""
+
+    def mark(fn: _F) -> _F:
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # no inlining
+        try:
+            ev = torch._C._dynamo.eval_frame
+            nested = ev._FrameAction.SKIP if recursive else ev._FrameAction.DEFAULT
+            ev.set_code_exec_strategy(fn.__code__,
+                                      ev._FrameExecStrategy(ev._FrameAction.SKIP, nested))
+        except AttributeError:  # a torch without Dynamo's frame evaluator
+            pass
+        return fn
+    return mark
+
+
+def install() -> None:
+    """Let Dynamo's DDP support split graphs at gradring's buckets (idempotent).
+
+    Does nothing until Dynamo is imported (then nothing can be compiled yet);
+    the DDP forward calls it every time, so it takes effect before the first
+    compiled call."""
+    global _installed
+    if _installed or "torch._dynamo" not in sys.modules:
+        return
+    with _install_lock:
+        if _installed:
+            return
+        try:
+            from torch._dynamo import trace_rules
+            from torch._dynamo.backends import distributed as dynamo_ddp
+        except ImportError:  # a torch without Dynamo: nothing to split
+            _installed = True
+            return
+        for name in _NEVER_TRACED:
+            trace_rules.add(name)
+        original = getattr(dynamo_ddp, "DDPOptimizer", None)
+        if original is None or getattr(original, "_gradring_factory", False):
+            _installed = True
+            return
+
+        def factory(bucket_bytes_cap: int, backend_compile_fn: Callable[..., Any],
+                    first_bucket_cap: int | None = None) -> Any:
+            from gradring.ddp import DistributedDataParallel
+            from gradring.ddp_surface import TorchDDP
+
+            active = TorchDDP._active_ddp_module
+            if isinstance(active, DistributedDataParallel) and SPLIT_BY == "buckets":
+                return BucketSplit(active, backend_compile_fn)
+            return original(bucket_bytes_cap=bucket_bytes_cap,
+                            backend_compile_fn=backend_compile_fn,
+                            first_bucket_cap=first_bucket_cap)
+
+        factory._gradring_factory = True  # type: ignore[attr-defined]
+        factory.original = original  # type: ignore[attr-defined]
+        dynamo_ddp.DDPOptimizer = factory
+        _installed = True
+
+
+def _params_of(node: fx.Node, gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters (real tensors) a graph node reads."""
+    found: list[torch.Tensor] = []
+    if node.op == "placeholder":
+        arg = node.meta.get("grapharg")
+        example = getattr(arg, "example", None)
+        if isinstance(example, torch.nn.Parameter):
+            found.append(example)
+    elif node.op == "get_attr":
+        value = getattr(gm, str(node.target), None)
+        if isinstance(value, torch.nn.Parameter):
+            found.append(value)
+    elif node.op == "call_module":
+        found.extend(gm.get_submodule(str(node.target)).parameters())
+    return found
+
+
+def _node_params(gm: fx.GraphModule) -> dict[fx.Node, list[torch.Tensor]]:
+    """Per non-placeholder node, the parameters it consumes directly."""
+    placeholder_params = {n: _params_of(n, gm) for n in gm.graph.nodes if n.op == "placeholder"}
+    out: dict[fx.Node, list[torch.Tensor]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        params = [] if node.op == "call_function" else _params_of(node, gm)
+        for arg in node.all_input_nodes:
+            params.extend(placeholder_params.get(arg, ()))
+        out[node] = params
+    return out
+
+
+class BucketSplit:
+    """Dynamo's DDP ``compile_fn`` for a gradring DDP: one compiled piece per run of buckets."""
+
+    def __init__(self, ddp: Any, backend_compile_fn: Callable[..., Any]) -> None:
+        self.ddp = ddp
+        self.backend_compile_fn = backend_compile_fn
+
+    def bucket_of(self, order: list[int]) -> tuple[dict[int, int], bool]:
+        """param index -> bucket index, and whether the buckets are provisional.
+
+        ``order`` holds the parameter indices in reverse order of use in the
+        graph, by node: ``order[k]`` lists those the k-th node from the end
+        brings first. Before the rebuild every such node gets a bucket of its
+        own (see [Note: compile and the buckets]).
+        """
+        reducer = self.ddp.reducer
+        if reducer.has_rebuilt or reducer.mode is GraphMode.FIND_UNUSED:
+            return {i: b for i, (b, _s) in enumerate(reducer._locator)}, False
+        return {i: k for k, group in enumerate(order) for i in group}, True
+
+    def partition(self, gm: fx.GraphModule) -> tuple[dict[fx.Node, int], Split]:
+        """Assign every node a piece; pieces are numbered in forward order."""
+        reducer = self.ddp.reducer
+        node_params = _node_params(gm)
+        order: list[list[int]] = []
+        seen: set[int] = set()
+        for node in reversed(gm.graph.nodes):
+            new = []
+            for p in node_params.get(node, ()):
+                i = reducer._index_of.get(id(p))
+                if i is not None and i not in seen:
+                    seen.add(i)
+                    new.append(i)
+            if new:
+                order.append(new)
+        bucket_of, predicted = self.bucket_of(order)
+        counted: set[int] = set()
+        # Walk backward through the graph (the order backward runs in). A piece
+        # ends after the node that completes a bucket (the last of its
+        # parameters in this walk): when that piece's backward returns, the
+        # bucket launches. The next piece starts at the next node with
+        # parameters, once the current piece has an output another piece reads.
+        remaining: dict[int, int] = {}
+        for i in seen:
+            remaining[bucket_of[i]] = remaining.get(bucket_of[i], 0) + 1
+        pieces: list[list[fx.Node]] = [[]]
+        buckets: list[set[int]] = [set()]
+        members: set[fx.Node] = set()
+        completed = False
+        for node in reversed(gm.graph.nodes):
+            if node.op in ("placeholder", "output"):
+                continue
+            mine = [reducer._index_of[id(p)] for p in node_params[node]
+                     if id(p) in reducer._index_of]
+            if mine and completed and _has_external_user(pieces[-1], members):
+                pieces.append([])
+                buckets.append(set())
+                members = set()
+                completed = False
+            pieces[-1].append(node)
+            members.add(node)
+            for i in dict.fromkeys(mine):
+                if i in counted:
+                    continue
+                counted.add(i)
+                b = bucket_of[i]
+                buckets[-1].add(b)
+                remaining[b] -= 1
+                completed = completed or remaining[b] == 0
+        if len(pieces) > 1 and not buckets[-1]:
+            # A preamble before the first parameter: it joins the piece after it.
+            pieces[-2].extend(pieces.pop())
+            buckets.pop()
+        pieces.reverse()
+        buckets.reverse()
+        where = {node: k for k, nodes in enumerate(pieces) for node in nodes}
+        split = Split([sorted(b) for b in buckets],
+                      [sum(n.op.startswith("call") for n in nodes) for nodes in pieces],
+                      predicted)
+        return where, split
+
+    def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any],
+                   **compiler_configs: Any) -> Any:
+        where, split = self.partition(gm)
+        split.code = _compiling_code()
+        self.ddp.__dict__.setdefault("_compile_splits", []).append(split)
+        log.info("gradring: split a compiled graph into %d pieces at buckets %s%s",
+                 len(split.piece_buckets), split.piece_buckets,
+                 " (predicted rebuild)" if split.predicted else "")
+        if len(split.piece_buckets) == 1:
+            return self.backend_compile_fn(gm, example_inputs, **compiler_configs)
+        from torch._dynamo.backends import distributed as dynamo_ddp
+        from torch._dynamo.utils import detect_fake_mode
+        from torch.fx.passes.split_module import split_module
+
+        split_gm = split_module(gm, None, lambda n: where[n])  # type: ignore[arg-type]
+        dynamo_ddp.propagate_dynamo_source(gm, split_gm)
+        dynamo_ddp.propagate_metadata(gm, split_gm)
+        fake_mode = detect_fake_mode(example_inputs)
+        if fake_mode is None:
+            fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+        compiler = dynamo_ddp.SubmodCompiler(split_gm, self.backend_compile_fn, fake_mode,
+                                             **compiler_configs)
+        with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+            compiler.run(*example_inputs)
+        split_gm.recompile()
+        return split_gm
+
+
+def _has_external_user(nodes: list[fx.Node], members: set[fx.Node]) -> bool:
+    """Whether some node of a piece is read outside it (so the piece has an output)."""
+    return any(user not in members for node in nodes for user in node.users)
+
+
+def _compiling_code() -> Any:
+    """A weak reference to the code object of the frame Dynamo is compiling, if known."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return weakref.ref(InstructionTranslator.current_tx().f_code)
+    except Exception:  # noqa: BLE001 - only a missed recompile at the rebuild
+        return None
+
+
+def after_rebuild(ddp: Any) -> int:
+    """The buckets were just rebuilt: drop the code compiled with provisional
+    pieces, so the next call compiles once more, split at the new buckets.
+    Returns how many code objects were dropped."""
+    dropped = 0
+    for split in ddp.__dict__.get("_compile_splits", ()):
+        if not split.predicted or split.retired:
+            continue
+        split.retired = True
+        code = split.code() if split.code is not None else None
+        if code is not None:
+            torch._dynamo.reset_code(code)
+            dropped += 1
+    if dropped:
+        log.info("gradring: buckets rebuilt; %d compiled frame(s) will recompile once", dropped)
+    return dropped
+
+
+def splits(ddp: Any) -> list[Split]:
+    """The graph splits Dynamo made for ``ddp`` so far, oldest first."""
+    return list(ddp.__dict__.get("_compile_splits", ()))

@@ -1,0 +1,66 @@
+"""Benchmarks flag what noise ate: spreads across rounds, negative or noisy overheads
+(gradring/tools/bench/noise.py and the ``gradring bench ddp`` report), on synthetic rounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gradring.tools.bench import ddp_step, noise
+
+
+def test_figure_is_median_and_range_over_rounds() -> None:
+    f = noise.figure([10.0, 12.0, 11.0, 30.0, 9.0])
+    assert (f.median, f.low, f.high, f.spread) == (11.0, 9.0, 30.0, 21.0)
+    assert str(f) == "11.0 ±10.5"
+    assert math.isnan(noise.figure([]).median)
+
+
+def test_effect_is_taken_round_by_round() -> None:
+    # The machine slows down over the run; per-round differences stay steady.
+    base = [10.0, 20.0, 30.0, 40.0, 50.0]
+    e = noise.effect(base, [b + 2.0 for b in base])
+    assert e.median == 2.0 and e.spread == 0.0
+    with pytest.raises(ValueError, match="rounds differ"):
+        noise.effect([1.0], [1.0, 2.0])
+
+
+def test_ratio_only_when_both_effects_stand_out_of_the_noise() -> None:
+    steady = noise.figure([4.0, 4.2, 3.9])
+    small = noise.figure([1.0, 1.1, 0.9])
+    ok = noise.ratio(small, steady)
+    assert ok.problem == "" and ok.ratio == pytest.approx(1.0 / 4.0)
+    negative = noise.ratio(small, noise.figure([-0.5, -0.8, 0.4]), ("gradring", "torch"))
+    assert negative.ratio is None and "torch overhead is -0.50 ms" in negative.problem
+    wobbly = noise.ratio(noise.figure([0.2, 3.0, 1.0]), steady, ("gradring", "torch"))
+    assert wobbly.ratio is None and "spread larger than the effect" in wobbly.problem
+    assert wobbly.cell(8) == "   noisy" and ok.cell() == "0.25"
+
+
+def _rounds(pair: list[float], torch_: list[float], gradring: list[float]) -> dict:
+    return {"m": {"pair": pair, "torch": torch_, "gradring": gradring,
+                  "gradring_view": gradring, "_pair_rank0": pair}}
+
+
+def test_ddp_report_prints_a_ratio_for_clean_rounds() -> None:
+    text = ddp_step.report(_rounds([10.0, 10.2, 9.9], [14.0, 14.1, 13.8], [11.0, 11.2, 10.9]), 2)
+    row = next(line for line in text.splitlines() if line.startswith("m "))
+    # 1.0 / 3.9: the overheads are taken round by round
+    assert "0.26" in row and "noisy" not in row and "NOT TRUSTWORTHY" not in text
+    assert "10.0 ±0.1" in row  # every figure carries its spread
+
+
+def test_ddp_report_flags_a_negative_overhead_instead_of_a_ratio() -> None:
+    # The rounds behind "ratio -1.31": torch's DDP faster than no DDP in most rounds.
+    text = ddp_step.report(_rounds([12.0, 11.0, 15.0], [11.0, 10.5, 16.0],
+                                   [13.0, 12.5, 16.0]), 2)
+    row = next(line for line in text.splitlines() if line.startswith("m "))
+    assert "noisy" in row and "-1.31" not in row
+    assert "NOT TRUSTWORTHY" in text and "torch overhead is -0.50 ms" in text
+
+
+def test_ddp_report_flags_spread_larger_than_the_effect() -> None:
+    text = ddp_step.report(_rounds([10.0, 10.0, 10.0], [14.0, 14.0, 14.0],
+                                   [10.5, 13.0, 10.2]), 2)
+    assert "gradring overhead 0.50 ms varies by 2.80 ms" in text
