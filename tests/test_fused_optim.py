@@ -116,8 +116,8 @@ class _GatedComm:
         self._real, self._reducer, self._opened = real, reducer, opened
         self.timed_out = False
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        fut = self._real.all_reduce(tensor)
+    def all_reduce(self, tensor: torch.Tensor, **kwargs: Any) -> torch.futures.Future:
+        fut = self._real.all_reduce(tensor, **kwargs)
         buckets = self._reducer.buckets
         if len(buckets) < 2 or tensor.data_ptr() != buckets[-1].buffer.data_ptr():
             return fut
