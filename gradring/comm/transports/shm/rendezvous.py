@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from gradring.comm.store import instance_prefix
-from gradring.comm.transports.shm import futex, segments
+from gradring.comm.transports.shm import futex, segments, space
 from gradring.comm.transports.shm.layout import control_size
 from gradring.comm.transports.shm.segments import Segment
 from gradring.comm.transports.shm.transport import ShmTransport, control_matches, stamp_control
@@ -83,12 +83,18 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         mine = {"base": base, "cookie": cookie}
     except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
         mine = {"error": str(exc)}
+        if isinstance(exc, segments.ShmFull):
+            mine["needed"] = exc.needed
     store.set(f"{key}ctl/{rank}", json.dumps(mine))
     ctls = _gather(store, f"{key}ctl/", world_size, timeout)
     failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls) if "error" in c]
     if failed or ctl is None:
         if ctl is not None:
             ctl.close()
+        short = [c["needed"] for c in ctls if "needed" in c]
+        if short:
+            space.warn_once(space.advice(max(short), 0, world_size) + "; gradring uses the "
+                            "process group's transport instead (slower)")
         return None, "cannot create control segments: " + "; ".join(failed)
     peers: list[Segment | None] = [None] * world_size
     problem = ""

@@ -15,6 +15,7 @@ that starts a shm transport: :func:`remove_stale_segments` deletes every
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from typing import Any
@@ -180,12 +181,60 @@ def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm
 
 
+def page_round(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (at least one): a segment's real size."""
+    return max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+class ShmFull(OSError):
+    """/dev/shm has no room for a segment: nothing was created.
+
+    [Note: reserving shared memory]
+    A segment that is only ``ftruncate``d is sparse: its pages are allocated
+    when first touched, and a page that no longer fits in /dev/shm kills the
+    toucher with SIGBUS. So every segment is reserved whole at creation
+    (``posix_fallocate``); when that fails the caller gets this error, and
+    the transport falls back (see ``space.py``) instead of dying later.
+    """
+
+    def __init__(self, name: str, needed: int, free: int, total: int) -> None:
+        super().__init__(errno.ENOSPC, f"no room in {SHM_DIR} for {name}: needs "
+                         f"{needed} bytes, {free} of {total} bytes free")
+        self.needed, self.free, self.total = needed, free, total
+
+
+def shm_space(directory: str = SHM_DIR) -> tuple[int, int]:
+    """``(free, total)`` bytes of the filesystem under ``directory`` (0, 0 if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0, 0
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Allocate every page of the segment now (see [Note: reserving shared memory])."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise ShmFull(name, size, *shm_space()) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        free, _ = shm_space()  # no fallocate on this filesystem: check the space at least
+        if free and free < size:
+            raise ShmFull(name, size, *shm_space()) from None
+
+
 def _create_mapping(name: str, nbytes: int) -> mmap.mmap:
-    """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages, and map it."""
+    """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages and
+    reserved (:class:`ShmFull` if it does not fit), and map it."""
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(os.path.join(SHM_DIR, name),
+                 os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
+        _reserve(fd, name, size)
         mm = mmap.mmap(fd, size)
     except BaseException:
         os.close(fd)

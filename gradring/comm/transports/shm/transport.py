@@ -40,7 +40,7 @@ import torch
 from gradring.comm import desync
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
-from gradring.comm.transports.shm import futex, segments
+from gradring.comm.transports.shm import futex, segments, space
 from gradring.comm.transports.shm import status as shm_status
 from gradring.comm.transports.shm.layout import (
     BARRIER_WORD,
@@ -56,7 +56,7 @@ from gradring.comm.transports.shm.layout import (
 from gradring.comm.transports.shm.mailbox import Mailboxes
 from gradring.comm.transports.shm.segments import Segment
 
-_HAS_BUFFER, _ZERO_COPY = 1, 2
+_HAS_BUFFER, _ZERO_COPY, _NO_ROOM = 1, 2, 4
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
@@ -149,6 +149,10 @@ class ShmTransport:
         self._lock = threading.Lock()
         # Bytes copied into staging so far (tests check comm.empty avoids it).
         self.staged_bytes = 0
+        # Bytes of a staging buffer this rank could not reserve for the exchange in
+        # progress (0: none), and bytes of /dev/shm it holds (for the advice).
+        self._no_room = 0
+        self.reserved = segments.page_round(ctl.size) if ctl is not None else 0
         # Point-to-point messages (ring, tree), through the control segments' slots.
         self._mail = Mailboxes(rank, self._ctls, check_sender=self._check_sender,
                                fail=self._fail, block=self._block)
@@ -345,7 +349,15 @@ class ShmTransport:
         with self._lock:
             segno = next(self._segnos)
             name = f"{self._base}-{segno}"
-            raw, mm = segments.user_segment(name, nbytes)
+            try:
+                raw, mm = segments.user_segment(name, nbytes)
+            except segments.ShmFull as exc:  # ordinary memory: collectives on it are staged
+                space.warn_once(space.advice(exc.needed, self.reserved, self.world_size)
+                                + "; comm.empty() returns ordinary memory meanwhile (and "
+                                "collectives fall back to the process group if staging "
+                                "does not fit either)")
+                return torch.empty(numel, dtype=dtype)
+            self.reserved += len(mm)
             self._finalizers.append(
                 weakref.finalize(mm, _retire, name, segno, self._retired, os.getpid()))
             self._register(raw.data_ptr(), len(mm), segno, mm)
@@ -362,7 +374,12 @@ class ShmTransport:
         k = self._exchanges & 1
         seg = self._staging[k]
         if seg is None or seg.size < nbytes:
-            seg = self._grow_staging(k, nbytes)
+            try:
+                seg = self._grow_staging(k, nbytes)
+            except segments.ShmFull as exc:
+                # Tell the peers in the exchange (see space.py); fill a scratch buffer.
+                self._no_room = exc.needed
+                return torch.empty(flat.numel(), dtype=flat.dtype), False
         segno = self._segno_of(seg)
         self._exposed = (segno, 0)
         self.staged_bytes += nbytes
@@ -387,6 +404,7 @@ class ShmTransport:
         with self._lock:
             seg = Segment.create(f"{self._base}-{next(self._segnos)}", size)
             self._register(seg.address, seg.size, self._segno_of(seg), seg.mm)
+        self.reserved += seg.size - (old.size if old else 0)
         self._staging[k] = seg
         self._views.clear()
         if old is not None:
@@ -443,7 +461,10 @@ class ShmTransport:
         nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
         flags, segno, offset = 0, 0, 0
         self._last_staged = 0
-        if exposed is not None:
+        if self._no_room:
+            flags, offset, exposed = _NO_ROOM, self._no_room, None
+            self._no_room = 0
+        elif exposed is not None:
             loc = self._exposed or self.locate(exposed)
             assert loc is not None, "exchange() of a buffer expose() did not return"
             segno, offset = loc
@@ -455,6 +476,7 @@ class ShmTransport:
                         dcode, segno, offset, self._fp[4], self._fp[5])
         self.arrive()
         self.wait_arrivals("at the start of the collective")
+        self._check_room(desc_off, flags, offset)
         views: list[torch.Tensor | None] = []
         any_zero_copy = zero_copy
         for p in range(self.world_size):
@@ -482,6 +504,28 @@ class ShmTransport:
             views.append(self._view(p, self._peer_segment(p, psegno), psegno, poff, pbytes,
                                     info.dtype))
         return Exchange(views, any_zero_copy)
+
+    def _check_room(self, desc_off: int, flags: int, needed: int) -> None:
+        """Every rank reads every descriptor after the start barrier: if any rank had
+        no room for its buffer, all of them raise :class:`space.ShmExhausted` here."""
+        short = {self.rank: needed} if flags & _NO_ROOM else {}
+        for p in range(self.world_size):
+            if p != self.rank:
+                _, _, pflags, _, _, _, poff, _, _ = DESC.unpack_from(self._ctls[p].mm, desc_off)
+                if pflags & _NO_ROOM:
+                    short[p] = poff
+        if short:
+            info = self._info.describe() if self._info else "collective"
+            need = max(short.values())
+            raise space.ShmExhausted(
+                f"gradring {info}: ranks {sorted(short)} could not reserve a "
+                f"{need}-byte buffer in {segments.SHM_DIR}", need)
+
+    def release_for_fallback(self) -> None:
+        """Every rank gave shared memory up in the same collective: close without
+        waiting for peers to map a staged buffer (none of them will)."""
+        self._last_staged = 0
+        self.close()
 
     def _desync(self, p: int, theirs: Sequence[int]) -> None:
         info = self._info

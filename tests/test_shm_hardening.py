@@ -1,0 +1,75 @@
+"""Hardening of the shared-memory transport: each defect of the hardening issue, with
+real processes (jobs from ``tests/shm_jobs.py``, ranks in ``tests/shm_scenarios.py``).
+
+Small-/dev/shm tests run in a private mount namespace with a small tmpfs on
+/dev/shm, so they need root and ``unshare``; the mount disappears with the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _no_namespaces() -> str | None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare (private mount namespace with a small /dev/shm)"
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                       capture_output=True, text=True, timeout=10)
+    return None if r.returncode == 0 else f"unshare --mount failed: {r.stderr.strip()}"
+
+
+def job(scenario: str, tmp: str, *, world: int = 2, shm_size: str = "",
+        env: dict[str, str] | None = None, timeout: float = 150) -> dict:
+    """Run one job; its ranks' reports, exit codes and stderr."""
+    cmd = [sys.executable, os.path.join(HERE, "shm_jobs.py"), "launch", "--scenario",
+           scenario, "--world", str(world), "--tmp", tmp, "--timeout", str(timeout - 20)]
+    if shm_size:
+        cmd += ["--shm-size", shm_size]
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK", "GRADRING_TIMEOUT"):
+        if not env or k not in env:
+            full_env.pop(k, None)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    assert r.returncode == 0, r.stderr[-5000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def finals(result: dict) -> list[dict]:
+    """The last report of every rank that carries an ``error`` field."""
+    return [[x for x in rank["reports"] if "error" in x][-1] for rank in result["ranks"]]
+
+
+# ------------------------------------------------------------- 1: small /dev/shm
+@pytest.mark.skipif(_no_namespaces() is not None, reason=str(_no_namespaces()))
+def test_small_dev_shm_falls_back_with_one_warning(tmp_path) -> None:
+    res = job("small_shm", str(tmp_path), shm_size="8m")
+    for rank in res["ranks"]:
+        assert rank["code"] == 0, rank  # never a signal death
+        assert rank["stderr"].count("gradring warning") == 1, rank["stderr"]
+        assert "--shm-size=" in rank["stderr"] and "MiB" in rank["stderr"], rank["stderr"]
+    for final in finals(res):
+        assert final["error"] is None, final
+        assert final["diff"] < 1e-5, final  # same parameters as torch's DDP over gloo
+    assert res["leftover"] == []
+
+
+@pytest.mark.skipif(_no_namespaces() is not None, reason=str(_no_namespaces()))
+def test_small_dev_shm_without_fallback_fails_clearly_everywhere(tmp_path) -> None:
+    res = job("small_shm_forced", str(tmp_path), shm_size="8m")
+    for rank, final in zip(res["ranks"], finals(res)):
+        assert rank["code"] == 0, rank
+        err = final["error"]
+        assert err is not None and "CollectiveError" in err, final
+        assert "/dev/shm" in err and "--shm-size=" in err and "could not reserve" in err, err
+    assert res["leftover"] == []
