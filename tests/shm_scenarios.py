@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradring
@@ -61,3 +63,88 @@ def small_shm_forced(rank: int, world: int, tmp: str) -> bool:
         say(rank=rank, error=_error(exc))
     comm.shutdown()
     return False
+
+
+# --------------------------------------------------------------- 2: late peers
+def _attempt(fn) -> dict:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "took": time.monotonic() - t0}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": _error(exc), "took": time.monotonic() - t0}
+
+
+def late_small(rank: int, world: int, tmp: str) -> bool:
+    """Small-message path: the last rank arrives 1.5 s after the others gave up
+    (GRADRING_TIMEOUT=2)."""
+    comm.all_reduce(torch.ones(8))  # connect
+    if rank == world - 1:
+        time.sleep(3.5)
+    x = torch.full((1000,), float(rank + 1))
+    out = _attempt(lambda: comm.all_reduce(x))
+    say(rank=rank, case="late_small", value=float(x[0]), **out)
+    return True
+
+
+def late_zero_copy(rank: int, world: int, tmp: str) -> bool:
+    """Zero-copy path (a ``comm.empty`` buffer, as DDP buckets): the last rank arrives
+    1.5 s after the others gave up; nobody's memory may change afterwards."""
+    big = comm.empty(1 << 20)
+    big.fill_(float(rank + 1))
+    comm.all_reduce(torch.ones(8))  # connect, in step
+    if rank == world - 1:
+        time.sleep(3.5)
+    out = _attempt(lambda: comm.all_reduce(big))
+    before = big.clone()
+    time.sleep(3.0)  # the late rank arrives (and would write) meanwhile
+    changed = int((big != before).sum())
+    say(rank=rank, case="late_zero_copy", changed=changed, **out)
+    return True
+
+
+# -------------------------------------------------- 3: foreign exceptions inside
+def _inject(rank: int, case: str):
+    """Make rank 1 fail inside the collective with a non-gradring exception; returns
+    the undo."""
+    from gradring.comm import ops
+    from gradring.comm.transports.shm import segments
+
+    if rank != 1:
+        return lambda: None
+    if case == "mmap_value_error":
+        orig = segments.Segment.open
+
+        def bad_open(name: str, **kw: object) -> None:
+            raise ValueError("mmap offset is greater than file size")
+        segments.Segment.open = bad_open  # type: ignore[method-assign,assignment]
+        return lambda: setattr(segments.Segment, "open", orig)
+    if case == "torch_shape_error":
+        orig_reduce = ops.reduce_into
+
+        def bad_reduce(*args: object, **kw: object) -> None:
+            torch.ones(2) + torch.ones(3)  # the size of tensor a (2) must match ...
+        ops.reduce_into = bad_reduce  # type: ignore[assignment]
+        return lambda: setattr(ops, "reduce_into", orig_reduce)
+    if case == "file_exists":
+        orig_create = segments.Segment.create
+
+        def bad_create(name: str, size: int, **kw: object) -> None:
+            raise FileExistsError(17, "File exists", name)
+        segments.Segment.create = bad_create  # type: ignore[method-assign,assignment]
+        return lambda: setattr(segments.Segment, "create", orig_create)
+    raise ValueError(case)
+
+
+def foreign_error(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 raises something that is not a CollectiveError inside a collective."""
+    sizes = {"mmap_value_error": 1 << 20, "torch_shape_error": 1000, "file_exists": 1 << 20}
+    for case, numel in sizes.items():
+        comm.all_reduce(torch.ones(8))  # connect (fresh transport per case)
+        undo = _inject(rank, case)
+        out = _attempt(lambda n=numel: comm.all_reduce(torch.ones(n)))
+        undo()
+        say(rank=rank, case=case, **out)
+        comm.shutdown()
+        dist.barrier()
+    return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,3 +74,43 @@ def test_small_dev_shm_without_fallback_fails_clearly_everywhere(tmp_path) -> No
         assert err is not None and "CollectiveError" in err, final
         assert "/dev/shm" in err and "--shm-size=" in err and "could not reserve" in err, err
     assert res["leftover"] == []
+
+
+def by_case(result: dict) -> list[dict[str, dict]]:
+    return [{x["case"]: x for x in rank["reports"] if "case" in x} for rank in result["ranks"]]
+
+
+# --------------------------------------------------------------- 2: late peers
+def test_late_peer_on_small_message_path_cannot_succeed(tmp_path) -> None:
+    res = job("late_small", str(tmp_path), env={"GRADRING_TIMEOUT": "2"})
+    early, late = (c["late_small"] for c in by_case(res))
+    assert early["error"] is not None and "timed out after 2s" in early["error"], early
+    # The late rank must not return success for the collective rank 0 failed.
+    assert late["error"] is not None and "CollectiveError" in late["error"], late
+    assert "rank 0 gave up on collective #" in late["error"], late
+    assert late["value"] == 2.0, late  # its tensor is untouched
+
+
+def test_late_peer_on_zero_copy_path_never_writes_into_a_failed_rank(tmp_path) -> None:
+    res = job("late_zero_copy", str(tmp_path), env={"GRADRING_TIMEOUT": "2"})
+    early, late = (c["late_zero_copy"] for c in by_case(res))
+    assert early["error"] is not None and "timed out after 2s" in early["error"], early
+    assert early["changed"] == 0, early  # nobody wrote into rank 0's tensor afterwards
+    assert late["error"] is not None and "rank 0 gave up on collective #" in late["error"], late
+
+
+# -------------------------------------------------- 3: foreign exceptions inside
+def test_foreign_exception_releases_peers_naming_rank_and_exception(tmp_path) -> None:
+    # A 100 s deadline: a peer left waiting for it would run past the job's limit.
+    res = job("foreign_error", str(tmp_path), env={"GRADRING_TIMEOUT": "100"}, timeout=90)
+    mine, theirs = by_case(res)
+    expected = {"mmap_value_error": "ValueError: mmap offset is greater than file size",
+                "torch_shape_error": "RuntimeError: The size of tensor a (2) must match",
+                "file_exists": "FileExistsError: [Errno 17] File exists"}
+    for case, text in expected.items():
+        assert theirs[case]["error"] is not None and text in theirs[case]["error"], theirs
+        err = mine[case]["error"]
+        assert err is not None and "CollectiveError" in err, (case, mine[case])
+        assert re.search(r"rank 1 (\(pid \d+\) )?raised an error", err), (case, err)
+        assert text in err, (case, err)
+        assert "timed out" not in err, (case, err)

@@ -62,7 +62,7 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
     inp = out if plan.input is plan.output else _flat(plan.input)[0]
     entry = plan.entry
     failures = ctx.failures
-    label = "?"
+    label, transport = "?", None
     try:
         label, transport = select.pick_transport(ctx.transports, plan.env.transport, ctx.name)
         nbytes = inp.numel() * inp.element_size()
@@ -75,6 +75,9 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
         transport.start(info)
         algos.run(choice.algo, transport,
                   algos.Call(info, out, inp, plan.op, plan.root, plan.homes))
+        finish = getattr(transport, "finish", None)
+        if finish is not None:
+            finish()  # shm's closing agreement: see [Note: sticky failures]
     except desync.DesyncError as exc:
         raise failures.desync(entry, exc) from None
     except ShmExhausted:
@@ -87,6 +90,12 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
             raise
         raise err from exc
     except BaseException as exc:
+        # Not the transport's own error (a torch shape error, an OSError or ValueError
+        # from mapping memory, KeyboardInterrupt...): fail for the whole group, so that
+        # peers stop waiting at once and can name it.
+        mark = getattr(transport, "mark_failed", None)
+        if mark is not None:
+            mark(exc)
         failures.record(entry, exc)
         raise
     if copy_back:

@@ -18,6 +18,11 @@ bounds an intra-host all-reduce (MEASUREMENTS.md).
   the whole buffer from all ranks' staging copies, in rank order so every rank
   computes identical bits.
 
+Closing agreement: the shm transport ends every collective that did data work
+after its last barrier with one more barrier (``ShmTransport.finish``, called
+by the runner), so no rank returns success for a collective another rank
+failed; see [Note: sticky failures] in ``transports/shm/verdict.py``.
+
 Staged versus zero-copy: a user tensor is copied into one of two alternating
 staging buffers before the exchange; a tensor from ``comm.empty`` is exposed
 as is. Staging buffers need no barrier at the end -- a rank reuses set ``k%2``
@@ -46,6 +51,13 @@ def _staged_copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) 
         ops.copy(dst[hi:], src[hi:])
 
 
+def _still_agreed(t: DirectTransport) -> None:
+    """Raise if some rank already failed this group (shm: its sticky verdict)."""
+    check = getattr(t, "check_verdict", None)
+    if check is not None:
+        check()
+
+
 def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
                        op: Op, homes: Homes | None = None) -> None:
     """Reduce-scatter through direct reads, all-gather through direct writes; see
@@ -71,6 +83,7 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
     # has one reducer, so all ranks still end with the same bits), then write
     # it into every peer's exposed buffer.
     peers = [views[p] for p in range(w) if p != r]
+    _still_agreed(t)  # no writes into peers' memory once any rank gave up
     if homes is None:
         # In place into our own tensor (its lines are in cache: they were just
         # read): measured 5-15% faster at 4-25 MiB than summing into staging.

@@ -78,7 +78,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
     cookie = secrets.randbits(63)
     ctl: Segment | None = None
     try:
-        ctl = Segment.create(f"{base}-0", control_size(world_size))
+        ctl = Segment.create(f"{base}-0", control_size(world_size), keep_fd=rank == 0)
         stamp_control(ctl, rank, world_size, cookie)
         mine = {"base": base, "cookie": cookie}
     except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
@@ -102,7 +102,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         if p == rank:
             continue
         try:
-            seg = Segment.open(f"{c['base']}-0")
+            seg = Segment.open(f"{c['base']}-0", keep_fd=p == 0)  # rank 0's: the lock
             peers[p] = seg
             if not control_matches(seg, infos[p]["pid"], p, world_size, c["cookie"]):
                 problem = f"rank {p}'s control segment is not what it announced"

@@ -108,7 +108,7 @@ def unlink_quietly(name: str, owner_pid: int | None = None) -> None:
 class Segment:
     """One mapped segment: its bytes as a tensor, its 32-bit words, its address."""
 
-    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool, fd: int = -1) -> None:
         # /dev/shm name (without directory), to unlink and to show in errors.
         self.name = name
         # The mapping; everything below is a view of it.
@@ -131,19 +131,26 @@ class Segment:
         self._linked = owner
         # The creating process: a forked child must not unlink its parent's segments.
         self._pid = os.getpid()
+        # An open descriptor of the segment, kept only where asked (file locks), else -1.
+        self.fd = fd
 
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
-        return cls(name, _create_mapping(name, size), owner=True)
+    def create(cls, name: str, size: int, *, keep_fd: bool = False) -> Segment:
+        mm, fd = _create_mapping(name, size, keep_fd=keep_fd)
+        return cls(name, mm, owner=True, fd=fd)
 
     @classmethod
-    def open(cls, name: str) -> Segment:
+    def open(cls, name: str, *, keep_fd: bool = False) -> Segment:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
             mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, mm, owner=False)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        return cls(name, mm, owner=False, fd=fd)
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat typed tensor over ``[offset, offset + nbytes)``."""
@@ -158,6 +165,9 @@ class Segment:
     def close(self) -> None:
         """Unlink (if owned) and unmap; a mapping still viewed by tensors is left to GC."""
         self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.words.release()
         self.bytes = None
         self.array = None
@@ -177,7 +187,7 @@ def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
     The tensor keeps the mapping alive; nothing else here holds it, so it is
     unmapped when the caller's last view goes.
     """
-    mm = _create_mapping(name, nbytes)
+    mm, _ = _create_mapping(name, nbytes)
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm
 
 
@@ -226,7 +236,7 @@ def _reserve(fd: int, name: str, size: int) -> None:
             raise ShmFull(name, size, *shm_space()) from None
 
 
-def _create_mapping(name: str, nbytes: int) -> mmap.mmap:
+def _create_mapping(name: str, nbytes: int, *, keep_fd: bool = False) -> tuple[mmap.mmap, int]:
     """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages and
     reserved (:class:`ShmFull` if it does not fit), and map it."""
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
@@ -240,5 +250,7 @@ def _create_mapping(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
         unlink_quietly(name)
         raise
+    if keep_fd:
+        return mm, fd
     os.close(fd)
-    return mm
+    return mm, -1
