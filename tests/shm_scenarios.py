@@ -148,3 +148,106 @@ def foreign_error(rank: int, world: int, tmp: str) -> bool:
         comm.shutdown()
         dist.barrier()
     return True
+
+
+# ---------------------------------------------------------------- 4: squatters
+NOBODY = 65534
+
+
+def _squat(names: list[str]) -> int:
+    """Create ``names`` in /dev/shm as user nobody (a forked child); how many it got."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the squatter
+        made = 0
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            for n in names:
+                try:
+                    os.close(os.open(os.path.join("/dev/shm", n),
+                                     os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                    made += 1
+                except OSError:
+                    pass
+        finally:
+            os.write(w, str(made).encode())
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    made = int(os.read(r, 64) or b"0")
+    os.close(r)
+    return made
+
+
+def _guesses(pid: int) -> list[str]:
+    """What an outsider can derive from the names it sees: the same prefix with the
+    next numbers (the old scheme counted up), and the same for every visible prefix."""
+    seen = [n for n in os.listdir("/dev/shm") if n.startswith(f"gradring-{pid}-")]
+    prefixes = {n.rsplit("-", 1)[0] for n in seen} | {n.rsplit("-", 2)[0] for n in seen}
+    return sorted({f"{p}-{k}" for p in prefixes for k in range(64)} - set(seen))
+
+
+def squat(rank: int, world: int, tmp: str) -> bool:
+    """User nobody pre-creates every name it can guess (and, white-box, the exact next
+    two names of this rank); DDP must still build and train like torch's DDP."""
+    from gradring.comm.context import context
+    from gradring.comm.transports.shm import segments
+
+    comm.all_reduce(torch.ones(1 << 17))  # connect; creates a staging segment
+    names = _guesses(os.getpid())
+    shm = context(None).transports.existing_shm()
+    if hasattr(segments, "segment_name"):  # the exact next names: force the retry
+        nxt = next(shm._segnos)
+        names += [segments.segment_name(shm._base, shm._secret, nxt + i) for i in (1, 2)]
+    made = _squat(names)
+    dist.barrier()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+        for ddp, m in ((gradring.DistributedDataParallel(ours, bucket_cap_mb=0.02), ours),
+                       (nn.parallel.DistributedDataParallel(theirs), theirs)):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for step in range(3):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(step * 10 + rank)
+                ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+                opt.step()
+        x = torch.full((1 << 20,), float(rank + 1))  # a larger staging set: a new name
+        comm.all_reduce(x)
+        diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(),
+                                                              theirs.parameters()))
+        say(rank=rank, error=None, squatted=made, diff=diff, value=float(x[0]))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        say(rank=rank, error=_error(exc), squatted=made)
+    for n in names:
+        try:
+            if os.stat(os.path.join("/dev/shm", n)).st_uid == NOBODY:
+                os.unlink(os.path.join("/dev/shm", n))
+        except OSError:
+            pass
+    comm.shutdown()
+    return False
+
+
+def bad_offset(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 publishes an offset near the end of its staging segment."""
+    from gradring.comm.transports.shm.transport import ShmTransport
+
+    comm.all_reduce(torch.ones(8))
+    if rank == 1:
+        orig = ShmTransport.exchange
+
+        def lying(self, info, exposed, *, zero_copy):  # type: ignore[no-untyped-def]
+            if self._exposed is not None:
+                segno, _ = self._exposed
+                seg = next(s for s in self._staging if s is not None
+                           and self._segno_of(s) == segno)
+                self._exposed = (segno, seg.size - 4)
+            return orig(self, info, exposed, zero_copy=zero_copy)
+        ShmTransport.exchange = lying  # type: ignore[method-assign]
+    x = torch.full((1000,), float(rank + 1))
+    out = _attempt(lambda: comm.all_reduce(x))
+    say(rank=rank, case="bad_offset", value=float(x[0]), **out)
+    return True

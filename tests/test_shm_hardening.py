@@ -114,3 +114,67 @@ def test_foreign_exception_releases_peers_naming_rank_and_exception(tmp_path) ->
         assert re.search(r"rank 1 (\(pid \d+\) )?raised an error", err), (case, err)
         assert text in err, (case, err)
         assert "timed out" not in err, (case, err)
+
+
+# ---------------------------------------------------------------- 4: squatters
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as user nobody")
+def test_squatted_names_do_not_stop_the_job(tmp_path) -> None:
+    res = job("squat", str(tmp_path))
+    for final in finals(res):
+        assert final["squatted"] > 0, final  # the outsider did create names
+        assert final["error"] is None, final
+        assert final["diff"] < 1e-6 and final["value"] == 3.0, final
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("gradring-")
+                and os.stat(f"/dev/shm/{n}").st_uid == 65534]
+
+
+def _as_nobody(path: str) -> None:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            os.truncate(path, 4096)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as user nobody")
+def test_peer_segments_are_opened_only_when_they_are_ours() -> None:
+    from gradring.comm.transports.shm import segments
+
+    base = f"gradring-{os.getpid()}-1-77"
+    foreign, loose, link = (f"{base}-{k}" for k in ("aa", "bb", "cc"))
+    paths = [os.path.join(segments.SHM_DIR, n) for n in (foreign, loose, link)]
+    try:
+        _as_nobody(paths[0])
+        fd = os.open(paths[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        os.fchmod(fd, 0o644)
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+        os.symlink(paths[1], paths[2])
+        with pytest.raises(PermissionError, match="owner uid 65534"):
+            segments.Segment.open(foreign)
+        with pytest.raises(PermissionError, match="mode 644"):
+            segments.Segment.open(loose)
+        with pytest.raises(OSError) as info:
+            segments.Segment.open(link)
+        assert info.value.errno == 40  # ELOOP: O_NOFOLLOW
+        for bad in ("gradring-1-2-../../etc/passwd", "gradring-1-2-a/b", "../gradring-1-2-a"):
+            with pytest.raises(ValueError, match="no path separator"):
+                segments.Segment.open(bad)
+    finally:
+        for p in paths:
+            if os.path.lexists(p):
+                os.unlink(p)
+
+
+def test_offset_past_the_segment_end_is_an_error_not_a_wrong_sum(tmp_path) -> None:
+    res = job("bad_offset", str(tmp_path), env={"GRADRING_TIMEOUT": "30"})
+    honest, liar = (c["bad_offset"] for c in by_case(res))
+    assert honest["error"] is not None and "past the end of its segment" in honest["error"], \
+        honest
+    assert "rank 1" in honest["error"] and honest["value"] == 1.0, honest  # untouched
+    assert liar["error"] is not None, liar  # the closing agreement: it fails as well

@@ -63,10 +63,9 @@ class SegmentBook:
         if nbytes == 0:
             return torch.empty(numel, dtype=dtype)
         with self._lock:
-            segno = next(self._segnos)
-            name = f"{self._base}-{segno}"
             try:
-                raw, mm = segments.user_segment(name, nbytes)
+                segno, name, (raw, mm) = self._fresh(
+                    lambda name: segments.user_segment(name, nbytes))
             except segments.ShmFull as exc:  # ordinary memory: collectives on it are staged
                 space.warn_once(space.advice(exc.needed, self.reserved, self.world_size)
                                 + "; comm.empty() returns ordinary memory meanwhile (and "
@@ -112,14 +111,28 @@ class SegmentBook:
         return view
 
     def _segno_of(self, seg: Segment) -> int:
-        return int(seg.name.rsplit("-", 1)[1])
+        return seg.segno
+
+    def _fresh(self, make: Any) -> tuple[int, str, Any]:
+        """``(segno, name, make(name))`` for the next segment number whose name is free:
+        a name someone else created first (``FileExistsError``) is skipped."""
+        for _ in range(16):
+            segno = next(self._segnos)
+            name = segments.segment_name(self._base, self._secret, segno)
+            try:
+                return segno, name, make(name)
+            except FileExistsError:
+                continue  # squatted (or left over): the next number has another name
+        raise FileExistsError(f"16 fresh shared-memory names of {self._base} all exist "
+                              f"already in {segments.SHM_DIR}: is someone squatting them?")
 
     def _grow_staging(self, k: int, nbytes: int) -> Segment:
         old = self._staging[k]
         size = max(nbytes, 64 * 1024, 2 * old.size if old else 0)
         with self._lock:
-            seg = Segment.create(f"{self._base}-{next(self._segnos)}", size)
-            self._register(seg.address, seg.size, self._segno_of(seg), seg.mm)
+            segno, _, seg = self._fresh(lambda name: Segment.create(name, size))
+            seg.segno = segno
+            self._register(seg.address, seg.size, segno, seg.mm)
         self.reserved += seg.size - (old.size if old else 0)
         self._staging[k] = seg
         self._views.clear()
@@ -131,10 +144,11 @@ class SegmentBook:
     def _peer_segment(self, p: int, segno: int) -> Segment:
         seg = self._peer_segs[p].get(segno)
         if seg is None:
-            name = f"{self._peer_bases[p]}-{segno}"
+            name = segments.segment_name(self._peer_bases[p], self._secret, segno)
             try:
                 seg = Segment.open(name)
-            except OSError as exc:
+                seg.segno = segno
+            except (OSError, ValueError) as exc:
                 self._check_alive(f"mapping {name}", [p])
                 raise self._fail(f"cannot map its segment {name}: {exc}", [p]) from exc
             self._peer_segs[p][segno] = seg

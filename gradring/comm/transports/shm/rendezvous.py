@@ -7,12 +7,13 @@ store, never reads stale keys):
 
 1. ``info/<rank>``: the host identity (``topology.host_identity``: hostname,
    boot id, network and pid namespaces, the ``/dev/shm`` device), pid, a
-   random token. Shared memory is used only if all ranks have the same host
+   random secret (rank 0's keys every segment name, see [Note: segment names
+   and leaks]). Shared memory is used only if all ranks have the same host
    identity (and the CPU is x86-64, see ``futex.py``). Every rank sees the same data, so every
    rank reaches the same verdict and none waits for a transport the others
    gave up on.
-2. ``ctl/<rank>``: the name prefix of the rank's segments and a random
-   cookie written into its control segment. Job id = rank 0's token.
+2. ``ctl/<rank>``: the name prefix of the rank's segments, the number of its
+   control segment and a random cookie written into it.
 3. ``ok/<rank>``: whether this rank could map every peer's control segment
    and read the right cookie back -- the proof that /dev/shm really is shared
    (two containers may share a hostname but not /dev/shm).
@@ -63,7 +64,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
     processes are removed (see [Note: segment names and leaks]).
     """
     key = instance_prefix(store, "shm", world_size)  # one generation per group instance
-    me = dict(host_identity(), pid=os.getpid(), token=secrets.token_hex(4))
+    me = dict(host_identity(), pid=os.getpid(), secret=secrets.token_hex(16))
     store.set(f"{key}info/{rank}", json.dumps(me))
     infos = _gather(store, f"{key}info/", world_size, timeout)
     ident = host_identity()
@@ -73,14 +74,14 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
     if others:
         return None, f"ranks {others} run on another host, boot or pid namespace"
     _cleanup_once()
-    base = segments.segment_base(os.getpid(), ident["pidns"], infos[0]["token"],
-                                 next(_transport_counter))
+    base = segments.segment_base(os.getpid(), ident["pidns"], next(_transport_counter))
+    secret = str(infos[0]["secret"])  # the job's naming key: never in a name
     cookie = secrets.randbits(63)
     ctl: Segment | None = None
     try:
-        ctl = Segment.create(f"{base}-0", control_size(world_size), keep_fd=rank == 0)
+        ctl, ctl_no = _create_control(base, secret, world_size, rank == 0)
         stamp_control(ctl, rank, world_size, cookie)
-        mine = {"base": base, "cookie": cookie}
+        mine = {"base": base, "ctl": ctl_no, "cookie": cookie}
     except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
         mine = {"error": str(exc)}
         if isinstance(exc, segments.ShmFull):
@@ -102,11 +103,13 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         if p == rank:
             continue
         try:
-            seg = Segment.open(f"{c['base']}-0", keep_fd=p == 0)  # rank 0's: the lock
+            name = segments.segment_name(segments.check_name(c["base"]), secret, int(c["ctl"]))
+            seg = Segment.open(name, keep_fd=p == 0,  # rank 0's: the group lock
+                               min_size=control_size(world_size))
             peers[p] = seg
             if not control_matches(seg, infos[p]["pid"], p, world_size, c["cookie"]):
                 problem = f"rank {p}'s control segment is not what it announced"
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             problem = f"cannot map rank {p}'s control segment: {exc}"
     store.set(f"{key}ok/{rank}", json.dumps(problem))
     verdicts = _gather(store, f"{key}ok/", world_size, timeout)
@@ -120,4 +123,19 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         return None, "; ".join(bad)
     return ShmTransport(rank=rank, world_size=world_size, base=base, ctl=ctl,
                         peer_ctls=peers, peer_bases=[c["base"] for c in ctls],
-                        pids=[i["pid"] for i in infos], timeout=timeout), ""
+                        pids=[i["pid"] for i in infos], timeout=timeout, secret=secret,
+                        first_segno=ctl_no + 1), ""
+
+
+def _create_control(base: str, secret: str, world_size: int,
+                    keep_fd: bool) -> tuple[Segment, int]:
+    """This rank's control segment under the first free name (squatted names skipped)."""
+    for segno in range(16):
+        try:
+            seg = Segment.create(segments.segment_name(base, secret, segno),
+                                 control_size(world_size), keep_fd=keep_fd)
+        except FileExistsError:
+            continue
+        seg.segno = segno
+        return seg, segno
+    raise FileExistsError(f"16 fresh control-segment names of {base} all exist already")

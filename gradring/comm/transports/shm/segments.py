@@ -1,12 +1,18 @@
 """Named shared-memory segments under /dev/shm: naming, mapping, cleanup.
 
 [Note: segment names and leaks]
-A segment is ``/dev/shm/gradring-<pid>-<pidns>-<job>-<transport>-<n>``:
-the owner's pid and pid-namespace inode (so a later process can tell whether
-the owner still lives), the job token agreed through the store (two jobs on
-one host never collide), a per-process transport counter and a per-transport
-segment counter. Owners unlink their segments on close and at interpreter
-exit; control segments are unlinked as soon as every peer has mapped them.
+A segment is ``/dev/shm/gradring-<pid>-<pidns>-<transport>-<digest>``: the
+owner's pid and pid-namespace inode (so a later process can tell whether the
+owner still lives), a per-process transport counter, and a keyed hash of the
+segment's number under a secret that rank 0 draws and shares through the
+store (:func:`segment_name`). /dev/shm is world-listable, but an outsider who
+sees one name cannot predict the next, so cannot squat it; a name that exists
+anyway (``O_EXCL`` fails) is skipped for the next number. Peers open segments
+with ``O_NOFOLLOW`` and refuse one that is not a regular file of their own
+user with mode 0600 (:meth:`Segment.open`), and names that arrive through the
+store must look like ours (:func:`check_name`: no path separator). Owners
+unlink their segments on close and at interpreter exit; control segments are
+unlinked as soon as every peer has mapped them.
 After a ``kill -9`` the names that remain are removed by the next process
 that starts a shm transport: :func:`remove_stale_segments` deletes every
 ``gradring-*`` segment of this pid namespace whose owner is dead.
@@ -16,8 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import mmap
 import os
+import re
+import stat
 from typing import Any
 
 import numpy as np
@@ -59,9 +68,29 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def segment_base(pid: int, ns: int, job: str, transport: int) -> str:
-    """Common prefix of one transport's segments; segment ``n`` is ``<base>-<n>``."""
-    return f"{PREFIX}{pid}-{ns}-{job}-{transport}"
+def segment_base(pid: int, ns: int, transport: int) -> str:
+    """Common prefix of one transport's segments (see :func:`segment_name`)."""
+    return f"{PREFIX}{pid}-{ns}-{transport}"
+
+
+_NAME = re.compile(r"gradring-[0-9]+-[0-9]+-[0-9a-f-]{1,120}")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it can be one of ours; ValueError for anything else (a name with a
+    path separator, dots, or foreign characters, e.g. from a corrupted store)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"refusing shared-memory segment name {name!r}: not a gradring "
+                         f"name (gradring-<pid>-<pidns>-..., no path separator)")
+    return name
+
+
+def segment_name(base: str, secret: str, segno: int) -> str:
+    """Name of segment ``segno`` of the transport whose prefix is ``base``: a keyed
+    hash, unpredictable without the job's ``secret`` (see the module note)."""
+    digest = hashlib.blake2b(f"{base}/{segno}".encode(), key=bytes.fromhex(secret),
+                             digest_size=8).hexdigest()
+    return f"{base}-{digest}"
 
 
 def owner_of(name: str) -> tuple[int, int] | None:
@@ -133,6 +162,8 @@ class Segment:
         self._pid = os.getpid()
         # An open descriptor of the segment, kept only where asked (file locks), else -1.
         self.fd = fd
+        # Its number within the owner's transport (0 until the transport sets it).
+        self.segno = 0
 
     @classmethod
     def create(cls, name: str, size: int, *, keep_fd: bool = False) -> Segment:
@@ -140,10 +171,23 @@ class Segment:
         return cls(name, mm, owner=True, fd=fd)
 
     @classmethod
-    def open(cls, name: str, *, keep_fd: bool = False) -> Segment:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    def open(cls, name: str, *, keep_fd: bool = False, min_size: int = 0) -> Segment:
+        """Map a peer's segment: never through a symlink, only a regular file of this
+        user with mode 0600 and at least ``min_size`` bytes (else PermissionError or
+        ValueError naming what is wrong)."""
+        fd = os.open(os.path.join(SHM_DIR, check_name(name)),
+                     os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            st = os.fstat(fd)
+            mode = stat.S_IMODE(st.st_mode)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or mode & 0o077:
+                raise PermissionError(
+                    errno.EPERM, f"refusing {SHM_DIR}/{name}: owner uid {st.st_uid}, mode "
+                    f"{mode:o}; expected a regular file of uid {os.geteuid()} with mode 600")
+            if st.st_size < max(min_size, 1):
+                raise ValueError(f"{SHM_DIR}/{name} has {st.st_size} bytes, expected at "
+                                 f"least {max(min_size, 1)}")
+            mm = mmap.mmap(fd, st.st_size)
         except BaseException:
             os.close(fd)
             raise

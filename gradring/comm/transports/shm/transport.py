@@ -81,12 +81,14 @@ class ShmTransport(SegmentBook):
 
     def __init__(self, *, rank: int, world_size: int, base: str, ctl: Segment,
                  peer_ctls: list[Segment | None], peer_bases: list[str], pids: list[int],
-                 timeout: float) -> None:
+                 timeout: float, secret: str, first_segno: int = 1) -> None:
         # This rank and the group size (group ranks, not global ones).
         self.rank = rank
         self.world_size = world_size
-        # Name prefix of every segment this rank creates ("<base>-<segno>").
+        # Name prefix of every segment this rank creates, and the job's key that
+        # turns (prefix, segno) into a name (segments.segment_name).
         self._base = base
+        self._secret = secret
         # This rank's control segment (layout in the module docstring).
         self._ctl = ctl
         # Every rank's control segment, this rank's own included.
@@ -103,8 +105,8 @@ class ShmTransport(SegmentBook):
         self._epoch = 0
         # Exchanges so far: picks the descriptor slot and staging set.
         self._exchanges = 0
-        # Next segment number (0 is the control segment).
-        self._segnos = itertools.count(1)
+        # Next segment number (those below are the control segment or were squatted).
+        self._segnos = itertools.count(first_segno)
         # Two staging segments, used alternately (see [Note: direct algorithms]).
         self._staging: list[Segment | None] = [None, None]
         # Own data memory, sorted by address: (start, end, segno, weakref to mapping).
@@ -291,6 +293,14 @@ class ShmTransport(SegmentBook):
         self._broken = msg
         return CollectiveError(msg)
 
+    def _fail_peer(self, p: int, what: str) -> CollectiveError:
+        """Rank ``p`` published something impossible: fail (for the group), naming it."""
+        self._decide(shm_status.LOST_PEER, f"rank {p} published a bad descriptor")
+        info = self._info.describe() if self._info else "collective"
+        msg = f"gradring {info} failed on rank {self.rank}: rank {p} is unusable: {what}"
+        self._broken = msg
+        return CollectiveError(msg)
+
     def mark_failed(self, exc: BaseException) -> None:
         """Any other exception on the collective path: fail for the group, so peers stop
         waiting at their next slice and can name the exception."""
@@ -472,8 +482,12 @@ class ShmTransport(SegmentBook):
                     self._peer_staging[p][slot] = psegno
             else:
                 any_zero_copy = True
-            views.append(self._view(p, self._peer_segment(p, psegno), psegno, poff, pbytes,
-                                    info.dtype))
+            seg = self._peer_segment(p, psegno)
+            if poff + pbytes > seg.size:  # offsets are unsigned: only the end can overflow
+                raise self._fail_peer(p, f"its descriptor points past the end of its segment "
+                                         f"{seg.name} (bytes {poff}..{poff + pbytes} of "
+                                         f"{seg.size})")
+            views.append(self._view(p, seg, psegno, poff, pbytes, info.dtype))
         self._open = any(v is not None for v in views)
         return Exchange(views, any_zero_copy)
 
