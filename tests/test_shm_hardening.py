@@ -178,3 +178,30 @@ def test_offset_past_the_segment_end_is_an_error_not_a_wrong_sum(tmp_path) -> No
         honest
     assert "rank 1" in honest["error"] and honest["value"] == 1.0, honest  # untouched
     assert liar["error"] is not None, liar  # the closing agreement: it fails as well
+
+
+# ------------------------------------------------------------------- 5: leaks
+def test_freeing_many_buckets_at_once_leaks_no_mappings(tmp_path) -> None:
+    res = job("leak_buckets", str(tmp_path))
+    for final in finals(res):
+        counts = final["counts"]
+        # The first cycle warms up (staging, connections); afterwards nothing may grow.
+        for maps, fds in counts[2:]:
+            assert maps <= counts[1][0] and fds <= counts[1][1], counts
+
+
+@pytest.mark.parametrize("prev", ["default", "raise"])
+def test_sigterm_releases_segments_reports_and_still_ends_the_process(tmp_path, prev) -> None:
+    res = job("sigterm", str(tmp_path), env={"GRADRING_TIMEOUT": "60",
+                                            "SHM_TEST_PREV_HANDLER": prev})
+    victim, sender = res["ranks"]
+    names = next(r for r in victim["reports"] if "names" in r)["names"]
+    assert names, victim  # it did own named segments
+    left = finals({"ranks": [sender]})[0]["leftover"]
+    assert left == [], left
+    err = victim["stderr"]
+    assert "gradring: SIGTERM" in err and "all_reduce #" in err and "rank 1" in err, err
+    if prev == "default":
+        assert victim["code"] == -15, victim  # the signal was not swallowed
+    else:
+        assert "previous handler ran" in err and victim["code"] == 7, victim

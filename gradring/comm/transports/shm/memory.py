@@ -173,12 +173,28 @@ class SegmentBook:
             words[RETIRED_WORD] = self._retired_count & _MASK
 
     def _collect_retired(self, p: int) -> None:
+        """Unmap what rank ``p`` retired since we last looked.
+
+        The ring holds the last ``RETIRED_RING`` numbers only, and ``p`` may
+        overwrite slots while we read them (it can be one collective ahead). If
+        more were retired than the ring holds, the missed numbers are unknown:
+        then every mapping of ``p``'s ``comm.empty`` segments goes (live ones are
+        mapped again by name when next used), so nothing leaks however many
+        buckets are freed at once."""
         words = self._words[p]
         count = words[RETIRED_WORD]
         seen = self._peer_retired[p]
         if count == seen:
             return
-        for i in range(max(seen, count - RETIRED_RING), count):
-            self._forget_peer_segment(p, words[RETIRED_WORD + 1 + i % RETIRED_RING])
+        lost = ((count - seen) & _MASK) > RETIRED_RING
+        if not lost:
+            segnos = [words[RETIRED_WORD + 1 + i % RETIRED_RING]
+                      for i in range(seen, seen + ((count - seen) & _MASK))]
+            lost = ((words[RETIRED_WORD] - seen) & _MASK) > RETIRED_RING  # overwritten?
+        if lost:
+            keep = set(self._peer_staging[p])
+            segnos = [n for n in self._peer_segs[p] if n not in keep]
+        for segno in segnos:
+            self._forget_peer_segment(p, segno)
         self._peer_retired[p] = count
 

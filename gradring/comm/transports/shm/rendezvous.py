@@ -32,10 +32,15 @@ from datetime import timedelta
 from typing import Any
 
 from gradring.comm.store import instance_prefix
-from gradring.comm.transports.shm import futex, segments, space
+from gradring.comm.transports.shm import futex, segments, sigterm, space
 from gradring.comm.transports.shm.layout import control_size
 from gradring.comm.transports.shm.segments import Segment
-from gradring.comm.transports.shm.transport import ShmTransport, control_matches, stamp_control
+from gradring.comm.transports.shm.transport import (
+    ShmTransport,
+    control_matches,
+    live_transports,
+    stamp_control,
+)
 from gradring.comm.transports.topology import host_identity
 
 _transport_counter = itertools.count()
@@ -121,6 +126,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
                 seg.close()
         ctl.close()
         return None, "; ".join(bad)
+    sigterm.install(live_transports)
     return ShmTransport(rank=rank, world_size=world_size, base=base, ctl=ctl,
                         peer_ctls=peers, peer_bases=[c["base"] for c in ctls],
                         pids=[i["pid"] for i in infos], timeout=timeout, secret=secret,

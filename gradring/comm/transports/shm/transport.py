@@ -164,6 +164,8 @@ class ShmTransport(SegmentBook):
         # Whether the collective in flight did data work after its last barrier (then
         # ``finish`` adds the closing barrier).
         self._open = False
+        # A collective is between start() and a successful finish() (SIGTERM reports it).
+        self._busy = False
         _live.add(self)
 
     # -- lifecycle and errors ----------------------------------------------------
@@ -175,6 +177,7 @@ class ShmTransport(SegmentBook):
         self._info = info
         self._deadline = time.monotonic() + self._timeout
         self._open = False
+        self._busy = True
         first = verdict.read(self._leader)
         if first is not None:
             raise self._fail_sticky(first)
@@ -322,6 +325,37 @@ class ShmTransport(SegmentBook):
         barrier (see [Note: sticky failures])."""
         if self._open:
             self.barrier("at the closing barrier of the collective")
+        self._busy = False
+
+    # -- SIGTERM (sigterm.py) -------------------------------------------------------------
+    def pending_error(self) -> str:
+        """A failure not raised yet, or the collective in flight and where every peer is."""
+        if self._ctl is None:
+            return ""
+        if self._broken is not None:
+            return self._broken
+        if not self._busy or self._info is None:
+            return ""
+        seq = self._info.seq
+        return (f"gradring {self._info.describe()} was in flight on rank {self.rank}: "
+                + "; ".join(self._note(p, seq) for p in range(self.world_size)
+                            if p != self.rank))
+
+    def release_names(self) -> None:
+        """Unlink every segment name this process owns (mappings stay) and tell peers
+        this rank is gone. Safe from a signal handler."""
+        if self._ctl is None or os.getpid() != self._pid:
+            return
+        for fin in list(self._finalizers):
+            found = fin.peek()
+            if found is not None:
+                segments.unlink_quietly(found[2][0], self._pid)
+        for seg in self._staging:
+            if seg is not None:
+                seg.unlink()
+        self._ctl.unlink()
+        if self._broken is None:
+            self._set_state(shm_status.CLOSED)
 
     def _check_alive(self, what: str, waiting_for: Sequence[int]) -> None:
         """Raise if a peer we wait for died or left, a peer that has not reached this
@@ -544,6 +578,11 @@ def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: 
     """Whether a mapped control segment carries the header its owner announced."""
     magic, ppid, prank, pworld, _, pcookie = HEADER.unpack_from(seg.mm, 0)
     return (magic, ppid, prank, pworld, pcookie) == (MAGIC, pid, rank, world_size, cookie)
+
+
+def live_transports() -> list[ShmTransport]:
+    """Every shm transport of this process that is not closed yet."""
+    return list(_live)
 
 
 @atexit.register
