@@ -317,3 +317,65 @@ def sigterm(rank: int, world: int, tmp: str) -> bool:
         segments.unlink_quietly(n)
     comm.shutdown()
     return False
+
+
+# -------------------------------------------------------- also: flight, retries
+def _small_ddp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.005)
+    dist.barrier()  # start training together: the deadlines here are short
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+
+def _ddp_step(ddp: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    opt.zero_grad()
+    ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
+def flight_stall(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 stalls at step 3; rank 0 times out, then kills it (as torchrun would):
+    only rank 0 leaves a flight-recorder dump."""
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    ddp, opt = _small_ddp()
+    for step in range(6):
+        if rank == 1 and step == 3:
+            time.sleep(60)
+        try:
+            _ddp_step(ddp, opt, step, rank)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            say(rank=rank, error=_error(exc), step=step)
+            os.kill(pids[1], signal.SIGKILL)
+            return True
+    say(rank=rank, error=None)
+    return True
+
+
+def keep_training(rank: int, world: int, tmp: str) -> bool:
+    """Rank 0 catches gradring's error and trains on; count the store waits it makes."""
+    import gradring.comm.store as store_mod
+
+    ddp, opt = _small_ddp()
+    for step in range(2):
+        _ddp_step(ddp, opt, step, rank)
+    if rank == 1:
+        time.sleep(5)
+    first = _attempt(lambda: _ddp_step(ddp, opt, 2, rank))
+    sleeps = []
+    real = store_mod.time
+
+    class CountingTime:  # only store.py's clock: count its polling sleeps
+        monotonic = staticmethod(real.monotonic)
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            sleeps.append(s)
+            real.sleep(s)
+    store_mod.time = CountingTime  # type: ignore[assignment]
+    again = _attempt(lambda: _ddp_step(ddp, opt, 3, rank))
+    store_mod.time = real
+    say(rank=rank, case="keep_training", first=first, again=again, sleeps=len(sleeps))
+    return True

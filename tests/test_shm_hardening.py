@@ -205,3 +205,34 @@ def test_sigterm_releases_segments_reports_and_still_ends_the_process(tmp_path, 
         assert victim["code"] == -15, victim  # the signal was not swallowed
     else:
         assert "previous handler ran" in err and victim["code"] == 7, victim
+
+
+# -------------------------------------------------------- also: flight, retries
+def test_flight_names_the_stuck_collective_when_the_stalled_rank_left_no_dump(tmp_path) -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from gradring.tools import flight
+
+    fr = tmp_path / "flight"
+    res = job("flight_stall", str(tmp_path), env={"GRADRING_TIMEOUT": "5",
+                                                 "GRADRING_FLIGHT_RECORDER": str(fr)})
+    err = finals({"ranks": res["ranks"][:1]})[0]["error"]
+    assert err is not None and "timed out" in err, err
+    stuck = re.search(r"all_reduce #(\d+)", err).group(1)
+    assert res["ranks"][1]["code"] == -9 and sorted(os.listdir(fr)) == ["rank0.json"]
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = flight.main([str(fr)])
+    text = buf.getvalue()
+    assert code == 1 and f"first disagreement: group 0 #{stuck}\n" in text, (stuck, text)
+    assert "rank 1: did not reach it; left no dump" in text, text
+    assert f"the others saw it last start all_reduce #{int(stuck) - 1}" in text, text
+
+
+def test_rank_that_trains_on_after_an_error_gets_the_next_one_without_waiting(tmp_path) -> None:
+    res = job("keep_training", str(tmp_path), env={"GRADRING_TIMEOUT": "2"})
+    mine = by_case(res)[0]["keep_training"]
+    assert mine["first"]["error"] is not None and "timed out" in mine["first"]["error"], mine
+    assert mine["again"]["error"] is not None, mine  # it still fails ...
+    assert mine["sleeps"] == 0, mine  # ... without polling the store for the peers

@@ -33,14 +33,9 @@ from typing import Any
 
 from gradring.comm.store import instance_prefix
 from gradring.comm.transports.shm import futex, segments, sigterm, space
-from gradring.comm.transports.shm.layout import control_size
+from gradring.comm.transports.shm.layout import HEADER, MAGIC, control_size
 from gradring.comm.transports.shm.segments import Segment
-from gradring.comm.transports.shm.transport import (
-    ShmTransport,
-    control_matches,
-    live_transports,
-    stamp_control,
-)
+from gradring.comm.transports.shm.transport import ShmTransport, live_transports
 from gradring.comm.transports.topology import host_identity
 
 _transport_counter = itertools.count()
@@ -145,3 +140,14 @@ def _create_control(base: str, secret: str, world_size: int,
         seg.segno = segno
         return seg, segno
     raise FileExistsError(f"16 fresh control-segment names of {base} all exist already")
+
+
+def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
+    """Write the header of a fresh control segment."""
+    HEADER.pack_into(seg.mm, 0, MAGIC, os.getpid(), rank, world_size, 0, cookie)
+
+
+def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: int) -> bool:
+    """Whether a mapped control segment carries the header its owner announced."""
+    magic, ppid, prank, pworld, _, pcookie = HEADER.unpack_from(seg.mm, 0)
+    return (magic, ppid, prank, pworld, pcookie) == (MAGIC, pid, rank, world_size, cookie)

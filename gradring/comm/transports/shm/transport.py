@@ -45,8 +45,6 @@ from gradring.comm.transports.shm.layout import (
     BARRIER_WORD,
     CHAN_MAPPED,
     DESC,
-    HEADER,
-    MAGIC,
     RETIRED_WORD,
     chan_word,
     desc_offset,
@@ -341,6 +339,20 @@ class ShmTransport(SegmentBook):
                 + "; ".join(self._note(p, seq) for p in range(self.world_size)
                             if p != self.rank))
 
+    def peer_progress(self) -> dict[int, dict[str, Any]]:
+        """Each peer's status block as this rank reads it (for the flight recorder)."""
+        if self._ctl is None:
+            return {}
+        states = {shm_status.RUNNING: "running", shm_status.CLOSED: "closed",
+                  shm_status.FAILED: "failed"}
+        out = {}
+        for p in range(self.world_size):
+            if p != self.rank:
+                st = self._status(p)
+                out[p] = {"seq": st.seq, "state": states.get(st.state, "?"), "what": st.last(),
+                          "alive": segments.pid_alive(self._pids[p]), "source": "shm status"}
+        return out
+
     def release_names(self) -> None:
         """Unlink every segment name this process owns (mappings stay) and tell peers
         this rank is gone. Safe from a signal handler."""
@@ -567,17 +579,6 @@ class ShmTransport(SegmentBook):
         theirs = (st.seq, st.kind, st.nbytes, st.dtype, st.shape, self._fp[5])
         if theirs[:4] != self._fp[:4] or self._full_check and theirs != self._fp:
             self._desync(src, theirs)
-
-
-def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
-    """Write the header of a fresh control segment."""
-    HEADER.pack_into(seg.mm, 0, MAGIC, os.getpid(), rank, world_size, 0, cookie)
-
-
-def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: int) -> bool:
-    """Whether a mapped control segment carries the header its owner announced."""
-    magic, ppid, prank, pworld, _, pcookie = HEADER.unpack_from(seg.mm, 0)
-    return (magic, ppid, prank, pworld, pcookie) == (MAGIC, pid, rank, world_size, cookie)
 
 
 def live_transports() -> list[ShmTransport]:
