@@ -73,9 +73,9 @@ def _attempt(fn) -> dict:
     t0 = time.monotonic()
     try:
         fn()
-        return {"error": None, "took": time.monotonic() - t0}
+        return {"error": None, "took": time.monotonic() - t0, "t": time.time()}
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"error": _error(exc), "took": time.monotonic() - t0}
+        return {"error": _error(exc), "took": time.monotonic() - t0, "t": time.time()}
 
 
 def late_small(rank: int, world: int, tmp: str) -> bool:
@@ -307,12 +307,14 @@ def sigterm(rank: int, world: int, tmp: str) -> bool:
         say(rank=rank, case="blocked", **out)  # only with a previous handler that raises
         return True
     time.sleep(2.0)
+    t_kill = time.time()
     os.kill(pids[0], signal.SIGTERM)
     deadline = time.monotonic() + 20
     while segments.pid_alive(pids[0]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.002)
+    gone = time.time() - t_kill
     left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"gradring-{pids[0]}-"))
-    say(rank=rank, error=None, leftover=left)
+    say(rank=rank, error=None, leftover=left, gone_after=gone)
     for n in left:  # today's code leaves them: do not leak them into the machine
         segments.unlink_quietly(n)
     comm.shutdown()
