@@ -81,7 +81,9 @@ def _attempt(fn) -> dict:
 def late_small(rank: int, world: int, tmp: str) -> bool:
     """Small-message path: the last rank arrives 1.5 s after the others gave up
     (GRADRING_TIMEOUT=2)."""
+    dist.barrier()
     comm.all_reduce(torch.ones(8))  # connect
+    dist.barrier()  # in step before the short deadline starts to matter
     if rank == world - 1:
         time.sleep(3.5)
     x = torch.full((1000,), float(rank + 1))
@@ -95,7 +97,9 @@ def late_zero_copy(rank: int, world: int, tmp: str) -> bool:
     1.5 s after the others gave up; nobody's memory may change afterwards."""
     big = comm.empty(1 << 20)
     big.fill_(float(rank + 1))
+    dist.barrier()  # in step before the short deadline starts to matter
     comm.all_reduce(torch.ones(8))  # connect, in step
+    dist.barrier()
     if rank == world - 1:
         time.sleep(3.5)
     out = _attempt(lambda: comm.all_reduce(big))
@@ -263,17 +267,18 @@ def _gradring_maps() -> int:
 
 
 def leak_buckets(rank: int, world: int, tmp: str) -> bool:
-    """40 layers, one bucket per parameter (80 at once, more than the 30-slot ring),
-    DDP re-created five times: mappings and fds must not grow."""
+    """40 layers, one bucket each (40 freed at once, more than the 30-slot ring); the
+    buckets are large enough for the zero-copy two-shot, so peers map them. DDP is
+    re-created five times: mappings and fds must not grow."""
     counts = []
     for cycle in range(5):
         torch.manual_seed(cycle)
-        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
-        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(40)])
+        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.3)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         for _ in range(3):
             opt.zero_grad()
-            ddp(torch.randn(4, 8)).pow(2).mean().backward()
+            ddp(torch.randn(4, 256)).pow(2).mean().backward()
             opt.step()
         gc.collect()
         counts.append([_gradring_maps(), len(os.listdir("/proc/self/fd"))])

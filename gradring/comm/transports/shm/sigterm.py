@@ -47,7 +47,9 @@ def install(transports: Callable[[], Iterable[Any]]) -> None:
 
 def _handle(transports: Callable[[], Iterable[Any]], signum: int, frame: Any) -> None:
     notes = []
-    for t in list(transports()):
+    # A forked child (a DataLoader worker) inherits the handler but owns nothing here.
+    mine = list(transports()) if os.getpid() == _installed_in else []
+    for t in mine:
         try:
             note = t.pending_error()
             t.release_names()
