@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -267,22 +268,21 @@ def _gradring_maps() -> int:
 
 
 def leak_buckets(rank: int, world: int, tmp: str) -> bool:
-    """40 layers, one bucket each (40 freed at once, more than the 30-slot ring); the
-    buckets are large enough for the zero-copy two-shot, so peers map them. DDP is
-    re-created five times: mappings and fds must not grow."""
+    """40 bucket-like ``comm.empty`` buffers, large enough for the zero-copy two-shot
+    (so peers map each one), all freed at once -- more than the 30-slot ring --
+    five times over: mappings and fds must not grow."""
     counts = []
     for cycle in range(5):
-        torch.manual_seed(cycle)
-        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(40)])
-        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.3)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        for _ in range(3):
-            opt.zero_grad()
-            ddp(torch.randn(4, 256)).pow(2).mean().backward()
-            opt.step()
+        bufs = [comm.empty(1 << 17) for _ in range(40)]  # 512 KiB each
+        for k, b in enumerate(bufs):
+            b.fill_(float(rank + k))
+            comm.all_reduce(b)
+            if float(b[0]) != 2 * k + 1:
+                raise AssertionError(f"cycle {cycle}, buffer {k}: {float(b[0])}")
+        comm.all_reduce(torch.ones(8))  # the peer collects what was retired before
         gc.collect()
         counts.append([_gradring_maps(), len(os.listdir("/proc/self/fd"))])
-        del ddp, opt, model
+        del bufs, b
         gc.collect()
     say(rank=rank, error=None, counts=counts)
     comm.shutdown()
@@ -371,6 +371,14 @@ def keep_training(rank: int, world: int, tmp: str) -> bool:
     if rank == 1:
         time.sleep(5)
     first = _attempt(lambda: _ddp_step(ddp, opt, 2, rank))
+    if rank == 1:  # it stops (or exits); only rank 0 trains on
+        say(rank=rank, case="keep_training", first=first)
+        time.sleep(6)
+        return True
+    # Over the torch transport the next backward fails inside its hooks (the group is
+    # unusable), leaving the reduction unfinished: the step after that is the one
+    # that used to wait for the peers' unused-parameter lists.
+    second = _attempt(lambda: _ddp_step(ddp, opt, 3, rank))
     sleeps = []
     real = store_mod.time
 
@@ -382,7 +390,13 @@ def keep_training(rank: int, world: int, tmp: str) -> bool:
             sleeps.append(s)
             real.sleep(s)
     store_mod.time = CountingTime  # type: ignore[assignment]
-    again = _attempt(lambda: _ddp_step(ddp, opt, 3, rank))
+    again = _attempt(lambda: _ddp_step(ddp, opt, 4, rank))
+    # What the reducer's unfinished-reduction error does first: swap the lists of
+    # parameters without gradients with peers that will never answer.
+    comm_like = types.SimpleNamespace(group=dist.distributed_c10d._get_default_group(),
+                                      rank=rank, world_size=world)
+    lists = store_mod.exchange_lists(comm_like, "unused/99", [3])
     store_mod.time = real
-    say(rank=rank, case="keep_training", first=first, again=again, sleeps=len(sleeps))
+    say(rank=rank, case="keep_training", first=first, second=second, again=again,
+        sleeps=len(sleeps), lists={str(k): v for k, v in lists.items()})
     return True

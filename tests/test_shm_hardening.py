@@ -231,8 +231,11 @@ def test_flight_names_the_stuck_collective_when_the_stalled_rank_left_no_dump(tm
 
 
 def test_rank_that_trains_on_after_an_error_gets_the_next_one_without_waiting(tmp_path) -> None:
-    res = job("keep_training", str(tmp_path), env={"GRADRING_TIMEOUT": "2"})
+    res = job("keep_training", str(tmp_path), env={"GRADRING_TIMEOUT": "2",
+                                                  "GRADRING_TRANSPORT": "torch"})
     mine = by_case(res)[0]["keep_training"]
     assert mine["first"]["error"] is not None and "timed out" in mine["first"]["error"], mine
+    assert mine["second"]["error"] is not None, mine
     assert mine["again"]["error"] is not None, mine  # it still fails ...
     assert mine["sleeps"] == 0, mine  # ... without polling the store for the peers
+    assert mine["lists"] == {}, mine
