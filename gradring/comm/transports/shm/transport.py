@@ -272,7 +272,7 @@ class ShmTransport(SegmentBook):
 
     def _fail(self, what: str, waiting_for: Sequence[int],
               why: int = shm_status.LOST_PEER) -> CollectiveError:
-        self._decide(why)
+        self._decide(why, f"{shm_status.WHY.get(why, 'failed')} ({what})")
         info = self._info.describe() if self._info else "collective"
         mine = self._info.seq if self._info else 0
         notes = [self._note(p, mine) for p in sorted(waiting_for) if self._ctls]
