@@ -202,9 +202,9 @@ def scenario_exit_after_one(a: argparse.Namespace) -> None:
 
         opened = segments.Segment.open.__func__
 
-        def slow_open(cls: type, name: str) -> segments.Segment:
+        def slow_open(cls: type, name: str, **kw: object) -> segments.Segment:
             time.sleep(0.3)
-            return opened(cls, name)
+            return opened(cls, name, **kw)
         segments.Segment.open = classmethod(slow_open)  # type: ignore[method-assign]
     x = torch.full((1000,), float(a.rank + 1))
     try:

@@ -34,9 +34,12 @@ How it is built (details in docs/collectives.md), module by module:
   ``torchdist`` (the process group's send/recv, across hosts), ``threaded``
   (tests), ``topology`` (which ranks share a host), ``hosts`` (the multi-host
   transports and their rendezvous);
-- ``transports/shm/``: the one-host transport -- ``transport``, ``layout``
-  (every offset of the control segment), ``mailbox``, ``status``,
-  ``segments``, ``futex``, ``rendezvous``;
+- ``transports/shm/``: the one-host transport -- ``transport``, ``memory``
+  (its data segments and the peers' it maps), ``layout`` (every offset of the
+  control segment), ``mailbox``, ``status``, ``verdict`` (sticky failures and
+  the group lock), ``segments`` (names, reservation, safe opening), ``space``
+  (a small /dev/shm: the collective fallback), ``sigterm``, ``futex``,
+  ``rendezvous``;
 - reliability (docs/reliability.md): ``watchdog`` (deadlines of what cannot be
   interrupted), ``board`` (the peers' markers), ``recorder`` (the flight
   recorder, ``GRADRING_FLIGHT_RECORDER``; ``label("bucket 3")`` names the

@@ -70,9 +70,22 @@ class GroupContext:
         self.board = PeerBoard(group_store(group), self.rank, self.world_size)
         # Failure state (failed here; unusable after a watchdog verdict) and errors.
         self.failures = Failures(self.board, self.rank, self.world_size, self.name)
+        self.failures.progress = self.peer_progress
         # Last sequence number this rank issued and completed (the board's "left after").
         self.last_seq = 0
         RECORDER.note_group(self.name, self.rank, self.world_size)
+
+    def peer_progress(self) -> dict[int, dict[str, Any]]:
+        """What this rank sees of each peer's progress: the shm status block (the
+        collective it started last, its state), else the peer board's last post."""
+        found: dict[int, dict[str, Any]] = {}
+        shm = self.transports.existing_shm()
+        if shm is not None:
+            found.update(shm.peer_progress())
+        for p, s in self.board.read().items():
+            found.setdefault(p, {"seq": s["seq"], "state": s["state"], "what": s["what"],
+                                 "source": "peer board"})
+        return found
 
     def next_seq(self) -> int:
         return next(self._seq)

@@ -12,6 +12,7 @@ words), or, for a desync, with what the other ranks say they issued
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from gradring.comm import desync
 from gradring.comm.board import PeerBoard, describe_status
@@ -35,10 +36,18 @@ class Failures:
         # Set when the watchdog failed a collective the engine is still blocked in:
         # later collectives fail at once instead of queueing behind it.
         self.broken: str | None = None
+        # What this rank can see of its peers' progress ({rank: {"seq", "state", ...}}),
+        # noted in the flight recorder at every failure (set by the group's context).
+        self.progress: Any = None
 
     def record(self, entry: Entry | None, err: BaseException) -> None:
         """Flight recorder, board, dump: what every failure of this group goes through."""
         self.failed = True
+        if self.progress is not None:
+            try:
+                RECORDER.note_peers(self.group, self.progress())
+            except Exception:  # noqa: BLE001 - diagnostics only
+                pass
         if entry is not None:
             entry.fail(str(err))
             self.board.post("failed", entry.seq, entry.describe(), str(err),

@@ -103,10 +103,18 @@ class FlightRecorder:
         self.reasons: list[str] = []
         # Group name -> this process's rank in it and its size (to know who is missing).
         self.groups: dict[str, dict[str, int]] = {}
+        # Group name -> {peer rank: what this rank last saw of its progress} (seq it
+        # started last, state), noted at failures: ``gradring flight`` uses it for a
+        # rank that left no dump of its own.
+        self.peers: dict[str, dict[str, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def note_group(self, name: str, rank: int, world_size: int) -> None:
         self.groups[name] = {"rank": rank, "world_size": world_size}
+
+    def note_peers(self, group: str, progress: dict[int, dict[str, Any]]) -> None:
+        """What this rank knows of its peers' progress in ``group`` (see ``peers``)."""
+        self.peers[group] = {str(p): dict(v) for p, v in progress.items()}
 
     def issue(self, group: str, seq: int, kind: str, nbytes: int, dtype: torch.dtype,
               shape: Sequence[int]) -> Entry:
@@ -120,12 +128,14 @@ class FlightRecorder:
     def clear(self) -> None:
         self._ring.clear()
         self.reasons = []
+        self.peers = {}
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         rank = dist_rank()
         return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "time": time.time(), "reasons": self.reasons + [reason],
-                "groups": dict(self.groups), "entries": [e.as_dict() for e in self.entries()]}
+                "groups": dict(self.groups), "peers": dict(self.peers),
+                "entries": [e.as_dict() for e in self.entries()]}
 
     def dump(self, reason: str, directory: str | None = None) -> str | None:
         """Write this rank's buffer to ``directory`` (default ``$GRADRING_FLIGHT_RECORDER``)."""

@@ -17,6 +17,8 @@ from gradring.comm.homes import Homes
 from gradring.comm.ops import Op
 from gradring.comm.recorder import Entry
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.transports.shm import space
+from gradring.comm.transports.shm.space import ShmExhausted
 
 if TYPE_CHECKING:
     from gradring.comm.context import GroupContext
@@ -38,11 +40,29 @@ class Plan(NamedTuple):
 
 def run(ctx: GroupContext, plan: Plan) -> None:
     """Run ``plan`` on the calling thread (engine or inline) for group ``ctx``."""
+    try:
+        _run(ctx, plan)
+    except ShmExhausted as exc:
+        # Every rank raised it in this collective (shm/space.py): all fall back together.
+        shm = ctx.transports.existing_shm()
+        advice = space.advice(exc.needed, shm.reserved if shm else 0, ctx.world_size)
+        ctx.transports.drop_shm(str(exc))
+        if plan.env.transport == "shm":
+            err = CollectiveError(f"{exc}; GRADRING_TRANSPORT=shm forbids falling back to "
+                                  f"the process group. {advice}")
+            ctx.failures.record(plan.entry, err)
+            raise err from None
+        space.warn_once(advice + "; gradring now runs this group's collectives over the "
+                        "process group instead (slower)")
+        _run(ctx, plan)
+
+
+def _run(ctx: GroupContext, plan: Plan) -> None:
     out, copy_back = _flat(plan.output)
     inp = out if plan.input is plan.output else _flat(plan.input)[0]
     entry = plan.entry
     failures = ctx.failures
-    label = "?"
+    label, transport = "?", None
     try:
         label, transport = select.pick_transport(ctx.transports, plan.env.transport, ctx.name)
         nbytes = inp.numel() * inp.element_size()
@@ -55,8 +75,13 @@ def run(ctx: GroupContext, plan: Plan) -> None:
         transport.start(info)
         algos.run(choice.algo, transport,
                   algos.Call(info, out, inp, plan.op, plan.root, plan.homes))
+        finish = getattr(transport, "finish", None)
+        if finish is not None:
+            finish()  # shm's closing agreement: see [Note: sticky failures]
     except desync.DesyncError as exc:
         raise failures.desync(entry, exc) from None
+    except ShmExhausted:
+        raise  # not a failure: run() falls back
     except CollectiveError as exc:
         # shm's own errors already say who is missing; elsewhere the board knows more.
         err = exc if label == "shm" else failures.with_board(exc)
@@ -65,6 +90,12 @@ def run(ctx: GroupContext, plan: Plan) -> None:
             raise
         raise err from exc
     except BaseException as exc:
+        # Not the transport's own error (a torch shape error, an OSError or ValueError
+        # from mapping memory, KeyboardInterrupt...): fail for the whole group, so that
+        # peers stop waiting at once and can name it.
+        mark = getattr(transport, "mark_failed", None)
+        if mark is not None:
+            mark(exc)
         failures.record(entry, exc)
         raise
     if copy_back:

@@ -45,8 +45,13 @@ def exchange_lists(comm: Any, tag: str, mine: list[int],
     ``comm`` has ``group``, ``rank`` and ``world_size``. Used on error paths,
     where ranks may disagree about which collective comes next, so the lists
     travel through the store and not through a collective. Without a store
-    (none can be found) nothing is exchanged.
+    (none can be found) nothing is exchanged. After a collective of the group
+    failed here, peers are gone or stopped: take what is there and do not wait
+    (a rank that caught gradring's error and trains on gets its next error at
+    once, as with torch).
     """
+    if _group_failed(comm.group):
+        wait_s = 0.0
     try:
         store = dist.PrefixStore("gradring/diag/", group_store(comm.group))
     except Exception:  # noqa: BLE001 - no store: no side channel
@@ -55,12 +60,25 @@ def exchange_lists(comm: Any, tag: str, mine: list[int],
     found: dict[int, list[int]] = {}
     deadline = time.monotonic() + wait_s
     others = [r for r in range(comm.world_size) if r != comm.rank]
-    while others and time.monotonic() < deadline:
+    while others:
         for r in list(others):
             key = f"{tag}/{r}"
             if store.check([key]):
                 found[r] = json.loads(store.get(key))
                 others.remove(r)
-        if others:
-            time.sleep(0.02)
+        if not others or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     return found
+
+
+def _group_failed(group: Any) -> bool:
+    """Whether a gradring collective of ``group`` has failed in this process."""
+    from gradring.comm import context  # local: context imports this module
+
+    try:
+        key = group if group is not None else c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - no default group
+        return False
+    ctx = context._contexts.get(key)
+    return ctx is not None and (ctx.failures.failed or ctx.failures.broken is not None)

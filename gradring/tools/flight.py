@@ -2,7 +2,9 @@
 
 Each rank writes ``DIR/rank<R>.json`` when one of its collectives fails and
 at exit (``GRADRING_FLIGHT_RECORDER=DIR``, see ``gradring/comm/watchdog.py``).
-A killed rank writes nothing. This command lines the dumps up by process
+A killed rank writes nothing; what the surviving ranks saw of its progress
+when they failed (its shm status block or its peer-board post, kept in their
+dumps under ``peers``) stands in for it. This command lines the dumps up by process
 group and sequence number and reports the *first disagreement*: the first
 collective that some rank never reached, that ranks issued differently (kind,
 size, dtype, shape), or that did not complete everywhere. For every rank it
@@ -58,6 +60,18 @@ def _group_ranks(dumps: dict[int, dict[str, Any]], group: str) -> tuple[dict[int
     return ranks, max(size, max(ranks.values(), default=-1) + 1)
 
 
+def reported_progress(dumps: dict[int, dict[str, Any]], group: str,
+                      rank: int) -> dict[str, Any] | None:
+    """What the other ranks saw of ``rank``'s progress in ``group`` when they failed
+    (its shm status or its peer-board post): the report with the highest seq."""
+    best = None
+    for d in dumps.values():
+        seen = d.get("peers", {}).get(group, {}).get(str(rank))
+        if seen is not None and (best is None or seen.get("seq", 0) > best.get("seq", 0)):
+            best = seen
+    return best
+
+
 def _fingerprint(e: dict[str, Any]) -> tuple:
     return e["kind"], e["nbytes"], e["dtype"], tuple(e.get("shape") or ())
 
@@ -82,13 +96,18 @@ def analyse_group(dumps: dict[int, dict[str, Any]], group: str) -> Finding | Non
             if e["group"] == group:
                 by_rank[gr][e["seq"]] = e
     dumped = set(ranks.values())
+    # A rank without a dump reached every collective up to the one the others saw it
+    # start last (a collective needs every rank): count it there, not missing.
+    reached = {r: p.get("seq", 0) for r in range(size) if r not in dumped
+               and (p := reported_progress(dumps, group, r)) is not None}
     # Ring buffers forget old entries: only compare where every dump still remembers.
     floor = max((min(s) for s in by_rank.values() if s), default=0)
     seqs = sorted({q for s in by_rank.values() for q in s if q >= floor})
     for seq in seqs:
         here = {r: s[seq] for r, s in by_rank.items() if seq in s}
         kinds = {_fingerprint(e) for e in here.values()}
-        if len(here) == size and len(kinds) == 1 and \
+        present = len(here) + sum(seq <= last for last in reached.values())
+        if present == size and len(kinds) == 1 and \
                 all(e["state"] == "completed" for e in here.values()):
             continue
         return _finding(group, seq, size, here, by_rank, dumped, dumps, ranks)
@@ -110,8 +129,19 @@ def _finding(group: str, seq: int, size: int, here: dict[int, dict[str, Any]],
         if e is None:
             culprits.append(r)
             if r not in dumped:
+                seen = reported_progress(dumps, group, r)
+                if seen is not None and seen.get("seq", 0) >= seq:
+                    culprits.remove(r)  # it was there, as far as the others could see
+                    lines.append(f"rank {r}: left no dump; the others saw it in "
+                                 f"{seen.get('what') or '#' + str(seen['seq'])} "
+                                 f"({seen.get('state', '?')}, from its {seen.get('source')})")
+                    continue
+                last = (f"; the others saw it last start {seen.get('what') or seen['seq']} "
+                        f"({seen.get('state', '?')}"
+                        + (", alive" if seen.get("alive") else "")
+                        + f", from its {seen.get('source')})") if seen else ""
                 lines.append(f"rank {r}: did not reach it; left no dump (killed, or still "
-                             f"running when the others gave up)")
+                             f"running when the others gave up){last}")
                 continue
             older = [q for q in by_rank[r] if q < seq]
             last = by_rank[r][max(older)] if older else None

@@ -14,18 +14,24 @@ bounds an intra-host all-reduce (MEASUREMENTS.md).
   result. With buffers from ``comm.empty`` and W=2 each rank moves 2.5
   buffer sizes (read 2 halves and write 1 to reduce, read and write 1 half to
   pass it on).
-- ``all_reduce_oneshot`` (small messages) = one barrier: every rank reduces
-  the whole buffer from all ranks' staging copies, in rank order so every rank
-  computes identical bits.
+- ``all_reduce_oneshot`` (small messages) = one barrier (plus the closing
+  agreement below): every rank reduces the whole buffer from all ranks'
+  staging copies, in rank order so every rank computes identical bits.
+
+Closing agreement: the shm transport ends every collective that did data work
+after its last barrier with one more barrier (``ShmTransport.finish``, called
+by the runner), so no rank returns success for a collective another rank
+failed; see [Note: sticky failures] in ``transports/shm/verdict.py``.
 
 Staged versus zero-copy: a user tensor is copied into one of two alternating
 staging buffers before the exchange; a tensor from ``comm.empty`` is exposed
-as is. Staging buffers need no barrier at the end -- a rank reuses set ``k%2``
-only after the barrier of collective ``k+1``, which every peer reaches after
-it finished with collective ``k``. Exposed *user* memory does when peers read
-it after we may return (broadcast, all-gather, reduce-scatter): when any rank
-exposed zero-copy memory, all ranks end with a barrier. The two-shot needs
-none: after its second barrier nobody touches another rank's buffer.
+as is. For memory safety alone, staging buffers would need no barrier at the
+end (a rank reuses set ``k%2`` only after the barrier of collective ``k+1``)
+and zero-copy user memory would (peers read it after we may return); the
+closing agreement covers both. The algorithms below still end with a barrier
+where zero-copy memory was exposed, which then serves as that agreement. The
+two-shot's second barrier is its closing agreement: after it nobody touches
+another rank's buffer.
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ def _staged_copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) 
         ops.copy(dst[:lo], src[:lo])
     if hi < src.numel():
         ops.copy(dst[hi:], src[hi:])
+
+
+def _still_agreed(t: DirectTransport) -> None:
+    """Raise if some rank already failed this group (shm: its sticky verdict)."""
+    check = getattr(t, "check_verdict", None)
+    if check is not None:
+        check()
 
 
 def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
@@ -71,6 +84,7 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
     # has one reducer, so all ranks still end with the same bits), then write
     # it into every peer's exposed buffer.
     peers = [views[p] for p in range(w) if p != r]
+    _still_agreed(t)  # no writes into peers' memory once any rank gave up
     if homes is None:
         # In place into our own tensor (its lines are in cache: they were just
         # read): measured 5-15% faster at 4-25 MiB than summing into staging.

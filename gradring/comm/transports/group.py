@@ -49,6 +49,15 @@ class GroupTransports:
                 self._made["shm"], self.shm_reason = t, why
             return self._made["shm"]  # type: ignore[return-value]
 
+    def drop_shm(self, why: str) -> None:
+        """Give shared memory up for good (every rank does, in the same collective:
+        see ``shm/space.py``); later collectives use the process group."""
+        with self._lock:
+            t = self._made.get("shm")
+            self._made["shm"], self.shm_reason = None, why
+        if isinstance(t, ShmTransport):
+            t.release_for_fallback()
+
     def has_shm_answer(self) -> bool:
         """Whether the shm rendezvous already ran (its answer may be "unavailable")."""
         return "shm" in self._made

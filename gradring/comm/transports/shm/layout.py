@@ -11,9 +11,12 @@ offset                contents
 192                   status: the collective in flight and this rank's state
                       (``status.py``)
 256, 320              two descriptor slots (alternating per exchange)
-384                   (unused)
+384                   verdict (read in rank 0's segment only): the first rank
+                      that failed a collective of the group, and which one
+                      (``verdict.py``)
 448                   retired-segment ring (segments peers may unmap)
-640 + 192·d           towards rank d: mailbox sent, acked, lengths; highest
+640                   why this rank failed, in words (``verdict.py``)
+1024 + 192·d          towards rank d: mailbox sent, acked, lengths; highest
                       segno of d's segments mapped here (see ``close``)
 page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
 ====================  ===================================================
@@ -71,13 +74,21 @@ def desc_offset(slot: int) -> int:
     return DESC_OFF + DESC_STRIDE * slot
 
 
+# -- verdict (verdict.py) ------------------------------------------------------------------
+#: In rank 0's segment: 1 + the rank that failed first (0: none yet), then the low
+#: 32 bits of that collective's sequence number. Written under the group's lock.
+VERDICT_WORD = 384 // 4
+#: This rank's own failure, in words: byte length (u32), then UTF-8 text.
+REASON_OFF = 640
+REASON_BYTES = 384
+
 # -- retired segments ---------------------------------------------------------------------
 #: Count of retirements announced, then ``RETIRED_RING`` segment numbers.
 RETIRED_WORD = 448 // 4
 RETIRED_RING = 30
 
 # -- mailbox channels ---------------------------------------------------------------------
-CHAN_OFF = 640
+CHAN_OFF = 1024
 #: sent, acked and lengths on separate cache lines.
 CHAN_STRIDE = 192
 #: Words of a channel header: fragments sent, fragments acked, length of slot k
@@ -110,5 +121,6 @@ def control_size(world_size: int) -> int:
     return slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
 
 
-assert RETIRED_WORD * 4 + 4 * (1 + RETIRED_RING) <= CHAN_OFF, "retired ring overlaps channels"
+assert RETIRED_WORD * 4 + 4 * (1 + RETIRED_RING) <= REASON_OFF, "retired ring overlaps reason"
+assert REASON_OFF + REASON_BYTES <= CHAN_OFF, "reason text overlaps the channels"
 assert STATUS_OFF + 44 <= DESC_OFF, "status block overlaps the descriptors"

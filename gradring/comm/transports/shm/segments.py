@@ -1,12 +1,18 @@
 """Named shared-memory segments under /dev/shm: naming, mapping, cleanup.
 
 [Note: segment names and leaks]
-A segment is ``/dev/shm/gradring-<pid>-<pidns>-<job>-<transport>-<n>``:
-the owner's pid and pid-namespace inode (so a later process can tell whether
-the owner still lives), the job token agreed through the store (two jobs on
-one host never collide), a per-process transport counter and a per-transport
-segment counter. Owners unlink their segments on close and at interpreter
-exit; control segments are unlinked as soon as every peer has mapped them.
+A segment is ``/dev/shm/gradring-<pid>-<pidns>-<transport>-<digest>``: the
+owner's pid and pid-namespace inode (so a later process can tell whether the
+owner still lives), a per-process transport counter, and a keyed hash of the
+segment's number under a secret that rank 0 draws and shares through the
+store (:func:`segment_name`). /dev/shm is world-listable, but an outsider who
+sees one name cannot predict the next, so cannot squat it; a name that exists
+anyway (``O_EXCL`` fails) is skipped for the next number. Peers open segments
+with ``O_NOFOLLOW`` and refuse one that is not a regular file of their own
+user with mode 0600 (:meth:`Segment.open`), and names that arrive through the
+store must look like ours (:func:`check_name`: no path separator). Owners
+unlink their segments on close and at interpreter exit; control segments are
+unlinked as soon as every peer has mapped them.
 After a ``kill -9`` the names that remain are removed by the next process
 that starts a shm transport: :func:`remove_stale_segments` deletes every
 ``gradring-*`` segment of this pid namespace whose owner is dead.
@@ -15,8 +21,12 @@ that starts a shm transport: :func:`remove_stale_segments` deletes every
 from __future__ import annotations
 
 import ctypes
+import errno
+import hashlib
 import mmap
 import os
+import re
+import stat
 from typing import Any
 
 import numpy as np
@@ -58,9 +68,29 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def segment_base(pid: int, ns: int, job: str, transport: int) -> str:
-    """Common prefix of one transport's segments; segment ``n`` is ``<base>-<n>``."""
-    return f"{PREFIX}{pid}-{ns}-{job}-{transport}"
+def segment_base(pid: int, ns: int, transport: int) -> str:
+    """Common prefix of one transport's segments (see :func:`segment_name`)."""
+    return f"{PREFIX}{pid}-{ns}-{transport}"
+
+
+_NAME = re.compile(r"gradring-[0-9]+-[0-9]+-[0-9a-f-]{1,120}")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it can be one of ours; ValueError for anything else (a name with a
+    path separator, dots, or foreign characters, e.g. from a corrupted store)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"refusing shared-memory segment name {name!r}: not a gradring "
+                         f"name (gradring-<pid>-<pidns>-..., no path separator)")
+    return name
+
+
+def segment_name(base: str, secret: str, segno: int) -> str:
+    """Name of segment ``segno`` of the transport whose prefix is ``base``: a keyed
+    hash, unpredictable without the job's ``secret`` (see the module note)."""
+    digest = hashlib.blake2b(f"{base}/{segno}".encode(), key=bytes.fromhex(secret),
+                             digest_size=8).hexdigest()
+    return f"{base}-{digest}"
 
 
 def owner_of(name: str) -> tuple[int, int] | None:
@@ -107,7 +137,7 @@ def unlink_quietly(name: str, owner_pid: int | None = None) -> None:
 class Segment:
     """One mapped segment: its bytes as a tensor, its 32-bit words, its address."""
 
-    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool, fd: int = -1) -> None:
         # /dev/shm name (without directory), to unlink and to show in errors.
         self.name = name
         # The mapping; everything below is a view of it.
@@ -130,19 +160,41 @@ class Segment:
         self._linked = owner
         # The creating process: a forked child must not unlink its parent's segments.
         self._pid = os.getpid()
+        # An open descriptor of the segment, kept only where asked (file locks), else -1.
+        self.fd = fd
+        # Its number within the owner's transport (0 until the transport sets it).
+        self.segno = 0
 
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
-        return cls(name, _create_mapping(name, size), owner=True)
+    def create(cls, name: str, size: int, *, keep_fd: bool = False) -> Segment:
+        mm, fd = _create_mapping(name, size, keep_fd=keep_fd)
+        return cls(name, mm, owner=True, fd=fd)
 
     @classmethod
-    def open(cls, name: str) -> Segment:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    def open(cls, name: str, *, keep_fd: bool = False, min_size: int = 0) -> Segment:
+        """Map a peer's segment: never through a symlink, only a regular file of this
+        user with mode 0600 and at least ``min_size`` bytes (else PermissionError or
+        ValueError naming what is wrong)."""
+        fd = os.open(os.path.join(SHM_DIR, check_name(name)),
+                     os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
+            st = os.fstat(fd)
+            mode = stat.S_IMODE(st.st_mode)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or mode & 0o077:
+                raise PermissionError(
+                    errno.EPERM, f"refusing {SHM_DIR}/{name}: owner uid {st.st_uid}, mode "
+                    f"{mode:o}; expected a regular file of uid {os.geteuid()} with mode 600")
+            if st.st_size < max(min_size, 1):
+                raise ValueError(f"{SHM_DIR}/{name} has {st.st_size} bytes, expected at "
+                                 f"least {max(min_size, 1)}")
+            mm = mmap.mmap(fd, st.st_size)
+        except BaseException:
             os.close(fd)
-        return cls(name, mm, owner=False)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        return cls(name, mm, owner=False, fd=fd)
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat typed tensor over ``[offset, offset + nbytes)``."""
@@ -157,6 +209,9 @@ class Segment:
     def close(self) -> None:
         """Unlink (if owned) and unmap; a mapping still viewed by tensors is left to GC."""
         self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.words.release()
         self.bytes = None
         self.array = None
@@ -176,20 +231,70 @@ def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
     The tensor keeps the mapping alive; nothing else here holds it, so it is
     unmapped when the caller's last view goes.
     """
-    mm = _create_mapping(name, nbytes)
+    mm, _ = _create_mapping(name, nbytes)
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), mm
 
 
-def _create_mapping(name: str, nbytes: int) -> mmap.mmap:
-    """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages, and map it."""
+def page_round(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (at least one): a segment's real size."""
+    return max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+class ShmFull(OSError):
+    """/dev/shm has no room for a segment: nothing was created.
+
+    [Note: reserving shared memory]
+    A segment that is only ``ftruncate``d is sparse: its pages are allocated
+    when first touched, and a page that no longer fits in /dev/shm kills the
+    toucher with SIGBUS. So every segment is reserved whole at creation
+    (``posix_fallocate``); when that fails the caller gets this error, and
+    the transport falls back (see ``space.py``) instead of dying later.
+    """
+
+    def __init__(self, name: str, needed: int, free: int, total: int) -> None:
+        super().__init__(errno.ENOSPC, f"no room in {SHM_DIR} for {name}: needs "
+                         f"{needed} bytes, {free} of {total} bytes free")
+        self.needed, self.free, self.total = needed, free, total
+
+
+def shm_space(directory: str = SHM_DIR) -> tuple[int, int]:
+    """``(free, total)`` bytes of the filesystem under ``directory`` (0, 0 if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0, 0
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Allocate every page of the segment now (see [Note: reserving shared memory])."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise ShmFull(name, size, *shm_space()) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        free, _ = shm_space()  # no fallocate on this filesystem: check the space at least
+        if free and free < size:
+            raise ShmFull(name, size, *shm_space()) from None
+
+
+def _create_mapping(name: str, nbytes: int, *, keep_fd: bool = False) -> tuple[mmap.mmap, int]:
+    """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages and
+    reserved (:class:`ShmFull` if it does not fit), and map it."""
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(os.path.join(SHM_DIR, name),
+                 os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
+        _reserve(fd, name, size)
         mm = mmap.mmap(fd, size)
     except BaseException:
         os.close(fd)
         unlink_quietly(name)
         raise
+    if keep_fd:
+        return mm, fd
     os.close(fd)
-    return mm
+    return mm, -1

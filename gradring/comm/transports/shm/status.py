@@ -27,10 +27,11 @@ from gradring.comm.transports.shm.layout import STATUS_VERSION_WORD as _VERSION_
 from gradring.comm.transports.shm.layout import STATUS_WHY_WORD as _WHY_WORD
 
 RUNNING, CLOSED, FAILED = 0, 1, 2
-TIMEOUT, LOST_PEER, DESYNC, ABORTED = 1, 2, 3, 4
-#: How a peer words each failure reason.
+TIMEOUT, LOST_PEER, DESYNC, ABORTED, ERROR = 1, 2, 3, 4, 5
+#: How a peer words each failure reason (ERROR: any other exception, named in the
+#: rank's reason text, see ``verdict.py``).
 WHY = {TIMEOUT: "timed out", LOST_PEER: "lost a peer", DESYNC: "saw a desync",
-       ABORTED: "was aborted"}
+       ABORTED: "was aborted", ERROR: "raised an error"}
 
 
 class Status(NamedTuple):

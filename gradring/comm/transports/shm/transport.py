@@ -25,7 +25,6 @@ Ranks find each other through the store: ``rendezvous.connect``.
 from __future__ import annotations
 
 import atexit
-import bisect
 import itertools
 import os
 import threading
@@ -40,23 +39,21 @@ import torch
 from gradring.comm import desync
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
-from gradring.comm.transports.shm import futex, segments
+from gradring.comm.transports.shm import futex, segments, space, verdict
 from gradring.comm.transports.shm import status as shm_status
 from gradring.comm.transports.shm.layout import (
     BARRIER_WORD,
     CHAN_MAPPED,
     DESC,
-    HEADER,
-    MAGIC,
-    RETIRED_RING,
     RETIRED_WORD,
     chan_word,
     desc_offset,
 )
 from gradring.comm.transports.shm.mailbox import Mailboxes
+from gradring.comm.transports.shm.memory import SegmentBook
 from gradring.comm.transports.shm.segments import Segment
 
-_HAS_BUFFER, _ZERO_COPY = 1, 2
+_HAS_BUFFER, _ZERO_COPY, _NO_ROOM = 1, 2, 4
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
@@ -71,25 +68,25 @@ _DTYPE_CODES = desync.DTYPE_CODES
 _live: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
 
-def _retire(name: str, segno: int, retired: deque[int], pid: int) -> None:
-    """Finalizer of a ``comm.empty`` mapping: free the name, tell peers to unmap."""
-    segments.unlink_quietly(name, pid)
-    retired.append(segno)
+class _Settled(Exception):  # noqa: N818 - control flow, never escapes this module
+    """Raised by ``_fail`` when, under the group lock, the barrier turned out complete."""
 
 
-class ShmTransport:
+class ShmTransport(SegmentBook):
     """One rank's end of a shared-memory group. Built by ``rendezvous.connect``."""
 
     name = "shm"
 
     def __init__(self, *, rank: int, world_size: int, base: str, ctl: Segment,
                  peer_ctls: list[Segment | None], peer_bases: list[str], pids: list[int],
-                 timeout: float) -> None:
+                 timeout: float, secret: str, first_segno: int = 1) -> None:
         # This rank and the group size (group ranks, not global ones).
         self.rank = rank
         self.world_size = world_size
-        # Name prefix of every segment this rank creates ("<base>-<segno>").
+        # Name prefix of every segment this rank creates, and the job's key that
+        # turns (prefix, segno) into a name (segments.segment_name).
         self._base = base
+        self._secret = secret
         # This rank's control segment (layout in the module docstring).
         self._ctl = ctl
         # Every rank's control segment, this rank's own included.
@@ -106,8 +103,8 @@ class ShmTransport:
         self._epoch = 0
         # Exchanges so far: picks the descriptor slot and staging set.
         self._exchanges = 0
-        # Next segment number (0 is the control segment).
-        self._segnos = itertools.count(1)
+        # Next segment number (those below are the control segment or were squatted).
+        self._segnos = itertools.count(first_segno)
         # Two staging segments, used alternately (see [Note: direct algorithms]).
         self._staging: list[Segment | None] = [None, None]
         # Own data memory, sorted by address: (start, end, segno, weakref to mapping).
@@ -149,9 +146,24 @@ class ShmTransport:
         self._lock = threading.Lock()
         # Bytes copied into staging so far (tests check comm.empty avoids it).
         self.staged_bytes = 0
+        # Bytes of a staging buffer this rank could not reserve for the exchange in
+        # progress (0: none), and bytes of /dev/shm it holds (for the advice).
+        self._no_room = 0
+        self.reserved = segments.page_round(ctl.size) if ctl is not None else 0
         # Point-to-point messages (ring, tree), through the control segments' slots.
         self._mail = Mailboxes(rank, self._ctls, check_sender=self._check_sender,
                                fail=self._fail, block=self._block)
+        # The group's verdict (rank 0's words) and its lock: see [Note: sticky failures].
+        self._leader = self._words[0]
+        self._glock = verdict.GroupLock(self._ctls[0].fd)  # type: ignore[union-attr]
+        # While a barrier wait runs: "has everybody arrived?", re-checked under the lock
+        # before this rank fails the barrier.
+        self._settle: Any = None
+        # Whether the collective in flight did data work after its last barrier (then
+        # ``finish`` adds the closing barrier).
+        self._open = False
+        # A collective is between start() and a successful finish() (SIGTERM reports it).
+        self._busy = False
         _live.add(self)
 
     # -- lifecycle and errors ----------------------------------------------------
@@ -162,6 +174,11 @@ class ShmTransport:
                 f"after an earlier failure ({self._broken})")
         self._info = info
         self._deadline = time.monotonic() + self._timeout
+        self._open = False
+        self._busy = True
+        first = verdict.read(self._leader)
+        if first is not None:
+            raise self._fail_sticky(first)
         full = self._full_check = desync.enabled()
         self._fp = fp = tuple(desync.fingerprint_words(
             info.seq, info.kind, info.nbytes, info.dtype, info.shape, info.label, full=full)[:6])
@@ -227,19 +244,130 @@ class ShmTransport:
     def _status(self, p: int) -> shm_status.Status:
         return shm_status.read(self._ctls[p].mm, self._ctls[p].words)
 
+    def _note(self, p: int, seq: int) -> str:
+        """Rank ``p``'s situation in words, with its own reason if it failed."""
+        st = self._status(p)
+        note = shm_status.describe(p, self._pids[p], st, alive=segments.pid_alive(self._pids[p]),
+                                   seq=seq)
+        if st.state == shm_status.FAILED:
+            text = verdict.read_reason(self._ctls[p].mm)
+            note += f": {text}" if text else ""
+        return note
+
+    def _decide(self, why: int, reason: str = "") -> None:
+        """Fail for the whole group, under its lock (see [Note: sticky failures]); raise
+        :class:`_Settled` instead if the barrier being waited for completed after all."""
+        if self._ctl is None or os.getpid() != self._pid:
+            return
+        locked = self._glock.acquire(time.monotonic() + 1.0)
+        try:
+            if self._settle is not None and self._settle():
+                raise _Settled
+            verdict.write_reason(self._ctl.mm, reason or shm_status.WHY.get(why, "failed"))
+            verdict.set_first(self._leader, self.rank, self._info.seq if self._info else 0)
+            self._set_state(shm_status.FAILED, why)
+        finally:
+            if locked:
+                self._glock.release()
+
     def _fail(self, what: str, waiting_for: Sequence[int],
               why: int = shm_status.LOST_PEER) -> CollectiveError:
+        self._decide(why, f"{shm_status.WHY.get(why, 'failed')} ({what})")
         info = self._info.describe() if self._info else "collective"
         mine = self._info.seq if self._info else 0
-        notes = [shm_status.describe(p, self._pids[p], self._status(p),
-                                     alive=segments.pid_alive(self._pids[p]), seq=mine)
-                 for p in sorted(waiting_for) if self._ctls]
+        notes = [self._note(p, mine) for p in sorted(waiting_for) if self._ctls]
         arrived = [p for p in range(self.world_size) if p not in waiting_for]
         msg = (f"gradring {info} failed on rank {self.rank}: ranks {sorted(waiting_for)} "
                f"did not arrive ({what}); ranks {arrived} arrived; " + "; ".join(notes))
         self._broken = msg
-        self._set_state(shm_status.FAILED, why)
         return CollectiveError(msg)
+
+    def _fail_sticky(self, first: tuple[int, int]) -> CollectiveError:
+        """The group already failed (rank ``first[0]`` in #``first[1]``): so does this rank."""
+        r, seq = first
+        self._settle = None
+        self._decide(shm_status.LOST_PEER, f"stopped after rank {r} failed #{seq}")
+        info = self._info.describe() if self._info else "collective"
+        note = self._note(r, seq) if 0 <= r < self.world_size and self._ctls else ""
+        msg = (f"gradring {info} failed on rank {self.rank}: rank {r} gave up on collective "
+               f"#{seq} of this group first, so no rank may complete it; {note}")
+        self._broken = msg
+        return CollectiveError(msg)
+
+    def _fail_peer(self, p: int, what: str) -> CollectiveError:
+        """Rank ``p`` published something impossible: fail (for the group), naming it."""
+        self._decide(shm_status.LOST_PEER, f"rank {p} published a bad descriptor")
+        info = self._info.describe() if self._info else "collective"
+        msg = f"gradring {info} failed on rank {self.rank}: rank {p} is unusable: {what}"
+        self._broken = msg
+        return CollectiveError(msg)
+
+    def mark_failed(self, exc: BaseException) -> None:
+        """Any other exception on the collective path: fail for the group, so peers stop
+        waiting at their next slice and can name the exception."""
+        if self._broken is not None or self._ctl is None:
+            return
+        text = f"{type(exc).__name__}: {exc}"
+        self._settle = None
+        self._decide(shm_status.ERROR, text)
+        self._broken = f"rank {self.rank} raised {text}"
+
+    def check_verdict(self) -> None:
+        """Raise if any rank has failed this group (before writing into peers' memory)."""
+        first = verdict.read(self._leader)
+        if first is not None:
+            raise self._fail_sticky(first)
+
+    def finish(self) -> None:
+        """End of a collective: the closing agreement when data work followed the last
+        barrier (see [Note: sticky failures])."""
+        if self._open:
+            self.barrier("at the closing barrier of the collective")
+        self._busy = False
+
+    # -- SIGTERM (sigterm.py) -------------------------------------------------------------
+    def pending_error(self) -> str:
+        """A failure not raised yet, or the collective in flight and where every peer is."""
+        if self._ctl is None:
+            return ""
+        if self._broken is not None:
+            return self._broken
+        if not self._busy or self._info is None:
+            return ""
+        seq = self._info.seq
+        return (f"gradring {self._info.describe()} was in flight on rank {self.rank}: "
+                + "; ".join(self._note(p, seq) for p in range(self.world_size)
+                            if p != self.rank))
+
+    def peer_progress(self) -> dict[int, dict[str, Any]]:
+        """Each peer's status block as this rank reads it (for the flight recorder)."""
+        if self._ctl is None:
+            return {}
+        states = {shm_status.RUNNING: "running", shm_status.CLOSED: "closed",
+                  shm_status.FAILED: "failed"}
+        out = {}
+        for p in range(self.world_size):
+            if p != self.rank:
+                st = self._status(p)
+                out[p] = {"seq": st.seq, "state": states.get(st.state, "?"), "what": st.last(),
+                          "alive": segments.pid_alive(self._pids[p]), "source": "shm status"}
+        return out
+
+    def release_names(self) -> None:
+        """Unlink every segment name this process owns (mappings stay) and tell peers
+        this rank is gone. Safe from a signal handler."""
+        if self._ctl is None or os.getpid() != self._pid:
+            return
+        for fin in list(self._finalizers):
+            found = fin.peek()
+            if found is not None:
+                segments.unlink_quietly(found[2][0], self._pid)
+        for seg in self._staging:
+            if seg is not None:
+                seg.unlink()
+        self._ctl.unlink()
+        if self._broken is None:
+            self._set_state(shm_status.CLOSED)
 
     def _check_alive(self, what: str, waiting_for: Sequence[int]) -> None:
         """Raise if a peer we wait for died or left, a peer that has not reached this
@@ -257,16 +385,32 @@ class ShmTransport:
                     st.state == shm_status.CLOSED or not segments.pid_alive(self._pids[p])):
                 gone.append(p)
             elif st.state == shm_status.FAILED:
-                gave_up.append(f"rank {p} {st.reason()} first")
+                text = verdict.read_reason(self._ctls[p].mm)
+                gave_up.append(f"rank {p} {st.reason()} in {st.last()} first"
+                               + (f" ({text})" if st.why == shm_status.ERROR and text else ""))
         if gone:
             raise self._fail(what, sorted(set(gone) | set(waiting_for)))
         if gave_up:
             raise self._fail(f"{what}; " + ", ".join(gave_up), waiting_for)
 
     def _block(self, p: int, word: int, until: Any, what: str,
-               waiting_for: Sequence[int]) -> None:
+               waiting_for: Sequence[int], settle: Any = None) -> None:
         """Wait until ``until(value of rank p's word)``: spin, yield, then sleep in
-        the kernel with a deadline; see [Note: spin, then block] in ``futex.py``."""
+        the kernel with a deadline; see [Note: spin, then block] in ``futex.py``.
+        ``settle``: a barrier's "everybody arrived", re-checked before failing it."""
+        if settle is None:
+            self._wait(p, word, until, what, waiting_for)
+            return
+        self._settle = settle
+        try:
+            self._wait(p, word, until, what, waiting_for)
+        except _Settled:
+            return
+        finally:
+            self._settle = None
+
+    def _wait(self, p: int, word: int, until: Any, what: str,
+              waiting_for: Sequence[int]) -> None:
         words = self._words[p]
         for _ in range(SPIN_ITERS):
             if until(words[word]):
@@ -292,9 +436,11 @@ class ShmTransport:
 
     # -- point-to-point (the mailboxes) ------------------------------------------------
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
+        self._open = True
         return self._mail.isend(buf, dst)
 
     def irecv(self, buf: torch.Tensor, src: int, op: Op | None = None) -> Any:
+        self._open = True
         return self._mail.irecv(buf, src, op)
 
     def wait_all(self, reqs: Sequence[Any]) -> None:
@@ -302,137 +448,36 @@ class ShmTransport:
 
     # -- barrier -------------------------------------------------------------------
     def arrive(self) -> None:
-        self._epoch += 1
-        futex.add_and_wake(self._ctl.address + 4 * BARRIER_WORD)
+        """Arrive at the next barrier -- under the group lock, and only while no rank
+        has failed (see [Note: sticky failures])."""
+        if not self._glock.acquire(self._deadline):
+            raise self._fail("waiting for the group's lock (held by a stopped rank?)",
+                             [], shm_status.TIMEOUT)
+        try:
+            first = verdict.read(self._leader)
+            if first is None:
+                self._epoch += 1
+                futex.add_and_wake(self._ctl.address + 4 * BARRIER_WORD)
+        finally:
+            self._glock.release()
+        if first is not None:
+            raise self._fail_sticky(first)
 
     def wait_arrivals(self, what: str = "at a barrier inside the collective") -> None:
         target = self._epoch
         reached = lambda v: ((v - target) & _MASK) < _HALF
+        everybody = lambda: all(reached(self._words[q][BARRIER_WORD])
+                                for q in range(self.world_size) if q != self.rank)
         for p in range(self.world_size):
             if p != self.rank and not reached(self._words[p][BARRIER_WORD]):
                 late = [q for q in range(self.world_size)
                         if q != self.rank and not reached(self._words[q][BARRIER_WORD])]
-                self._block(p, BARRIER_WORD, reached, what, late)
+                self._block(p, BARRIER_WORD, reached, what, late, settle=everybody)
+        self._open = False
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "at a barrier inside the collective") -> None:
         self.arrive()
-        self.wait_arrivals()
-
-    # -- memory ----------------------------------------------------------------------
-    def _register(self, start: int, nbytes: int, segno: int, mapping: Any) -> None:
-        self._regions = [r for r in self._regions if r[3]() is not None]
-        bisect.insort(self._regions, (start, start + nbytes, segno, weakref.ref(mapping)))
-
-    def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
-        """``(segno, offset)`` if ``t``'s bytes lie in this rank's shared memory."""
-        nbytes = t.numel() * t.element_size()
-        if not nbytes:
-            return None
-        ptr = t.data_ptr()
-        regions = self._regions
-        i = bisect.bisect_right(regions, (ptr, _MASK << 32)) - 1
-        if i >= 0:
-            start, end, segno, ref = regions[i]
-            if ptr + nbytes <= end and ref() is not None:
-                return segno, ptr - start
-        return None
-
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor in a fresh segment of this rank: zero-copy for collectives."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(numel, dtype=dtype)
-        with self._lock:
-            segno = next(self._segnos)
-            name = f"{self._base}-{segno}"
-            raw, mm = segments.user_segment(name, nbytes)
-            self._finalizers.append(
-                weakref.finalize(mm, _retire, name, segno, self._retired, os.getpid()))
-            self._register(raw.data_ptr(), len(mm), segno, mm)
-        return raw.view(dtype)
-
-    def expose(self, flat: torch.Tensor, *,
-               force_staging: bool = False) -> tuple[torch.Tensor, bool]:
-        nbytes = flat.numel() * flat.element_size()
-        if not force_staging:
-            loc = self.locate(flat)
-            if loc is not None:
-                self._exposed = loc
-                return flat, True
-        k = self._exchanges & 1
-        seg = self._staging[k]
-        if seg is None or seg.size < nbytes:
-            seg = self._grow_staging(k, nbytes)
-        segno = self._segno_of(seg)
-        self._exposed = (segno, 0)
-        self.staged_bytes += nbytes
-        return self._view(self.rank, seg, segno, 0, nbytes, flat.dtype), False
-
-    def _view(self, p: int, seg: Segment, segno: int, offset: int, nbytes: int,
-              dtype: torch.dtype) -> torch.Tensor:
-        key = (p, segno, offset, nbytes, dtype)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) > 256:
-                self._views.clear()
-            view = self._views[key] = seg.view(offset, nbytes, dtype)
-        return view
-
-    def _segno_of(self, seg: Segment) -> int:
-        return int(seg.name.rsplit("-", 1)[1])
-
-    def _grow_staging(self, k: int, nbytes: int) -> Segment:
-        old = self._staging[k]
-        size = max(nbytes, 64 * 1024, 2 * old.size if old else 0)
-        with self._lock:
-            seg = Segment.create(f"{self._base}-{next(self._segnos)}", size)
-            self._register(seg.address, seg.size, self._segno_of(seg), seg.mm)
-        self._staging[k] = seg
-        self._views.clear()
-        if old is not None:
-            # Safe: peers finished the collective that used it (module note).
-            old.close()
-        return seg
-
-    def _peer_segment(self, p: int, segno: int) -> Segment:
-        seg = self._peer_segs[p].get(segno)
-        if seg is None:
-            name = f"{self._peer_bases[p]}-{segno}"
-            try:
-                seg = Segment.open(name)
-            except OSError as exc:
-                self._check_alive(f"mapping {name}", [p])
-                raise self._fail(f"cannot map its segment {name}: {exc}", [p]) from exc
-            self._peer_segs[p][segno] = seg
-            mine, idx = self._words[self.rank], chan_word(p, CHAN_MAPPED)
-            if segno > mine[idx]:
-                mine[idx] = segno  # p may unlink it now, see _let_peers_map
-        return seg
-
-    def _forget_peer_segment(self, p: int, segno: int) -> None:
-        seg = self._peer_segs[p].pop(segno, None)
-        if seg is not None:
-            self._views.clear()
-            seg.close()
-
-    # -- exchange ----------------------------------------------------------------------
-    def _announce_retired(self) -> None:
-        words = self._ctl.words
-        while self._retired:
-            segno = self._retired.popleft()
-            words[RETIRED_WORD + 1 + self._retired_count % RETIRED_RING] = segno
-            self._retired_count += 1
-            words[RETIRED_WORD] = self._retired_count & _MASK
-
-    def _collect_retired(self, p: int) -> None:
-        words = self._words[p]
-        count = words[RETIRED_WORD]
-        seen = self._peer_retired[p]
-        if count == seen:
-            return
-        for i in range(max(seen, count - RETIRED_RING), count):
-            self._forget_peer_segment(p, words[RETIRED_WORD + 1 + i % RETIRED_RING])
-        self._peer_retired[p] = count
+        self.wait_arrivals(what)
 
     def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
                  zero_copy: bool) -> Exchange:
@@ -443,7 +488,10 @@ class ShmTransport:
         nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
         flags, segno, offset = 0, 0, 0
         self._last_staged = 0
-        if exposed is not None:
+        if self._no_room:
+            flags, offset, exposed = _NO_ROOM, self._no_room, None
+            self._no_room = 0
+        elif exposed is not None:
             loc = self._exposed or self.locate(exposed)
             assert loc is not None, "exchange() of a buffer expose() did not return"
             segno, offset = loc
@@ -455,6 +503,7 @@ class ShmTransport:
                         dcode, segno, offset, self._fp[4], self._fp[5])
         self.arrive()
         self.wait_arrivals("at the start of the collective")
+        self._check_room(desc_off, flags, offset)
         views: list[torch.Tensor | None] = []
         any_zero_copy = zero_copy
         for p in range(self.world_size):
@@ -479,17 +528,45 @@ class ShmTransport:
                     self._peer_staging[p][slot] = psegno
             else:
                 any_zero_copy = True
-            views.append(self._view(p, self._peer_segment(p, psegno), psegno, poff, pbytes,
-                                    info.dtype))
+            seg = self._peer_segment(p, psegno)
+            if poff + pbytes > seg.size:  # offsets are unsigned: only the end can overflow
+                raise self._fail_peer(p, f"its descriptor points past the end of its segment "
+                                         f"{seg.name} (bytes {poff}..{poff + pbytes} of "
+                                         f"{seg.size})")
+            views.append(self._view(p, seg, psegno, poff, pbytes, info.dtype))
+        self._open = any(v is not None for v in views)
         return Exchange(views, any_zero_copy)
+
+    def _check_room(self, desc_off: int, flags: int, needed: int) -> None:
+        """Every rank reads every descriptor after the start barrier: if any rank had
+        no room for its buffer, all of them raise :class:`space.ShmExhausted` here."""
+        short = {self.rank: needed} if flags & _NO_ROOM else {}
+        for p in range(self.world_size):
+            if p != self.rank:
+                _, _, pflags, _, _, _, poff, _, _ = DESC.unpack_from(self._ctls[p].mm, desc_off)
+                if pflags & _NO_ROOM:
+                    short[p] = poff
+        if short:
+            info = self._info.describe() if self._info else "collective"
+            need = max(short.values())
+            raise space.ShmExhausted(
+                f"gradring {info}: ranks {sorted(short)} could not reserve a "
+                f"{need}-byte buffer in {segments.SHM_DIR}", need)
+
+    def release_for_fallback(self) -> None:
+        """Every rank gave shared memory up in the same collective: close without
+        waiting for peers to map a staged buffer (none of them will)."""
+        self._last_staged = 0
+        self.close()
 
     def _desync(self, p: int, theirs: Sequence[int]) -> None:
         info = self._info
         assert info is not None
         err = desync.mismatch(info, self.rank, p, theirs,
                               desync.difference(self._fp, theirs) or "descriptors")
+        self._settle = None
+        self._decide(shm_status.DESYNC)
         self._broken = str(err)
-        self._set_state(shm_status.FAILED, shm_status.DESYNC)
         raise err
 
     def _check_sender(self, src: int) -> None:
@@ -504,15 +581,9 @@ class ShmTransport:
             self._desync(src, theirs)
 
 
-def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
-    """Write the header of a fresh control segment."""
-    HEADER.pack_into(seg.mm, 0, MAGIC, os.getpid(), rank, world_size, 0, cookie)
-
-
-def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: int) -> bool:
-    """Whether a mapped control segment carries the header its owner announced."""
-    magic, ppid, prank, pworld, _, pcookie = HEADER.unpack_from(seg.mm, 0)
-    return (magic, ppid, prank, pworld, pcookie) == (MAGIC, pid, rank, world_size, cookie)
+def live_transports() -> list[ShmTransport]:
+    """Every shm transport of this process that is not closed yet."""
+    return list(_live)
 
 
 @atexit.register

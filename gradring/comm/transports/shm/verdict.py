@@ -1,0 +1,101 @@
+"""A group's failure is sticky: the verdict word and the lock that guards it.
+
+[Note: sticky failures]
+A rank that gives up on a collective (deadline, dead or departed peer,
+desync, any exception on the collective path) must not leave a peer that
+completes it: the peer would return success for a collective the first rank
+failed, or -- on the zero-copy path -- keep writing into the tensor of a rank
+that has already returned. So the group keeps one *verdict*: two words in
+rank 0's control segment (``layout.VERDICT_WORD``), "rank r failed #k first",
+set once and never cleared while the transport lives.
+
+Arriving at a barrier and deciding to fail are made mutually exclusive with a
+file lock (``flock``) on rank 0's control segment, which every rank keeps
+open. A rank arrives (bumps its barrier word) only under the lock and only if
+no verdict is set; a rank fails only under the lock, and a rank failing at a
+barrier first re-checks, under the lock, whether everybody has arrived after
+all (then it does not fail). Hence nobody passes a barrier after someone
+gave up on it, and once everybody passed, nobody fails it. Every direct
+collective ends with such a barrier (the closing agreement, see
+``ShmTransport.finish``), so ranks never disagree about whether it succeeded.
+The kernel drops a dead holder's lock; a lock held past the deadline (a
+holder stopped inside the few instructions it holds it for) counts as a
+timeout.
+
+The failing rank also writes its reason in words into its own control segment
+(``layout.REASON_OFF``), so peers can name the exception that stopped it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from typing import Any
+
+from gradring.comm.transports.shm.layout import REASON_BYTES, REASON_OFF, VERDICT_WORD
+
+_MASK = 0xFFFFFFFF
+
+
+class GroupLock:
+    """``flock`` on rank 0's control segment, with a deadline (never blocks forever)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._held = 0
+
+    def acquire(self, deadline: float) -> bool:
+        """Take the lock (re-entrant); False if it was still held by another rank at
+        ``deadline`` (``time.monotonic``)."""
+        if self._held:
+            self._held += 1
+            return True
+        tries = 0
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._held = 1
+                return True
+            except BlockingIOError:
+                pass
+            tries += 1
+            if tries < 64:
+                continue  # held for a few µs by a running peer: retry at once
+            if tries < 256:
+                os.sched_yield()  # its holder may have been descheduled
+                continue
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+
+    def release(self) -> None:
+        self._held -= 1
+        if self._held == 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def read(leader_words: Any) -> tuple[int, int] | None:
+    """``(rank, seq low 32 bits)`` of the group's first failure, or None."""
+    who = leader_words[VERDICT_WORD]
+    return (who - 1, leader_words[VERDICT_WORD + 1]) if who else None
+
+
+def set_first(leader_words: Any, rank: int, seq: int) -> None:
+    """Record ``rank`` failing ``seq`` unless a failure is recorded already (under the lock)."""
+    if not leader_words[VERDICT_WORD]:
+        leader_words[VERDICT_WORD + 1] = seq & _MASK
+        leader_words[VERDICT_WORD] = rank + 1
+
+
+def write_reason(mm: Any, text: str) -> None:
+    """This rank's failure in words, into its own control segment (truncated)."""
+    data = text.encode("utf-8", "replace")[:REASON_BYTES - 4]
+    mm[REASON_OFF + 4:REASON_OFF + 4 + len(data)] = data
+    mm[REASON_OFF:REASON_OFF + 4] = len(data).to_bytes(4, "little")
+
+
+def read_reason(mm: Any) -> str:
+    """What a peer wrote with :func:`write_reason` ("" if nothing)."""
+    n = min(int.from_bytes(mm[REASON_OFF:REASON_OFF + 4], "little"), REASON_BYTES - 4)
+    return bytes(mm[REASON_OFF + 4:REASON_OFF + 4 + n]).decode("utf-8", "replace")

@@ -1,0 +1,402 @@
+"""Rank side of the shared-memory hardening tests (run by ``tests/shm_jobs.py``).
+
+Each scenario is ``fn(rank, world, tmp) -> hard_exit``; it prints JSON reports
+with :func:`tests.shm_jobs.say`. A true return value makes the rank leave with
+``os._exit`` (its process group may be wedged by a failed peer).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import signal
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradring
+from gradring import comm
+from tests.shm_jobs import say
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ------------------------------------------------------------- 1: small /dev/shm
+def _train(ddp: nn.Module, rank: int, steps: int = 3) -> None:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        opt.zero_grad()
+        ddp(torch.randn(4, 2048, generator=g)).pow(2).mean().backward()
+        opt.step()
+
+
+def small_shm(rank: int, world: int, tmp: str) -> bool:
+    """A ~16 MiB model on an 8 MiB /dev/shm, against torch's DDP over gloo."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 8))
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    try:
+        _train(gradring.DistributedDataParallel(ours), rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        say(rank=rank, error=_error(exc))
+        return True
+    _train(nn.parallel.DistributedDataParallel(theirs), rank)
+    diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(),
+                                                          theirs.parameters()))
+    say(rank=rank, error=None, diff=diff)
+    comm.shutdown()
+    return False
+
+
+def small_shm_forced(rank: int, world: int, tmp: str) -> bool:
+    """GRADRING_TRANSPORT=shm on an 8 MiB /dev/shm: no fallback allowed."""
+    os.environ["GRADRING_TRANSPORT"] = "shm"
+    x = torch.ones(4 << 20)  # 16 MiB: its staging buffer cannot fit
+    try:
+        comm.all_reduce(x)
+        say(rank=rank, error=None, value=float(x[0]))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        say(rank=rank, error=_error(exc))
+    comm.shutdown()
+    return False
+
+
+# --------------------------------------------------------------- 2: late peers
+def _attempt(fn) -> dict:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "took": time.monotonic() - t0, "t": time.time()}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": _error(exc), "took": time.monotonic() - t0, "t": time.time()}
+
+
+def late_small(rank: int, world: int, tmp: str) -> bool:
+    """Small-message path: the last rank arrives 1.5 s after the others gave up
+    (GRADRING_TIMEOUT=2)."""
+    dist.barrier()
+    comm.all_reduce(torch.ones(8))  # connect
+    dist.barrier()  # in step before the short deadline starts to matter
+    if rank == world - 1:
+        time.sleep(3.5)
+    x = torch.full((1000,), float(rank + 1))
+    out = _attempt(lambda: comm.all_reduce(x))
+    say(rank=rank, case="late_small", value=float(x[0]), **out)
+    return True
+
+
+def late_zero_copy(rank: int, world: int, tmp: str) -> bool:
+    """Zero-copy path (a ``comm.empty`` buffer, as DDP buckets): the last rank arrives
+    1.5 s after the others gave up; nobody's memory may change afterwards."""
+    big = comm.empty(1 << 20)
+    big.fill_(float(rank + 1))
+    dist.barrier()  # in step before the short deadline starts to matter
+    comm.all_reduce(torch.ones(8))  # connect, in step
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(3.5)
+    out = _attempt(lambda: comm.all_reduce(big))
+    before = big.clone()
+    time.sleep(3.0)  # the late rank arrives (and would write) meanwhile
+    changed = int((big != before).sum())
+    say(rank=rank, case="late_zero_copy", changed=changed, **out)
+    return True
+
+
+# -------------------------------------------------- 3: foreign exceptions inside
+def _inject(rank: int, case: str):
+    """Make rank 1 fail inside the collective with a non-gradring exception; returns
+    the undo."""
+    from gradring.comm import ops
+    from gradring.comm.transports.shm import segments
+
+    if rank != 1:
+        return lambda: None
+    if case == "mmap_value_error":
+        orig = segments.Segment.open
+
+        def bad_open(name: str, **kw: object) -> None:
+            raise ValueError("mmap offset is greater than file size")
+        segments.Segment.open = bad_open  # type: ignore[method-assign,assignment]
+        return lambda: setattr(segments.Segment, "open", orig)
+    if case == "torch_shape_error":
+        orig_reduce = ops.reduce_into
+
+        def bad_reduce(*args: object, **kw: object) -> None:
+            torch.ones(2) + torch.ones(3)  # the size of tensor a (2) must match ...
+        ops.reduce_into = bad_reduce  # type: ignore[assignment]
+        return lambda: setattr(ops, "reduce_into", orig_reduce)
+    if case == "file_exists":
+        orig_create = segments.Segment.create
+
+        def bad_create(name: str, size: int, **kw: object) -> None:
+            raise FileExistsError(17, "File exists", name)
+        segments.Segment.create = bad_create  # type: ignore[method-assign,assignment]
+        return lambda: setattr(segments.Segment, "create", orig_create)
+    raise ValueError(case)
+
+
+def foreign_error(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 raises something that is not a CollectiveError inside a collective."""
+    sizes = {"mmap_value_error": 1 << 20, "torch_shape_error": 1000, "file_exists": 1 << 20}
+    for case, numel in sizes.items():
+        comm.all_reduce(torch.ones(8))  # connect (fresh transport per case)
+        undo = _inject(rank, case)
+        out = _attempt(lambda n=numel: comm.all_reduce(torch.ones(n)))
+        undo()
+        say(rank=rank, case=case, **out)
+        comm.shutdown()
+        dist.barrier()
+    return True
+
+
+# ---------------------------------------------------------------- 4: squatters
+NOBODY = 65534
+
+
+def _squat(names: list[str]) -> int:
+    """Create ``names`` in /dev/shm as user nobody (a forked child); how many it got."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the squatter
+        made = 0
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            for n in names:
+                try:
+                    os.close(os.open(os.path.join("/dev/shm", n),
+                                     os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                    made += 1
+                except OSError:
+                    pass
+        finally:
+            os.write(w, str(made).encode())
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    made = int(os.read(r, 64) or b"0")
+    os.close(r)
+    return made
+
+
+def _guesses(pid: int) -> list[str]:
+    """What an outsider can derive from the names it sees: the same prefix with the
+    next numbers (the old scheme counted up), and the same for every visible prefix."""
+    seen = [n for n in os.listdir("/dev/shm") if n.startswith(f"gradring-{pid}-")]
+    prefixes = {n.rsplit("-", 1)[0] for n in seen} | {n.rsplit("-", 2)[0] for n in seen}
+    return sorted({f"{p}-{k}" for p in prefixes for k in range(64)} - set(seen))
+
+
+def squat(rank: int, world: int, tmp: str) -> bool:
+    """User nobody pre-creates every name it can guess (and, white-box, the exact next
+    two names of this rank); DDP must still build and train like torch's DDP."""
+    from gradring.comm.context import context
+    from gradring.comm.transports.shm import segments
+
+    comm.all_reduce(torch.ones(1 << 17))  # connect; creates a staging segment
+    names = _guesses(os.getpid())
+    shm = context(None).transports.existing_shm()
+    if hasattr(segments, "segment_name"):  # the exact next names: force the retry
+        nxt = next(shm._segnos)
+        names += [segments.segment_name(shm._base, shm._secret, nxt + i) for i in (1, 2)]
+    made = _squat(names)
+    dist.barrier()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+        for ddp, m in ((gradring.DistributedDataParallel(ours, bucket_cap_mb=0.02), ours),
+                       (nn.parallel.DistributedDataParallel(theirs), theirs)):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for step in range(3):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(step * 10 + rank)
+                ddp(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+                opt.step()
+        x = torch.full((1 << 20,), float(rank + 1))  # a larger staging set: a new name
+        comm.all_reduce(x)
+        diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(),
+                                                              theirs.parameters()))
+        say(rank=rank, error=None, squatted=made, diff=diff, value=float(x[0]))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        say(rank=rank, error=_error(exc), squatted=made)
+    for n in names:
+        try:
+            if os.stat(os.path.join("/dev/shm", n)).st_uid == NOBODY:
+                os.unlink(os.path.join("/dev/shm", n))
+        except OSError:
+            pass
+    comm.shutdown()
+    return False
+
+
+def bad_offset(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 publishes an offset near the end of its staging segment."""
+    from gradring.comm.transports.shm.transport import ShmTransport
+
+    comm.all_reduce(torch.ones(8))
+    if rank == 1:
+        orig = ShmTransport.exchange
+
+        def lying(self, info, exposed, *, zero_copy):  # type: ignore[no-untyped-def]
+            if self._exposed is not None:
+                segno, _ = self._exposed
+                seg = next(s for s in self._staging if s is not None
+                           and self._segno_of(s) == segno)
+                self._exposed = (segno, seg.size - 4)
+            return orig(self, info, exposed, zero_copy=zero_copy)
+        ShmTransport.exchange = lying  # type: ignore[method-assign]
+    x = torch.full((1000,), float(rank + 1))
+    out = _attempt(lambda: comm.all_reduce(x))
+    say(rank=rank, case="bad_offset", value=float(x[0]), **out)
+    return True
+
+
+# ------------------------------------------------------------------- 5: leaks
+def _gradring_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("gradring-" in line for line in f)
+
+
+def leak_buckets(rank: int, world: int, tmp: str) -> bool:
+    """40 bucket-like ``comm.empty`` buffers, large enough for the zero-copy two-shot
+    (so peers map each one), all freed at once -- more than the 30-slot ring --
+    five times over: mappings and fds must not grow."""
+    counts = []
+    for cycle in range(5):
+        bufs = [comm.empty(1 << 17) for _ in range(40)]  # 512 KiB each
+        for k, b in enumerate(bufs):
+            b.fill_(float(rank + k))
+            comm.all_reduce(b)
+            if float(b[0]) != 2 * k + 1:
+                raise AssertionError(f"cycle {cycle}, buffer {k}: {float(b[0])}")
+        comm.all_reduce(torch.ones(8))  # the peer collects what was retired before
+        gc.collect()
+        counts.append([_gradring_maps(), len(os.listdir("/proc/self/fd"))])
+        del bufs, b
+        gc.collect()
+    say(rank=rank, error=None, counts=counts)
+    comm.shutdown()
+    return False
+
+
+def sigterm(rank: int, world: int, tmp: str) -> bool:
+    """Rank 0 blocks in a collective rank 1 never joins; rank 1 sends it SIGTERM (as
+    torchrun does) and looks for rank 0's segments afterwards."""
+    from gradring.comm.transports.shm import segments
+
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0 and os.environ.get("SHM_TEST_PREV_HANDLER") == "raise":
+        def theirs(signum: int, frame: object) -> None:
+            print("previous handler ran", file=sys.stderr, flush=True)
+            raise SystemExit(7)
+        signal.signal(signal.SIGTERM, theirs)
+    big = comm.empty(1 << 18)
+    big.fill_(1.0)
+    comm.all_reduce(big)
+    comm.all_reduce(torch.ones(1 << 16))  # staged: a named staging segment
+    mine = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"gradring-{pids[rank]}-"))
+    say(rank=rank, names=mine)
+    if rank == 0:
+        out = _attempt(lambda: comm.all_reduce(torch.ones(100)))
+        say(rank=rank, case="blocked", **out)  # only with a previous handler that raises
+        return True
+    time.sleep(2.0)
+    t_kill = time.time()
+    os.kill(pids[0], signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while segments.pid_alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    gone = time.time() - t_kill
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"gradring-{pids[0]}-"))
+    say(rank=rank, error=None, leftover=left, gone_after=gone)
+    for n in left:  # today's code leaves them: do not leak them into the machine
+        segments.unlink_quietly(n)
+    comm.shutdown()
+    return False
+
+
+# -------------------------------------------------------- also: flight, retries
+def _small_ddp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.005)
+    dist.barrier()  # start training together: the deadlines here are short
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+
+def _ddp_step(ddp: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    opt.zero_grad()
+    ddp(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
+def flight_stall(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 stalls at step 3; rank 0 times out, then kills it (as torchrun would):
+    only rank 0 leaves a flight-recorder dump."""
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    ddp, opt = _small_ddp()
+    for step in range(6):
+        if rank == 1 and step == 3:
+            time.sleep(60)
+        try:
+            _ddp_step(ddp, opt, step, rank)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            say(rank=rank, error=_error(exc), step=step)
+            os.kill(pids[1], signal.SIGKILL)
+            return True
+    say(rank=rank, error=None)
+    return True
+
+
+def keep_training(rank: int, world: int, tmp: str) -> bool:
+    """Rank 0 catches gradring's error and trains on; count the store waits it makes."""
+    import gradring.comm.store as store_mod
+
+    ddp, opt = _small_ddp()
+    for step in range(2):
+        _ddp_step(ddp, opt, step, rank)
+    if rank == 1:
+        time.sleep(5)
+    first = _attempt(lambda: _ddp_step(ddp, opt, 2, rank))
+    if rank == 1:  # it stops (or exits); only rank 0 trains on
+        say(rank=rank, case="keep_training", first=first)
+        time.sleep(6)
+        return True
+    # Over the torch transport the next backward fails inside its hooks (the group is
+    # unusable), leaving the reduction unfinished: the step after that is the one
+    # that used to wait for the peers' unused-parameter lists.
+    second = _attempt(lambda: _ddp_step(ddp, opt, 3, rank))
+    sleeps = []
+    real = store_mod.time
+
+    class CountingTime:  # only store.py's clock: count its polling sleeps
+        monotonic = staticmethod(real.monotonic)
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            sleeps.append(s)
+            real.sleep(s)
+    store_mod.time = CountingTime  # type: ignore[assignment]
+    again = _attempt(lambda: _ddp_step(ddp, opt, 4, rank))
+    # What the reducer's unfinished-reduction error does first: swap the lists of
+    # parameters without gradients with peers that will never answer.
+    comm_like = types.SimpleNamespace(group=dist.distributed_c10d._get_default_group(),
+                                      rank=rank, world_size=world)
+    lists = store_mod.exchange_lists(comm_like, "unused/99", [3])
+    store_mod.time = real
+    say(rank=rank, case="keep_training", first=first, second=second, again=again,
+        sleeps=len(sleeps), lists={str(k): v for k, v in lists.items()})
+    return True
