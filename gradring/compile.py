@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 #: This is what keeps the gradient hooks eager when compiled autograd traces
 #: the backward (see [Note: compiled autograd] in reducer_offpath.py).
 _NEVER_TRACED = (
-    "gradring.reducer", "gradring.reducer_offpath", "gradring.comm", "gradring.lending", "gradring.buckets",
+    "gradring.reducer", "gradring.reducer_offpath", "gradring.comm", "gradring.lending",
+    "gradring.buckets",
     "gradring.observe", "gradring.group_comm", "gradring.grad_bucket", "gradring.hooks",
     "gradring.fused_optim", "gradring.join", "gradring.autocap", "gradring.graph",
     "gradring.ddp", "gradring.ddp_surface", "gradring.compile", "gradring.output_boundary",
