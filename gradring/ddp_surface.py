@@ -68,8 +68,10 @@ class TorchSurface:
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module,
                                                     params_and_buffers_to_ignore: Any) -> None:
         """Mark parameters and buffers (by module-relative name) that DDP must leave alone."""
-        names = set(params_and_buffers_to_ignore)
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        given = params_and_buffers_to_ignore
+        names = set(given)
+        # The attribute torch's DDP constructor (and ours) reads, as given.
+        module._ddp_params_and_buffers_to_ignore = given
         for name, param in module.named_parameters():
             if name in names:
                 param._ddp_ignored = True
@@ -126,7 +128,7 @@ class TorchSurface:
         """Sync buffers with ``hook(state, {name: buffer})`` instead of a broadcast
         from rank 0. Futures the hook returns are waited for at the end of backward."""
         if not callable(hook):
-            raise AssertionError(f"hook must be callable, got {type(hook).__name__}")
+            raise AssertionError(errors.buffer_hook_not_callable(hook))
         self.buffer_hook = _torch_distributed._BufferCommHook(
             buffer_comm_hook=hook, buffer_comm_hook_state=state,
             buffer_comm_hook_location=comm_hook_location)
@@ -134,7 +136,7 @@ class TorchSurface:
     def _sync_module_buffers(self, authoritative_rank: int) -> None:
         hook = getattr(self, "buffer_hook", None)
         if hook is None:
-            self._default_broadcast_coalesced(authoritative_rank=authoritative_rank)
+            self._default_broadcast_coalesced(None, None, authoritative_rank)
             return
         futures = hook.buffer_comm_hook(hook.buffer_comm_hook_state, self.named_module_buffers)
         if futures is not None:
@@ -309,7 +311,7 @@ class TorchSurface:
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
         from torch.nn.parallel.scatter_gather import scatter_kwargs
 
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        return scatter_kwargs(inputs, kwargs, device_ids, self.dim)
 
     def to_kwargs(self, inputs: Any, kwargs: Any, device_id: Any) -> Any:
         from torch.nn.parallel.scatter_gather import scatter_kwargs

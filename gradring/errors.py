@@ -247,3 +247,7 @@ class NotInitializedError(ValueError, RuntimeError):
     torch's DDP raises ``ValueError`` here (from ``_get_default_group``); code
     written against earlier gradring caught ``RuntimeError``. Both catch this.
     """
+
+
+def buffer_hook_not_callable(hook: object) -> str:
+    return f"A buffer comm hook must be callable; {type(hook).__name__} is not."
