@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from gradring.lending import LentSlots
+from gradring.packing import SMALL_SLOT_NUMEL, Run, packed_runs
 
 #: First bucket's cap after a rebuild: small, so the first all-reduce starts early.
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -146,16 +147,23 @@ class SlotKind(enum.Enum):
       lent gradients] in ``lending.py``).
     - ``COPIED``: copied into the slot and the result copied back out (comm
       hooks, CUDA, integer buckets, one rank).
+    - ``PACKED``: a small slot outside view mode; copied in and out like
+      ``COPIED``, but a run of neighbours at a time when the bucket is ready
+      ([Note: packed slots] in ``packing.py``).
+
+    VIEW and PACKED slots are *deferred*: their hooks only count, and the
+    tensor work is done for the whole bucket when its last gradient arrives.
 
     A gradient that does not fit its slot's kind at run time (no gradient,
     a non-contiguous or sparse one, a kept old ``.grad``) falls back to the
-    next simpler kind: LENT -> HOMED -> COPIED.
+    next simpler kind: LENT -> HOMED -> COPIED, PACKED -> COPIED.
     """
 
     VIEW = "view"
     HOMED = "homed"
     LENT = "lent"
     COPIED = "copied"
+    PACKED = "packed"
 
 
 class BucketState(enum.Enum):
@@ -216,6 +224,13 @@ class Bucket:
         self.lending = LentSlots(self)
         # Per slot, how its gradient travels (see [Note: slot kinds]).
         self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
+        # Whether some slots are deferred (VIEW or PACKED): the reducer puts them
+        # in when the bucket's last gradient arrives.
+        self.deferred = False
+        # The PACKED slots, as runs of neighbours (see [Note: packed slots]).
+        self.runs: tuple[Run, ...] = ()
+        # This backward's runs (by position in ``runs``) that went slot by slot.
+        self.loose: set[int] = set()
 
     def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
               hooked: bool) -> None:
@@ -232,6 +247,8 @@ class Bucket:
         for s in range(len(self.params)):
             if view_mode:
                 kind = SlotKind.VIEW
+            elif self.numels[s] <= SMALL_SLOT_NUMEL:
+                kind = SlotKind.PACKED
             elif hooked or not self.homable:
                 kind = SlotKind.COPIED
             elif s in lent:
@@ -239,6 +256,9 @@ class Bucket:
             else:
                 kind = SlotKind.HOMED
             self.kinds[s] = kind
+        self.runs = packed_runs([k is SlotKind.PACKED for k in self.kinds], self.offsets,
+                                self.numels, self.params, self.param_indices)
+        self.deferred = view_mode or bool(self.runs)
 
     def _make_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer the collective reduces, and per-slot views shaped like
@@ -264,3 +284,4 @@ class Bucket:
         self.homes = []
         self.homed_slots = set()
         self.to_write = []
+        self.loose = set()

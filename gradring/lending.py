@@ -11,11 +11,9 @@ the bucket.
 So a parameter whose slot lies wholly outside the own chunk is *lent* its
 bucket slot: its hook copies the (scaled) gradient into the slot, as always,
 and then sets ``.grad`` to a view of the slot. The peer's result lands in
-``.grad`` with no copy at all. Small slots (``SMALL_SLOT_NUMEL``) are lent
-inside the own chunk too: the collective then reduces them in the flat
-buffer, in one span with their neighbours, instead of piece by piece in
-their homes, which for thousands of tiny tensors costs far more than copying
-them in.
+``.grad`` with no copy at all. Small slots are never lent: they are packed
+(see [Note: packed slots] in ``packing.py``), copied in and out a run at a
+time, which costs less than lending each one.
 
 What a user can observe, and how it stays what torch's DDP gives:
 
@@ -46,6 +44,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+
+from gradring.packing import SMALL_SLOT_NUMEL, scale_tensor
 
 if TYPE_CHECKING:
     from gradring.buckets import Bucket
@@ -102,40 +102,15 @@ def fresh(grad: torch.Tensor) -> bool:
     return _use_count(grad.untyped_storage()._cdata) <= expected[1]  # type: ignore[misc]
 
 
-#: Slots of at most this many elements are lent even inside the own chunk: copying
-#: a small gradient in costs less than the per-piece work of homing it (slicing,
-#: summing and copying each piece on its own inside the collective).
-SMALL_SLOT_NUMEL = 4096
-
-
-_SCALES: dict[tuple[float, bool], torch.Tensor] = {}
-_DOUBLE = (torch.float64, torch.complex128)
-
-
-def scale_tensor(scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``scale`` as a 0-dim tensor to multiply ``dtype`` gradients by, made once per
-    value: float64 for double gradients, float32 for the others (the precision
-    the kernels compute a Python float in, so the bits are the same, and a 0-dim
-    tensor does not change the result dtype). It skips wrapping the float into
-    a new tensor on every call: a 64-float multiply measured 1.4 us against 6.3."""
-    double = dtype in _DOUBLE
-    t = _SCALES.get((scale, double))
-    if t is None:
-        t = _SCALES[(scale, double)] = torch.tensor(
-            scale, dtype=torch.float64 if double else torch.float32)
-    return t
-
-
 def lendable_slots(bucket: Bucket) -> frozenset[int]:
     """Slots of contiguous parameters wholly outside the bucket's own chunk,
-    and small ones (see SMALL_SLOT_NUMEL) anywhere."""
+    except small ones (those are packed, see packing.SMALL_SLOT_NUMEL)."""
     if not (SUPPORTED and bucket.homable):
         return frozenset()
     lo, hi = bucket.own
     return frozenset(
         s for s, (off, n, p) in enumerate(zip(bucket.offsets, bucket.numels, bucket.params))
-        if (off + n <= lo or off >= hi or n <= SMALL_SLOT_NUMEL) and n > 0
-        and p.is_contiguous())
+        if (off + n <= lo or off >= hi) and n > SMALL_SLOT_NUMEL and p.is_contiguous())
 
 
 class LentSlots:

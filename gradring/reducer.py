@@ -4,13 +4,17 @@
 1. ``prepare_for_backward`` (after forward) resets pending counts and, in
    ``GraphMode.FIND_UNUSED``, records which parameters the forward never
    reached (``graph.py``).
-2. Each parameter's post-accumulate-grad hook calls ``_on_grad``. The gradient
-   is scaled by 1/world_size and put where its slot's kind says (decided once
-   per bucket, see [Note: slot kinds] in ``buckets.py``): left in ``.grad``
-   with only the part the peers read copied into the bucket (HOMED), copied
-   into the slot with ``.grad`` pointed at it (LENT, VIEW), or plainly copied
-   (COPIED). The bucket's pending count drops. The first hook of a backward
-   also marks the unused parameters ready (their slots are zeroed).
+2. Each parameter's post-accumulate-grad hook calls ``_on_grad``, and the
+   bucket's pending count drops. Where the gradient goes is what its slot's
+   kind says (decided once per bucket, see [Note: slot kinds] in
+   ``buckets.py``; the puts are in ``slot_io.py``). HOMED, LENT and COPIED
+   slots are put in by the hook itself, scaled by 1/world_size: left in
+   ``.grad`` with only the part the peers read copied into the bucket
+   (HOMED), copied into the slot with ``.grad`` pointed at it (LENT), or
+   plainly copied (COPIED). VIEW and PACKED slots are deferred: when the
+   bucket's last gradient arrives, they are put in together, a run of small
+   slots per call ([Note: packed slots] in ``packing.py``). The first hook of
+   a backward also marks the unused parameters ready (their slots are zeroed).
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
    ready ones go together. Launching is asynchronous, so bucket k's collective
@@ -19,7 +23,8 @@
 4. When the last bucket launches, a callback is queued on the autograd engine.
    At the end of the backward it waits for every future bucket by bucket and
    writes the results where ``.grad`` needs them (nothing to write for HOMED,
-   LENT and VIEW slots). When ``loss.backward()`` returns, gradients are reduced.
+   LENT and VIEW slots; one batched copy per run of PACKED slots). When
+   ``loss.backward()`` returns, gradients are reduced.
 If a backward ends with a bucket that never became ready (an unused parameter
 without find_unused_parameters), the callback is never queued, the reduction
 stays unfinished, and the next forward raises, naming the parameters.
@@ -48,14 +53,14 @@ from gradring.buckets import (
 from gradring.grad_bucket import GradBucket
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
-from gradring.lending import fresh, scale_tensor
 from gradring.observe.trace import Trace
 from gradring.reducer_offpath import ReducerOffPath, _queue_engine_callback
+from gradring.slot_io import SlotIO
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-class Reducer(ReducerOffPath):
+class Reducer(ReducerOffPath, SlotIO):
     """Owns the buckets and drives their reduction during backward."""
 
     def __init__(
@@ -107,12 +112,14 @@ class Reducer(ReducerOffPath):
         self._recycled: dict[int, torch.Tensor] = {}
         # param index -> (bucket index, slot index)
         self._locator: list[tuple[int, int]] = []
-        # Per slot kind, how a gradient goes in (see [Note: slot kinds]).
-        self._put_in = {SlotKind.VIEW: self._put_view, SlotKind.LENT: self._put_lent,
-                        SlotKind.HOMED: self._put_homed, SlotKind.COPIED: self._put_copied}
+        # Per slot kind, how a gradient goes in when its hook runs (see [Note:
+        # slot kinds]); deferred kinds (None) are put in when the bucket is ready.
+        self._put_in = {SlotKind.VIEW: None, SlotKind.PACKED: None,
+                        SlotKind.LENT: self._put_lent, SlotKind.HOMED: self._put_homed,
+                        SlotKind.COPIED: self._put_copied}
         # param index -> (its bucket, its slot, the _put_* method of the slot's
-        # kind), looked up once per gradient (see [Note: the per-gradient path]).
-        self._route: list[tuple[Bucket, int, Callable[..., None]]] = []
+        # kind or None), looked up once per gradient (see [Note: the per-gradient path]).
+        self._route: list[tuple[Bucket, int, Callable[..., None] | None]] = []
         # True once another live reducer acts on these parameters too (nested
         # DDP): both then copy gradients, never keep or lend .grad.
         self._shared = False
@@ -157,8 +164,9 @@ class Reducer(ReducerOffPath):
         self._first_hook_done = False
         # FIND_UNUSED: parameters the forward did not reach.
         self._unused: list[int] = []
-        # FIND_UNUSED: 1 where this rank produced a gradient.
-        self._local_used = torch.zeros(len(self.params), dtype=torch.int32)
+        # FIND_UNUSED: 1 where this rank produced a gradient (a bytearray: setting
+        # an item of a tensor in every hook cost microseconds).
+        self._local_used = bytearray(len(self.params))
         self._used_future: Any = None
         self._warned_nothing_unused = False
         # Whether a second backward after one forward was reported (once).
@@ -295,7 +303,7 @@ class Reducer(ReducerOffPath):
         if self.mode is GraphMode.STATIC:
             self._static_remaining = list(self._static_counts)
         elif self.mode is GraphMode.FIND_UNUSED:
-            self._local_used.zero_()
+            self._local_used = bytearray(len(self.params))
             reached = reachable_params(outputs or [], self._index_of)
             self._unused = [i for i in range(len(self.params)) if i not in reached]
             if not self._unused and not self._warned_nothing_unused:
@@ -356,8 +364,10 @@ class Reducer(ReducerOffPath):
     # (rebuilt whenever slot kinds are decided), the arrival flag is decided
     # once per backward, grad mode is switched off only when it is on (it is
     # off inside an ordinary backward; on under create_graph), the scale is
-    # multiplied as a cached 0-dim tensor (see lending.scale_tensor), and
-    # tracing marks buckets, never parameters.
+    # multiplied as a cached 0-dim tensor (see packing.scale_tensor), and
+    # tracing marks buckets, never parameters. A deferred slot (VIEW, PACKED)
+    # has no put method: its hook only counts, and _put_deferred does the
+    # tensor work for the whole bucket once its last gradient has arrived.
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
@@ -367,89 +377,32 @@ class Reducer(ReducerOffPath):
         bucket, s, put = self._route[i]
         if bucket.pending == bucket.size:
             bucket.lending.claim()  # the backward's first write into this bucket
-        scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
-        grad_mode = torch.is_grad_enabled()
-        if grad_mode:
-            torch._C._set_grad_enabled(False)
-        try:
-            if self.params[i].grad is None:
-                bucket.views[s].zero_()
-                bucket.to_write.append(s)
-            else:
-                # No local reference to the gradient here: lending counts them.
-                put(bucket, s, i, scale)
-        finally:
+        if put is not None:
+            scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
+            grad_mode = torch.is_grad_enabled()
             if grad_mode:
-                torch._C._set_grad_enabled(True)
+                torch._C._set_grad_enabled(False)
+            try:
+                if self.params[i].grad is None:
+                    bucket.views[s].zero_()
+                    bucket.to_write.append(s)
+                else:
+                    # No local reference to the gradient here: lending counts them.
+                    put(bucket, s, i, scale)
+            finally:
+                if grad_mode:
+                    torch._C._set_grad_enabled(True)
         if self._record_arrival:
             self._arrival.append(i)
             if self.auto_stamps is not None:
                 self.auto_stamps.mark(i)
         bucket.pending -= 1
         if bucket.pending == 0:
+            if bucket.deferred:
+                self._put_deferred(bucket)
             bucket.state = BucketState.READY
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
-
-    # How a gradient goes into its slot, one method per SlotKind; each falls
-    # back to the next simpler kind when the gradient does not fit its own.
-    # Each reads .grad itself and holds it in exactly one local, because
-    # lending.fresh() compares reference counts against a probe made the same way.
-    def _put_view(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
-        grad = self.params[i].grad
-        view = bucket.views[s]
-        if grad.data_ptr() == view.data_ptr():
-            if scale != 1.0:
-                view.mul_(scale_tensor(scale, view.dtype))
-            return
-        self._put_copied(bucket, s, i, scale)
-        self.params[i].grad = view
-
-    def _put_lent(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
-        grad = self.params[i].grad
-        view = bucket.views[s]
-        if grad.data_ptr() == view.data_ptr():
-            if scale != 1.0:
-                view.mul_(scale_tensor(scale, view.dtype))
-        elif grad.layout is torch.strided and not grad.requires_grad and fresh(grad):
-            self.params[i].grad = bucket.lending.lend(s, grad, scale)
-            self._recycled[i] = grad
-        else:
-            del grad
-            self._put_homed(bucket, s, i, scale)
-
-    def _put_homed(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
-        """Copy in (scaled) only what the peers read, the part outside this rank's
-        own chunk; the collective reads the rest from ``.grad`` and writes the
-        whole result back into it."""
-        grad = self.params[i].grad
-        view = bucket.views[s]
-        # A gradient that requires grad (backward(create_graph=True)) is
-        # copied: the collective's thread would record autograd history on it.
-        if not (grad.layout is torch.strided and grad.is_contiguous()
-                and not grad.requires_grad
-                and grad.dtype == view.dtype and grad.device == view.device
-                and grad.numel() == view.numel()):
-            self._put_copied(bucket, s, i, scale)
-            return
-        flat = grad.view(-1)
-        start, n = bucket.offsets[s], bucket.numels[s]
-        lo, hi = bucket.own
-        for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
-            if a < b:
-                torch.mul(flat[a - start:b - start], scale_tensor(scale, flat.dtype),
-                          out=bucket.buffer[a:b])
-        bucket.homes.append((start, flat))
-        bucket.homed_slots.add(s)
-
-    def _put_copied(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
-        grad = self.params[i].grad
-        view = bucket.views[s]
-        if scale != 1.0:
-            torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
-        else:
-            view.copy_(grad)
-        bucket.to_write.append(s)  # the result goes back into .grad at finalize
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
@@ -459,7 +412,8 @@ class Reducer(ReducerOffPath):
             self._next_bucket += 1
         if self._next_bucket == len(buckets):
             if self.mode is GraphMode.FIND_UNUSED:
-                self._used_future = self.comm.all_reduce(self._local_used,
+                used = torch.frombuffer(self._local_used, dtype=torch.uint8)
+                self._used_future = self.comm.all_reduce(used.to(torch.int32),
                                                          label="DDP unused-parameter map")
             if not self._delayed:
                 _queue_engine_callback(self._finalize)
@@ -523,38 +477,6 @@ class Reducer(ReducerOffPath):
             self.require_finalize = False
             self._finalized_since_forward = True
             self.num_backward += 1
-
-    def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
-        # Only the slots whose put left the result to be written back (copied in,
-        # or no gradient): homed, lent and view slots already hold it in .grad.
-        homed = bucket.homed_slots
-        kinds = bucket.kinds
-        indices = bucket.param_indices
-        for slot in bucket.to_write:
-            if slot in homed:
-                continue  # the collective wrote the result into .grad itself
-            i = indices[slot]
-            if used is not None and used[i] == 0:
-                continue  # unused on every rank: leave .grad untouched
-            p = self.params[i]
-            view = bucket.views[slot]
-            grad = p.grad
-            if grad is not None and grad.data_ptr() == view.data_ptr():
-                continue  # .grad is the slot itself (view mode, or lent)
-            kind = kinds[slot]
-            if kind is SlotKind.VIEW:
-                p.grad = view
-            elif grad is None:
-                p.grad = bucket.lending.hand_out(slot) if kind is SlotKind.LENT \
-                    else view.clone()
-            elif grad.requires_grad:
-                # backward(create_graph=True): torch's DDP writes the result
-                # with autograd recording, so .grad keeps requiring grad (its
-                # history is the copy; the all-reduce is not differentiated).
-                with torch.enable_grad():
-                    grad.copy_(view)
-            else:
-                grad.copy_(view)
 
     # -------------------------------------------------------------------- errors
     def remove_hooks(self) -> None:

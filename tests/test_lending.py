@@ -39,12 +39,23 @@ def _grads(m) -> list[torch.Tensor | None]:
     return [p.grad for p in m.parameters()]
 
 
+def _model() -> torch.nn.Module:
+    """The "wide" oracle's shapes with four large hidden layers: in one bucket,
+    every rank's own chunk misses at least one of them, which is then lent.
+    (Small slots are packed, never lent: see gradring/packing.py.)"""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 256), torch.nn.ReLU()]
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 4)).double()
+
+
 def _scenarios(rank: int, world: int, hook: bool) -> dict:
-    base = oracle.make_model("wide").double()
-    ours = gradring.DistributedDataParallel(copy.deepcopy(base))
+    base = _model()
+    ours = gradring.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=100)
     if hook:
         ours.register_comm_hook(None, default_hooks.allreduce_hook)
-    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=100)
     pairs = [(ours, torch.optim.SGD(ours.parameters(), lr=0.01)),
              (theirs, torch.optim.SGD(theirs.parameters(), lr=0.01))]
     out: dict = {"diff": 0.0}

@@ -1,8 +1,8 @@
 """The reducer's per-gradient path on a model of many small tensors, against torch's DDP.
 
 Hundreds of small parameters (LayerNorm- and bias-sized, below and above the
-size under which slots are lent even inside a rank's own chunk, see
-``lending.SMALL_SLOT_NUMEL``), one parameter the forward skips, and every
+size under which slots are packed, see
+``packing.SMALL_SLOT_NUMEL``), one parameter the forward skips, and every
 combination of the options that change the path a gradient takes:
 gradient_as_bucket_view, find_unused_parameters, static_graph, one bucket or
 many, no_sync accumulation, zero_grad(set_to_none) on or off. World 2, float32:
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import gradring
+from gradring.buckets import SlotKind
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,30 +119,34 @@ def test_many_small_tensors_match_torch_bit_for_bit(pools, view):
         assert len(rank_result) == len(combos)
 
 
-def _lent_small(rank: int, world: int) -> dict:
+def _packed_small(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     ddp = gradring.DistributedDataParallel(_ManySmall(skip=False))
     for _ in range(3):
         ddp.zero_grad(set_to_none=True)
         ddp(torch.randn(96)).backward()
-    reducer = ddp.reducer
-    small_in_own = 0
-    for b in reducer.buckets:
-        lo, hi = b.own
-        for s, (off, n) in enumerate(zip(b.offsets, b.numels)):
-            grad = b.params[s].grad
-            inside = lo <= off and off + n <= hi
-            in_slot = grad is not None and grad.data_ptr() == b.views[s].data_ptr()
-            if inside and n <= 4096 and in_slot:
-                small_in_own += 1
+    out = {"small": 0, "packed": 0, "in_bucket": 0, "loose": 0, "homes_left": 0, "runs": 0}
+    for b in ddp.reducer.buckets:
+        lo, hi = b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes
+        for s, n in enumerate(b.numels):
+            if n <= 4096:
+                out["small"] += 1
+                out["packed"] += b.kinds[s] is SlotKind.PACKED
+                grad = b.params[s].grad
+                out["in_bucket"] += grad is not None and lo <= grad.data_ptr() < hi
+        out["loose"] += len(b.loose)
+        out["runs"] += len(b.runs)
+        out["homes_left"] += len(b.homes)
     torch.distributed.barrier()
-    return {"small_in_own": small_in_own, "homes_left": sum(len(b.homes) for b in
-                                                            reducer.buckets)}
+    return out
 
 
-def test_small_slots_inside_the_own_chunk_are_lent(pools):
-    # Their .grad is the slot itself, so the collective reduces them in the flat
-    # buffer and nothing is copied back at the end of the backward.
-    for r in pools.run(2, _lent_small):
-        assert r["small_in_own"] > 0, r
-        assert r["homes_left"] == 0, r
+def test_small_slots_are_packed_and_keep_their_own_grad(pools):
+    # Every small slot is packed: its hook only counts, whole runs are copied
+    # in and out when the bucket is ready (no run fell back to slot by slot in
+    # an ordinary step), and .grad stays the tensor autograd made, as in
+    # torch's DDP without gradient_as_bucket_view.
+    for r in pools.run(2, _packed_small):
+        assert r["small"] == 162 and r["packed"] == r["small"], r
+        assert r["in_bucket"] == 0 and r["loose"] == 0 and r["homes_left"] == 0, r
+        assert 0 < r["runs"] < 20, r  # runs of neighbours, not one call per slot

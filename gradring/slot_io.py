@@ -1,0 +1,162 @@
+"""How gradients go into bucket slots and their results back into ``.grad``.
+
+One method per slot kind (see [Note: slot kinds] in ``buckets.py``): the
+per-hook puts of HOMED, LENT and COPIED slots, the deferred put of a ready
+bucket's VIEW and PACKED slots (see [Note: packed slots] in ``packing.py``),
+and the write-back at the end of the backward. A mixin of the Reducer: it
+reads the reducer's parameters, scale and recycled gradients, and owns no
+state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradring.buckets import Bucket, SlotKind
+from gradring.lending import fresh
+from gradring.packing import copy_in, copy_out, scale_tensor
+
+
+class SlotIO:
+    """The Reducer's gradient puts and write-backs (a mixin)."""
+
+    params: list[torch.nn.Parameter]
+    comm_hook: Any
+    divide_factor: int
+    grad_as_view: bool
+    _recycled: dict[int, torch.Tensor]
+
+    def _put_deferred(self, bucket: Bucket) -> None:
+        """The bucket's last gradient arrived: put in its VIEW and PACKED slots."""
+        scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
+        grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
+        if grad_mode:
+            torch._C._set_grad_enabled(False)
+        try:
+            if self.grad_as_view:
+                self._put_views(bucket, scale)
+                return
+            for r, run in enumerate(bucket.runs):
+                # create_graph: slot by slot, so that .grad is written with autograd on.
+                if grad_mode or not copy_in(bucket, run, scale):
+                    bucket.loose.add(r)
+                    for s in range(run.lo, run.hi):
+                        self._put_one(bucket, s, run.indices[s - run.lo], scale)
+        finally:
+            if grad_mode:
+                torch._C._set_grad_enabled(True)
+
+    def _put_one(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        if self.params[i].grad is None:
+            bucket.views[s].zero_()
+            bucket.to_write.append(s)
+        else:
+            self._put_copied(bucket, s, i, scale)
+
+    def _put_views(self, bucket: Bucket, scale: float) -> None:
+        """gradient_as_bucket_view: a .grad that is not its slot yet is copied in
+        and pointed at it; then the whole buffer is scaled in one multiply."""
+        views = bucket.views
+        for s, p in enumerate(bucket.params):
+            grad = p.grad
+            if grad is None:
+                views[s].zero_()
+                bucket.to_write.append(s)
+            elif grad.data_ptr() != views[s].data_ptr():
+                views[s].copy_(grad)
+                p.grad = views[s]
+        if scale != 1.0:
+            bucket.buffer.mul_(scale_tensor(scale, bucket.buffer.dtype))
+
+    # How a gradient goes into its slot when its hook runs, one method per
+    # non-deferred SlotKind; each falls back to the next simpler kind when the
+    # gradient does not fit its own. Each reads .grad itself and holds it in
+    # exactly one local, because lending.fresh() compares reference counts
+    # against a probe made the same way.
+    def _put_lent(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        if grad.data_ptr() == view.data_ptr():
+            if scale != 1.0:
+                view.mul_(scale_tensor(scale, view.dtype))
+        elif grad.layout is torch.strided and not grad.requires_grad and fresh(grad):
+            self.params[i].grad = bucket.lending.lend(s, grad, scale)
+            self._recycled[i] = grad
+        else:
+            del grad
+            self._put_homed(bucket, s, i, scale)
+
+    def _put_homed(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        """Copy in (scaled) only what the peers read, the part outside this rank's
+        own chunk; the collective reads the rest from ``.grad`` and writes the
+        whole result back into it."""
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        # A gradient that requires grad (backward(create_graph=True)) is
+        # copied: the collective's thread would record autograd history on it.
+        if not (grad.layout is torch.strided and grad.is_contiguous()
+                and not grad.requires_grad
+                and grad.dtype == view.dtype and grad.device == view.device
+                and grad.numel() == view.numel()):
+            self._put_copied(bucket, s, i, scale)
+            return
+        flat = grad.view(-1)
+        start, n = bucket.offsets[s], bucket.numels[s]
+        lo, hi = bucket.own
+        for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
+            if a < b:
+                torch.mul(flat[a - start:b - start], scale_tensor(scale, flat.dtype),
+                          out=bucket.buffer[a:b])
+        bucket.homes.append((start, flat))
+        bucket.homed_slots.add(s)
+
+    def _put_copied(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+        grad = self.params[i].grad
+        view = bucket.views[s]
+        if scale != 1.0:
+            torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
+        else:
+            view.copy_(grad)
+        bucket.to_write.append(s)  # the result goes back into .grad at finalize
+
+    def _write_grads(self, bucket: Bucket, used: list[int] | None) -> None:
+        # Only the slots whose put left the result to be written back (copied in,
+        # or no gradient), and the packed runs: homed, lent and view slots
+        # already hold it in .grad.
+        homed = bucket.homed_slots
+        for slot in bucket.to_write:
+            if slot not in homed:  # else the collective wrote the result into .grad
+                self._write_slot(bucket, slot, used)
+        for r, run in enumerate(bucket.runs):
+            if r in bucket.loose:
+                continue  # its slots went one by one, into to_write
+            if (used is None or all(used[i] for i in run.indices)) and copy_out(bucket, run):
+                continue
+            for slot in range(run.lo, run.hi):
+                self._write_slot(bucket, slot, used)
+
+    def _write_slot(self, bucket: Bucket, slot: int, used: list[int] | None) -> None:
+        i = bucket.param_indices[slot]
+        if used is not None and used[i] == 0:
+            return  # unused on every rank: leave .grad untouched
+        p = self.params[i]
+        view = bucket.views[slot]
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            return  # .grad is the slot itself (view mode, or lent)
+        kind = bucket.kinds[slot]
+        if kind is SlotKind.VIEW:
+            p.grad = view
+        elif grad is None:
+            p.grad = bucket.lending.hand_out(slot) if kind is SlotKind.LENT \
+                else view.clone()
+        elif grad.requires_grad:
+            # backward(create_graph=True): torch's DDP writes the result
+            # with autograd recording, so .grad keeps requiring grad (its
+            # history is the copy; the all-reduce is not differentiated).
+            with torch.enable_grad():
+                grad.copy_(view)
+        else:
+            grad.copy_(view)
