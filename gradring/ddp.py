@@ -27,6 +27,7 @@ from gradring.ddp_surface import TorchDDP, TorchSurface
 from gradring.graph import GraphMode, iter_tensors
 from gradring.group_comm import GroupComm
 from gradring.join import DDPJoinHook, Joinable, global_flag, last_joiner_rank
+from gradring.observe.trace import profiled
 from gradring.output_boundary import wrap_outputs
 from gradring.reducer import CommHook, Reducer
 
@@ -259,7 +260,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         compile_split.install()
         trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
-        with torch.autograd.profiler.record_function("gradring::forward"):
+        with profiled("gradring::forward"):
             trace.mark("forward_start")
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
             trace.mark("module_start")

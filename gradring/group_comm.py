@@ -9,13 +9,41 @@ buffers where the collectives can reach them without a copy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradring import comm
+from gradring.comm.recorder import take_on_done
+
+#: Byte alignment of each dtype's part of a coalesced broadcast.
+_ALIGN = 16
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@functools.cache
+def _byte_viewable(dtype: torch.dtype) -> bool:
+    """Whether a flat tensor of ``dtype`` can be viewed as bytes (and back)."""
+    try:
+        torch.zeros(1, dtype=dtype).view(torch.uint8).view(dtype)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _attach_if_untaken(fut: torch.futures.Future, on_done: Callable[[Any], None] | None) -> None:
+    """A path that completed at once (one rank, no process group) never took
+    ``on_done`` ahead of time: attach it now."""
+    if on_done is not None and take_on_done() is not None:
+        fut.add_done_callback(on_done)
 
 
 class GroupComm:
@@ -29,29 +57,36 @@ class GroupComm:
         self.world_size = dist.get_world_size(group)
 
     def all_reduce(self, tensor: torch.Tensor, *, label: str | None = None,
-                   ) -> torch.futures.Future:
+                   on_done: Callable[[Any], None] | None = None) -> torch.futures.Future:
         """Sum ``tensor`` in place across the group; the future resolves to ``[tensor]``.
-        ``label`` names the collective in errors, desync checks and the flight recorder."""
-        with self.labelled(label):
-            return comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
+        ``label`` names the collective in errors, desync checks and the flight recorder;
+        ``on_done(future)`` runs when it completes (see comm.recorder.label)."""
+        with self.labelled(label, on_done):
+            fut = comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
+            _attach_if_untaken(fut, on_done)
+        return fut
 
     def all_reduce_homed(self, flat: torch.Tensor, pieces: list[tuple[int, torch.Tensor]],
-                         scale: float, *, label: str | None = None) -> torch.futures.Future:
+                         scale: float, *, label: str | None = None,
+                         on_done: Callable[[Any], None] | None = None) -> torch.futures.Future:
         """DDP's bucket all-reduce with gradients left in ``.grad``: ``pieces`` are
         (element offset, flat gradient) pairs sorted by offset, each multiplied by
         ``scale`` where the collective reads it (see [Note: homed all-reduce])."""
-        with self.labelled(label):
+        with self.labelled(label, on_done):
             work = comm.all_reduce_homed(flat, comm.Homes(pieces, scale), group=self.group)
-        assert work is not None
-        return work.get_future()
+            assert work is not None
+            fut = work.get_future()
+            _attach_if_untaken(fut, on_done)
+        return fut
 
     @contextlib.contextmanager
-    def labelled(self, label: str | None) -> Iterator[None]:
+    def labelled(self, label: str | None,
+                 on_done: Callable[[Any], None] | None = None) -> Iterator[None]:
         """Label the collectives issued inside (nothing when ``label`` is None)."""
-        if label is None:
+        if label is None and on_done is None:
             yield
         else:
-            with comm.label(label):
+            with comm.label(label, on_done):
                 yield
 
     def exchange_lists(self, tag: str, mine: list[int]) -> dict[int, list[int]]:
@@ -80,26 +115,49 @@ class GroupComm:
         return dist.get_global_rank(self.group, group_rank)
 
     def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Overwrite ``tensors`` with group rank ``src``'s values, one collective per dtype."""
+        """Overwrite ``tensors`` with group rank ``src``'s values: CPU tensors in
+        one collective, as bytes, whatever their dtypes; others one per dtype."""
         if self.world_size == 1 or not tensors:
             return
         src_global = self.global_rank(src)
         by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_key.setdefault((t.dtype, t.device), []).append(t)
-        for (dtype, device), group in by_key.items():
-            total = sum(t.numel() for t in group)
-            flat = torch.empty(total, dtype=dtype, device=device)
-            if self.rank == src:
-                torch.cat([t.detach().reshape(-1) for t in group], out=flat)
-            comm.broadcast(flat, src=src_global, group=self.group)
-            if self.rank != src:
-                offset = 0
-                with torch.no_grad():
-                    for t in group:
-                        n = t.numel()
-                        t.copy_(flat[offset:offset + n].view_as(t))
-                        offset += n
+        as_bytes = [(dtype, group) for (dtype, device), group in by_key.items()
+                    if device.type == "cpu" and _byte_viewable(dtype)]
+        with torch.no_grad():
+            if as_bytes:
+                self._broadcast_bytes(as_bytes, src, src_global)
+            for (dtype, device), group in by_key.items():
+                if device.type == "cpu" and _byte_viewable(dtype):
+                    continue
+                flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
+                if self.rank == src:
+                    flat.copy_(_flatten_dense_tensors(group))
+                comm.broadcast(flat, src=src_global, group=self.group)
+                if self.rank != src:
+                    torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
+
+    def _broadcast_bytes(self, groups: list[tuple[torch.dtype, list[torch.Tensor]]], src: int,
+                         src_global: int) -> None:
+        """One broadcast of a byte buffer holding every group, each flattened at
+        an offset aligned for its dtype (a model's float buffers and its integer
+        batch counters used to cost two collectives, and a Python copy per tensor)."""
+        layout, total = [], 0
+        for dtype, group in groups:
+            total = -(-total // _ALIGN) * _ALIGN
+            nbytes = sum(t.numel() for t in group) * _itemsize(dtype)
+            layout.append((dtype, group, total, nbytes))
+            total += nbytes
+        buf = torch.empty(total, dtype=torch.uint8)
+        if self.rank == src:
+            for dtype, group, off, nbytes in layout:
+                buf[off:off + nbytes].view(dtype).copy_(_flatten_dense_tensors(group))
+        comm.broadcast(buf, src=src_global, group=self.group)
+        if self.rank != src:
+            for dtype, group, off, nbytes in layout:
+                flat = buf[off:off + nbytes].view(dtype)
+                torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

@@ -13,9 +13,9 @@ only counts the gradient as ready. When the last gradient of the bucket
 arrives, every packed slot is copied in at once, a run of neighbouring slots
 per call, and the run is scaled by 1/world_size in one multiply:
 
-- a run of 1-D slots (biases, norms) is written by one ``torch.cat`` into its
-  span of the flat buffer;
-- a run of other shapes by one ``torch._foreach_copy_`` into the slot views.
+- a run of 1-D slots only (biases, norms) is written by one ``torch.cat``
+  into its span of the flat buffer;
+- any other run by one ``torch._foreach_copy_`` into the slot views.
 
 At the end of the backward each run's results go back into the ``.grad``
 tensors with one ``torch._foreach_copy_``. ``.grad`` stays the tensor
@@ -81,13 +81,13 @@ class Run:
 
 def packed_runs(packed: Sequence[bool], offsets: Sequence[int], numels: Sequence[int],
                 params: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple[Run, ...]:
-    """Split a bucket's packed slots into maximal runs of neighbours that one
-    call can copy: all 1-D (for ``torch.cat``), or all not.
+    """Split a bucket's packed slots into maximal runs of neighbours; a run
+    whose slots are all 1-D is ``flat`` (one ``torch.cat`` fills it).
 
     >>> ps = [torch.zeros(3), torch.zeros(2, 2), torch.zeros(5), torch.zeros(4)]
     >>> [(r.lo, r.hi, r.flat) for r in packed_runs([True, True, False, True],
     ...                                            [0, 3, 7, 12], [3, 4, 5, 4], ps, [0, 1, 2, 3])]
-    [(0, 1, True), (1, 2, False), (3, 4, True)]
+    [(0, 2, False), (3, 4, True)]
     """
     runs: list[Run] = []
     n, s = len(packed), 0
@@ -95,10 +95,10 @@ def packed_runs(packed: Sequence[bool], offsets: Sequence[int], numels: Sequence
         if not packed[s]:
             s += 1
             continue
-        flat = params[s].dim() == 1
         e = s + 1
-        while e < n and packed[e] and (params[e].dim() == 1) == flat:
+        while e < n and packed[e]:
             e += 1
+        flat = all(p.dim() == 1 for p in params[s:e])
         runs.append(Run(s, e, offsets[s], offsets[e - 1] + numels[e - 1] - offsets[s], flat,
                         tuple(params[s:e]), tuple(indices[s:e])))
         s = e

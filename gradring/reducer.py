@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 
 from gradring import errors
 from gradring.buckets import (
@@ -53,7 +52,7 @@ from gradring.buckets import (
 from gradring.grad_bucket import GradBucket
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
-from gradring.observe.trace import Trace
+from gradring.observe.trace import Trace, profiled
 from gradring.reducer_offpath import ReducerOffPath, _queue_engine_callback
 from gradring.slot_io import SlotIO
 
@@ -423,20 +422,20 @@ class Reducer(ReducerOffPath, SlotIO):
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
         label = f"DDP bucket {index}"
-        with record_function(f"gradring::bucket_all_reduce#{index}"):
+        it = trace.iteration  # the callback may run after finalize moved on
+        on_done = lambda _f: trace.mark("comm_done", index, it)  # noqa: E731
+        with profiled(f"gradring::bucket_all_reduce#{index}"):
             if bucket.homes:
                 bucket.future = self.comm.all_reduce_homed(
                     bucket.buffer, sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor,
-                    label=label)
+                    label=label, on_done=on_done)
             elif self.comm_hook is None:
-                with self.comm.labelled(label):
-                    bucket.future = self.comm.all_reduce(bucket.buffer)
+                bucket.future = self.comm.all_reduce(bucket.buffer, label=label, on_done=on_done)
             else:
                 gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
                 with self.comm.labelled(label):
                     bucket.future = self.comm_hook(self.comm_hook_state, gb)
-        it = trace.iteration  # the callback may run after finalize moved on
-        bucket.future.add_done_callback(lambda _f: trace.mark("comm_done", index, it))
+                bucket.future.add_done_callback(on_done)
 
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
@@ -455,11 +454,11 @@ class Reducer(ReducerOffPath, SlotIO):
             with torch.no_grad():
                 for bucket in self.buckets:
                     # Bucket by bucket: the later ones may still be in flight meanwhile.
-                    with record_function(f"gradring::bucket_wait#{bucket.index}"):
+                    with profiled(f"gradring::bucket_wait#{bucket.index}"):
                         value = self._wait_bucket(bucket)
                     if isinstance(value, (list, tuple)):
                         value = value[0]
-                    with record_function(f"gradring::bucket_write_grads#{bucket.index}"):
+                    with profiled(f"gradring::bucket_write_grads#{bucket.index}"):
                         if value is not bucket.buffer:
                             bucket.buffer.copy_(value.reshape(-1))
                         self._write_grads(bucket, used)

@@ -25,7 +25,7 @@ from gradring.comm import desync, engine, ops, runner, select
 from gradring.comm.context import GroupContext, context
 from gradring.comm.engine import Job, Work
 from gradring.comm.homes import Homes, finish_out, own_range, stage_in
-from gradring.comm.recorder import RECORDER, Entry
+from gradring.comm.recorder import RECORDER, Entry, take_on_done
 from gradring.comm.runner import Plan
 from gradring.comm.transport import CollectiveInfo, Kind
 
@@ -68,6 +68,9 @@ def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tenso
     env = select.overrides()
     plan = Plan(kind, output, inp, op, root, entry.seq, env, entry, homes)
     fut: torch.futures.Future = torch.futures.Future()
+    on_done = take_on_done()
+    if on_done is not None:  # before the engine runs it (see recorder.label)
+        fut.add_done_callback(on_done)
     if ctx.self_enforced(env):  # shm: waits enforce deadlines and fail fast themselves
         if not async_op:
             ctx.engine.run_now(runner.run, ctx, plan)
@@ -115,6 +118,9 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
     except RuntimeError:  # a backend without futures: torch's own work, unwatched
         return work if async_op else work.wait() and None
     mine = Work(ctx.watch(entry, native, value))
+    on_done = take_on_done()
+    if on_done is not None:
+        mine.get_future().add_done_callback(on_done)
     if async_op:
         return mine
     mine.wait()
@@ -160,6 +166,7 @@ def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None) -> Wor
         # No algorithm of ours runs: stage everything, let all_reduce pick the path.
         own = own_range(flat.numel(), ctx.rank, ctx.world_size)
         stage_in(flat, homes, *own)
+        on_done = take_on_done()  # for the homed result, not the plain sum
         work = all_reduce(flat, group=group, async_op=True)
         assert work is not None
         fut = work.get_future()
@@ -168,7 +175,10 @@ def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None) -> Wor
             f.wait()
             finish_out(flat, homes)
             return [flat]
-        return Work(fut.then(home))
+        homed = fut.then(home)
+        if on_done is not None:
+            homed.add_done_callback(on_done)
+        return Work(homed)
     return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, True, [flat], homes)
 
 

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,14 +36,27 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def label(text: str) -> Iterator[None]:
-    """Label the collectives issued inside (e.g. ``"bucket 3"``) for errors and the recorder."""
-    prev = getattr(_local, "label", None)
-    _local.label = text
+def label(text: str | None, on_done: Callable[[Any], None] | None = None) -> Iterator[None]:
+    """Label the collectives issued inside (e.g. ``"bucket 3"``) for errors and the recorder.
+
+    ``on_done(future)`` is added to the future of the (one) collective issued
+    inside *before* the collective is handed to its engine: added afterwards,
+    the call had to win the GIL back from the engine thread that had just
+    started, which measured 0.4 ms per bucket on the DDP launch path.
+    """
+    prev = getattr(_local, "label", None), getattr(_local, "on_done", None)
+    _local.label, _local.on_done = text, on_done
     try:
         yield
     finally:
-        _local.label = prev
+        _local.label, _local.on_done = prev
+
+
+def take_on_done() -> Callable[[Any], None] | None:
+    """The ``on_done`` of the enclosing :func:`label`, handed out once."""
+    fn = getattr(_local, "on_done", None)
+    _local.on_done = None
+    return fn
 
 
 class Entry:

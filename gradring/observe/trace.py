@@ -12,9 +12,13 @@ them into a step breakdown.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 import weakref
 from typing import Any, NamedTuple
+
+import torch
+from torch.autograd.profiler import record_function
 
 
 class Event(NamedTuple):
@@ -86,3 +90,16 @@ class Trace:
             if e.iteration == iteration and e.kind == kind and e.bucket == bucket:
                 return e.t
         return None
+
+
+_profiler_on = getattr(torch._C._autograd, "_profiler_enabled", None)
+_QUIET = contextlib.nullcontext()
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """``record_function(name)`` while a torch profiler records, else nothing:
+    entering and leaving a record_function costs two dispatched ops (10-150 us
+    measured here) even when nobody records."""
+    if _profiler_on is None or _profiler_on():
+        return record_function(name)
+    return _QUIET

@@ -9,8 +9,9 @@ Each rank runs, round after round, the same model under these set-ups:
 ``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
 the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
 and gradring's with its always-on trace switched off (``notrace``). Rounds
-interleave the set-ups so that machine noise hits all of them alike; figures
-are medians over rounds. One intra-op thread per rank.
+interleave the set-ups so that machine noise hits all of them alike. A
+round's figure is the median of its steps, each timed on its own; the
+tables give medians over rounds. One intra-op thread per rank.
 
 Models: ``mlp64``/``mlp8`` (12 x Linear(1024), batch 64 / 8 per rank),
 ``transformer`` (4 torch encoder layers, d 256, seq 128), ``gpt`` (GPT-shaped:
@@ -155,15 +156,19 @@ def build(kind: str) -> tuple[nn.Module, Any]:
 
 
 def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
-    """(wall ms/step, this process's CPU ms/step, all its threads)."""
+    """(wall ms/step, this process's CPU ms/step, all its threads): the median
+    over ``steps`` steps, each timed on its own, so that a burst of machine
+    noise in one step does not move the round's figure."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    t0, c0 = time.perf_counter(), time.process_time()
+    walls, cpus = [], []
     for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         model(x).float().pow(2).mean().backward()
         opt.step()
-    return ((time.perf_counter() - t0) / steps * 1e3,
-            (time.process_time() - c0) / steps * 1e3)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
