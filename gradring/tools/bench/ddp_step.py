@@ -9,9 +9,11 @@ Each rank runs, round after round, the same model under these set-ups:
 ``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
 the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
 and gradring's with its always-on trace switched off (``notrace``). Rounds
-interleave the set-ups so that machine noise hits all of them alike. A
-round's figure is the median of its steps, each timed on its own; the
-tables give medians over rounds. One intra-op thread per rank.
+interleave the set-ups step by step (every set-up takes one step in turn, the
+ranks starting each step together), so that a slow stretch of the machine
+hits all of them alike. A round's figure is the median of its steps, each
+timed on its own; the tables give medians over rounds. One intra-op thread
+per rank.
 
 Models: ``mlp64``/``mlp8`` (12 x Linear(1024), batch 64 / 8 per rank),
 ``transformer`` (4 torch encoder layers, d 256, seq 128), ``gpt`` (GPT-shaped:
@@ -156,19 +158,40 @@ def build(kind: str) -> tuple[nn.Module, Any]:
 
 
 def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
-    """(wall ms/step, this process's CPU ms/step, all its threads): the median
-    over ``steps`` steps, each timed on its own, so that a burst of machine
-    noise in one step does not move the round's figure."""
+    """(wall ms/step, this process's CPU ms/step, all its threads), the median
+    over ``steps`` steps, each timed on its own (warm-ups and tools)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     walls, cpus = [], []
     for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad(set_to_none=True)
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        walls.append((time.perf_counter() - t0) * 1e3)
-        cpus.append((time.process_time() - c0) * 1e3)
+        wall, cpu = _one_step(model, opt, x)
+        walls.append(wall)
+        cpus.append(cpu)
     return statistics.median(walls), statistics.median(cpus)
+
+
+def _one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
+              ) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    opt.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+
+
+def interleaved_round(setups: dict[str, nn.Module], opts: dict[str, torch.optim.Optimizer],
+                      x: torch.Tensor, steps: int) -> dict[str, tuple[float, float]]:
+    """One round: step after step, every set-up takes one step in turn (all
+    ranks start each together), so that a slow stretch of the machine hits
+    them alike; per set-up, the median wall and CPU ms of its steps."""
+    walls: dict[str, list[float]] = {k: [] for k in setups}
+    cpus: dict[str, list[float]] = {k: [] for k in setups}
+    for _ in range(steps):
+        for key, m in setups.items():
+            dist.barrier()
+            wall, cpu = _one_step(m, opts[key], x)
+            walls[key].append(wall)
+            cpus[key].append(cpu)
+    return {k: (statistics.median(walls[k]), statistics.median(cpus[k])) for k in setups}
 
 
 def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
@@ -207,10 +230,9 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
         res: dict[str, list[float]] = {k: [] for k in setups}
         res.update({"_cpu_" + k: [] for k in setups})
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in setups.items()}
         for _ in range(args.rounds):
-            for key, m in setups.items():
-                dist.barrier()
-                wall, cpu = time_steps(m, x, args.steps)
+            for key, (wall, cpu) in interleaved_round(setups, opts, x, args.steps).items():
                 res[key].append(wall)
                 res["_cpu_" + key].append(cpu)
         results[name] = res
