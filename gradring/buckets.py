@@ -208,6 +208,9 @@ class Bucket:
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
         self.future: Any = None
+        # The last bucket of a backward, left to be reduced by the finalize on
+        # its own thread (see [Note: the last bucket] in reducer.py).
+        self.inline = False
         # The part of the buffer this rank reduces itself (homes.own_range), set by
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
         # pairs and their slots (see [Note: homed all-reduce] in comm/homes.py).
@@ -229,6 +232,12 @@ class Bucket:
         self.deferred = False
         # The PACKED slots, as runs of neighbours (see [Note: packed slots]).
         self.runs: tuple[Run, ...] = ()
+        # Every packed slot's parameter and view, in slot order, for the
+        # bucket-wide copies (see [Note: packed slots]); views follow reallocate().
+        self.packed_params: list[torch.Tensor] = []
+        self.packed_views: list[torch.Tensor] = []
+        # Whether the bucket's packed slots are one run of 1-D slots (a torch.cat).
+        self.packed_flat = False
         # This backward's runs (by position in ``runs``) that went slot by slot.
         self.loose: set[int] = set()
 
@@ -259,6 +268,12 @@ class Bucket:
         self.runs = packed_runs([k is SlotKind.PACKED for k in self.kinds], self.offsets,
                                 self.numels, self.params, self.param_indices)
         self.deferred = view_mode or bool(self.runs)
+        self.packed_params = [p for run in self.runs for p in run.params]
+        self.packed_flat = len(self.runs) == 1 and self.runs[0].flat
+        self._view_packed()
+
+    def _view_packed(self) -> None:
+        self.packed_views = [self.views[s] for run in self.runs for s in range(run.lo, run.hi)]
 
     def _make_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer the collective reduces, and per-slot views shaped like
@@ -272,6 +287,7 @@ class Bucket:
     def reallocate(self) -> None:
         """Move to a fresh buffer; whoever still holds the old one keeps it."""
         self.buffer, self.views = self._make_buffer()
+        self._view_packed()
 
     @property
     def nbytes(self) -> int:
@@ -281,6 +297,7 @@ class Bucket:
         self.pending = self.size
         self.state = BucketState.FILLING
         self.future = None
+        self.inline = False
         self.homes = []
         self.homed_slots = set()
         self.to_write = []

@@ -452,7 +452,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
     def __getstate__(self) -> dict[str, Any]:
         self._check_default_group()
         state = self.__dict__.copy()
-        for key in ("process_group", "_comm", "reducer"):
+        for key in ("process_group", "_comm", "reducer", "_buffer_walk"):
             state.pop(key, None)
         # What the reducer knew and a new one needs; hooks and fused optimizers,
         # like torch's, are not pickled.

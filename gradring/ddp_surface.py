@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import errors
+from gradring.buffer_sync import BufferWalk
 from gradring.compile import never_traced
 from gradring.join import global_flag, last_joiner_rank
 
@@ -101,11 +102,15 @@ class TorchSurface:
 
     # ---------------------------------------------------------------- buffers
     def _assign_modules_buffers(self) -> None:
-        """Read the module's buffers anew (a reassigned buffer is the one synced)."""
-        named = [(n, b) for n, b in self.module.named_buffers()
-                 if n not in self.parameters_to_ignore]
-        self.modules_buffers = [b for _, b in named]
-        self.named_module_buffers = dict(named)
+        """Read the module's buffers anew (a reassigned buffer is the one synced);
+        the walk is skipped while the module tree is unchanged (see [Note:
+        buffer sync per forward] in ``buffer_sync.py``)."""
+        walk = self.__dict__.get("_buffer_walk")
+        if walk is None or walk.root is not self.module:
+            walk = self._buffer_walk = BufferWalk(self.module, self.parameters_to_ignore)
+        if walk.read() or "modules_buffers" not in self.__dict__:
+            self.modules_buffers = list(walk.buffers)
+            self.named_module_buffers = dict(walk.named)
 
     def will_sync_module_buffers(self) -> bool:
         return bool(self.require_forward_param_sync and self.forward_sync_buffers
@@ -148,6 +153,11 @@ class TorchSurface:
         """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``."""
         if bufs is None:
             bufs = self.modules_buffers
+        if bufs is self.modules_buffers:
+            # The per-forward sync: its layout is kept for the next forward.
+            with torch.no_grad():
+                self._comm.broadcast_coalesced(bufs, src=authoritative_rank, reuse=True)
+            return
         self._distributed_broadcast_coalesced(
             bufs, self.broadcast_bucket_size if bucket_size is None else bucket_size,
             authoritative_rank)

@@ -18,10 +18,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradring import comm
+from gradring.buffer_sync import ALIGN, ByteStage
 from gradring.comm.recorder import take_on_done
-
-#: Byte alignment of each dtype's part of a coalesced broadcast.
-_ALIGN = 16
 
 
 @functools.cache
@@ -55,12 +53,22 @@ class GroupComm:
         # This process's rank inside ``group`` and the group's size.
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # The per-forward buffer broadcast's byte buffer and layout, kept
+        # between calls (broadcast_coalesced(reuse=True)).
+        self._stage: ByteStage | None = None
 
     def all_reduce(self, tensor: torch.Tensor, *, label: str | None = None,
-                   on_done: Callable[[Any], None] | None = None) -> torch.futures.Future:
+                   on_done: Callable[[Any], None] | None = None,
+                   async_op: bool = True) -> torch.futures.Future | None:
         """Sum ``tensor`` in place across the group; the future resolves to ``[tensor]``.
         ``label`` names the collective in errors, desync checks and the flight recorder;
-        ``on_done(future)`` runs when it completes (see comm.recorder.label)."""
+        ``on_done(future)`` runs when it completes (see comm.recorder.label).
+        ``async_op=False``: done when this returns (None), on this thread where
+        the transport allows (no hand-off to the comm thread)."""
+        if not async_op:
+            with self.labelled(label):
+                comm.all_reduce(tensor, group=self.group)
+            return None
         with self.labelled(label, on_done):
             fut = comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
             _attach_if_untaken(fut, on_done)
@@ -68,10 +76,17 @@ class GroupComm:
 
     def all_reduce_homed(self, flat: torch.Tensor, pieces: list[tuple[int, torch.Tensor]],
                          scale: float, *, label: str | None = None,
-                         on_done: Callable[[Any], None] | None = None) -> torch.futures.Future:
+                         on_done: Callable[[Any], None] | None = None,
+                         async_op: bool = True) -> torch.futures.Future | None:
         """DDP's bucket all-reduce with gradients left in ``.grad``: ``pieces`` are
         (element offset, flat gradient) pairs sorted by offset, each multiplied by
-        ``scale`` where the collective reads it (see [Note: homed all-reduce])."""
+        ``scale`` where the collective reads it (see [Note: homed all-reduce]).
+        ``async_op=False`` as for :meth:`all_reduce`."""
+        if not async_op:
+            with self.labelled(label):
+                comm.all_reduce_homed(flat, comm.Homes(pieces, scale), group=self.group,
+                                      async_op=False)
+            return None
         with self.labelled(label, on_done):
             work = comm.all_reduce_homed(flat, comm.Homes(pieces, scale), group=self.group)
             assert work is not None
@@ -109,17 +124,41 @@ class GroupComm:
             return comm.empty((numel,), dtype=dtype, group=self.group)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def _empty_bytes(self, nbytes: int) -> torch.Tensor:
+        return self.empty(nbytes, torch.uint8, torch.device("cpu"))
+
     def global_rank(self, group_rank: int) -> int:
         if self.group is dist.GroupMember.WORLD:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0, *,
+                            reuse: bool = False) -> None:
         """Overwrite ``tensors`` with group rank ``src``'s values: CPU tensors in
-        one collective, as bytes, whatever their dtypes; others one per dtype."""
+        one collective, as bytes, whatever their dtypes; others one per dtype.
+
+        ``reuse=True`` (the per-forward buffer sync) keeps the byte buffer and its
+        layout for the next call with the same tensors (see [Note: buffer sync
+        per forward] in ``buffer_sync.py``)."""
         if self.world_size == 1 or not tensors:
             return
         src_global = self.global_rank(src)
+        if reuse:
+            stage = self._stage
+            if stage is None or not stage.matches(tensors):
+                stage = None
+                if all(t.device.type == "cpu" and _byte_viewable(t.dtype) for t in tensors) \
+                        and ByteStage.fits(tensors):
+                    stage = ByteStage(tensors, self._empty_bytes)
+                self._stage = stage
+            if stage is not None:
+                with torch.no_grad():
+                    if self.rank == src:
+                        stage.pack()
+                    comm.broadcast(stage.buffer, src=src_global, group=self.group)
+                    if self.rank != src:
+                        stage.unpack()
+                return
         by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_key.setdefault((t.dtype, t.device), []).append(t)
@@ -145,7 +184,7 @@ class GroupComm:
         batch counters used to cost two collectives, and a Python copy per tensor)."""
         layout, total = [], 0
         for dtype, group in groups:
-            total = -(-total // _ALIGN) * _ALIGN
+            total = -(-total // ALIGN) * ALIGN
             nbytes = sum(t.numel() for t in group) * _itemsize(dtype)
             layout.append((dtype, group, total, nbytes))
             total += nbytes

@@ -155,6 +155,11 @@ class ReducerOffPath:
         self.require_finalize = False
         self._finalized_since_forward = False
         for b in self.buckets:
+            if b.inline:  # its peers reduce it: take part, as the finalize would have
+                try:
+                    self._reduce_now(b)
+                except Exception:  # noqa: BLE001 - the unfinished reduction is the error
+                    pass
             if b.future is not None:
                 try:
                     b.future.wait()
@@ -221,11 +226,15 @@ class ReducerOffPath:
         try:
             return bucket.future.wait()
         except Exception as exc:
-            self.expect_hooks = False
-            self.require_finalize = False
-            where = errors.bucket_context(bucket.index, bucket.nbytes, bucket.param_indices,
-                                          self.names, self.num_backward + 1)
-            raise self._fail(f"{exc}\n{where}") from exc
+            raise self._bucket_failed(bucket, exc) from exc
+
+    def _bucket_failed(self, bucket: Bucket, exc: Exception) -> RuntimeError:
+        """The error for a failed bucket collective, naming the bucket and its parameters."""
+        self.expect_hooks = False
+        self.require_finalize = False
+        where = errors.bucket_context(bucket.index, bucket.nbytes, bucket.param_indices,
+                                      self.names, self.num_backward + 1)
+        return self._fail(f"{exc}\n{where}")
 
     def static_first_backward(self) -> bool:
         return self.mode is GraphMode.STATIC and self.num_backward == 0
@@ -243,6 +252,11 @@ class ReducerOffPath:
         per_rank.update(self._peer_missing(missing))
         # Drain what was launched, so no collective is left dangling.
         for b in self.buckets:
+            if b.inline:  # its peers reduce it: take part, as the finalize would have
+                try:
+                    self._reduce_now(b)
+                except Exception:  # noqa: BLE001 - the unfinished reduction is the error
+                    pass
             if b.future is not None:
                 try:
                     b.future.wait()

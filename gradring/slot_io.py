@@ -16,7 +16,7 @@ import torch
 
 from gradring.buckets import Bucket, SlotKind
 from gradring.lending import fresh
-from gradring.packing import copy_in, copy_out, scale_tensor
+from gradring.packing import copy_in, copy_in_all, copy_out, copy_out_all, scale_tensor
 
 
 class SlotIO:
@@ -37,6 +37,8 @@ class SlotIO:
         try:
             if self.grad_as_view:
                 self._put_views(bucket, scale)
+                return
+            if not grad_mode and not bucket.packed_flat and copy_in_all(bucket, scale):
                 return
             for r, run in enumerate(bucket.runs):
                 # create_graph: slot by slot, so that .grad is written with autograd on.
@@ -129,7 +131,11 @@ class SlotIO:
         for slot in bucket.to_write:
             if slot not in homed:  # else the collective wrote the result into .grad
                 self._write_slot(bucket, slot, used)
-        for r, run in enumerate(bucket.runs):
+        runs = bucket.runs
+        if runs and not bucket.loose and (used is None or all(
+                used[i] for run in runs for i in run.indices)) and copy_out_all(bucket):
+            return
+        for r, run in enumerate(runs):
             if r in bucket.loose:
                 continue  # its slots went one by one, into to_write
             if (used is None or all(used[i] for i in run.indices)) and copy_out(bucket, run):

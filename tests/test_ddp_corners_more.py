@@ -337,3 +337,63 @@ def test_two_backwards_from_one_forward_behave_like_torch(pools):
         assert r["torch"][1] is None and not r["torch"][2]
         assert r["gradring"][1] is None and not r["gradring"][2]
         assert compare_grads(r["gradring"][0], r["torch"][0], tol=0.0) is None
+
+
+# ------------------------------------------- buffers that change between forwards
+
+
+class _BufferTree(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+        self.norm = nn.BatchNorm1d(3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.lin(x))
+        for name, buf in self.named_buffers():
+            if buf.dtype == torch.float64 and buf.dim() == 1 and name != "norm.running_var":
+                y = y + buf[:3].sum()
+        return y
+
+
+def _buffer_tree_changes(rank, world_size):
+    # Between forwards the module's buffers change in every way the per-forward
+    # sync must notice: registered after wrapping, on the root and on a new
+    # submodule; a buffer's memory swapped under the same tensor object; a
+    # buffer resized in place; a submodule replaced. Each rank changes them
+    # differently; every forward must see rank 0's values, as with torch's DDP.
+    torch.manual_seed(0)
+    base = _BufferTree()
+    out = {}
+    for name, cls in IMPLS.items():
+        model = copy.deepcopy(base)
+        ddp = cls(model)
+        seen = []
+        x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        for step in range(6):
+            mine = float((rank + 1) * (step + 1))
+            if step == 1:
+                model.register_buffer("late", torch.full((3,), mine, dtype=torch.float64))
+            elif step == 2:
+                model.extra = nn.Module()
+                model.extra.register_buffer("deep", torch.full((4,), mine, dtype=torch.float64))
+            elif step == 3:
+                model.late.data = torch.full((3,), mine, dtype=torch.float64)
+            elif step == 4:
+                model.extra.deep.resize_(5).fill_(mine)
+            elif step == 5:
+                model.norm = nn.BatchNorm1d(3).double()
+                model.norm.running_mean.fill_(mine)
+            y = ddp(x)
+            seen.append([b.clone() for b in model.buffers()] + [y.detach().clone()])
+            y.sum().backward()
+        out[name] = seen
+    return out
+
+
+def test_buffer_changes_between_forwards_are_synced_like_torch(pools):
+    for r in pools.run(2, _buffer_tree_changes):
+        for mine, theirs in zip(r["gradring"], r["torch"], strict=True):
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs):
+                assert a.shape == b.shape and torch.equal(a, b)

@@ -151,12 +151,14 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor])
 
 
-def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None) -> Work | None:
+def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None,
+                     async_op: bool = True) -> Work | None:
     """DDP's bucket all-reduce: ``homes.scale`` times the SUM of ``flat``, where
     parts of ``flat`` live in (and go back to) other tensors; see [Note: homed
     all-reduce] in ``homes.py``. The caller has put into ``flat`` everything
     outside ``homes.own_range(flat.numel(), rank, world_size)``; inside, homed
-    elements are read from their homes. The future resolves to ``[flat]``.
+    elements are read from their homes. The future resolves to ``[flat]``;
+    with ``async_op=False`` it runs on the caller's thread and returns None.
     """
     ctx = context(group)
     if ctx is None:
@@ -178,8 +180,11 @@ def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None) -> Wor
         homed = fut.then(home)
         if on_done is not None:
             homed.add_done_callback(on_done)
+        if not async_op:
+            homed.wait()
+            return None
         return Work(homed)
-    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, True, [flat], homes)
+    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, async_op, [flat], homes)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
