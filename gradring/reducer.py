@@ -25,7 +25,7 @@
    see [Note: the last bucket].)
    At the end of the backward it waits for every future bucket by bucket and
    writes the results where ``.grad`` needs them (nothing to write for HOMED,
-   LENT and VIEW slots; one batched copy per run of PACKED slots). When
+   LENT and VIEW slots; one batched copy for a bucket's PACKED slots). When
    ``loss.backward()`` returns, gradients are reduced.
 If a backward ends with a bucket that never became ready (an unused parameter
 without find_unused_parameters), the callback is never queued, the reduction
@@ -495,11 +495,11 @@ class Reducer(ReducerOffPath, SlotIO):
             with torch.no_grad():
                 for bucket in self.buckets:
                     # Bucket by bucket: the later ones may still be in flight meanwhile.
-                    if bucket.inline:
-                        with profiled(f"gradring::bucket_all_reduce#{bucket.index}"):
-                            value = self._reduce_now(bucket)
-                    else:
-                        with profiled(f"gradring::bucket_wait#{bucket.index}"):
+                    with profiled(f"gradring::bucket_wait#{bucket.index}"):
+                        if bucket.inline:  # the wait is its reduction, on this thread
+                            with profiled(f"gradring::bucket_all_reduce#{bucket.index}"):
+                                value = self._reduce_now(bucket)
+                        else:
                             value = self._wait_bucket(bucket)
                     if isinstance(value, (list, tuple)):
                         value = value[0]
