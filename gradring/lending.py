@@ -9,8 +9,10 @@ rank's shared bucket, and a private ``.grad`` then needs one more copy out of
 the bucket.
 
 So a parameter whose slot lies wholly outside the own chunk is *lent* its
-bucket slot: its hook copies the (scaled) gradient into the slot, as always,
-and then sets ``.grad`` to a view of the slot. The peer's result lands in
+bucket slot: the (scaled) gradient is copied into the slot, as always, by
+its hook or, for a slot that is not too large, when the bucket is ready
+(see [Note: held slots] in ``buckets.py``), and ``.grad`` is set to a view
+of the slot. The peer's result lands in
 ``.grad`` with no copy at all. Small slots are never lent: they are packed
 (see [Note: packed slots] in ``packing.py``), copied in and out a run at a
 time, which costs less than lending each one.
@@ -62,10 +64,14 @@ def storage_refs(t: torch.Tensor) -> int:
     return int(_use_count(t.untyped_storage()._cdata))
 
 
-def _probe_fresh() -> tuple[int, int]:
-    """Python and storage references of a gradient autograd has just stored,
-    seen from a post-accumulate hook through one call, as :func:`fresh` sees it."""
-    seen: list[tuple[int, int]] = []
+def _probe_fresh() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Python and storage references of a gradient autograd has just stored, as
+    :func:`fresh` sees them through one call: from its own parameter's
+    post-accumulate hook, and from a later parameter's hook (where a bucket's
+    held slots are put in, see [Note: held slots] in ``buckets.py``)."""
+    own: list[tuple[int, int]] = []
+    later: list[tuple[int, int]] = []
+    first: list[torch.Tensor] = []
 
     def through_one_call(grad: torch.Tensor) -> tuple[int, int]:
         # Counted exactly as fresh() counts: the caller's local, one parameter.
@@ -74,28 +80,39 @@ def _probe_fresh() -> tuple[int, int]:
     def hook(param: torch.Tensor) -> None:
         grad = param.grad
         assert grad is not None
-        seen.append(through_one_call(grad))
+        own.append(through_one_call(grad))
+        del grad
+        if first:
+            grad = first[0].grad
+            assert grad is not None
+            later.append(through_one_call(grad))
+        else:
+            first.append(param)
     # The first rebuilt buckets may be installed inside a forward run under
     # no_grad or inference_mode: the probe needs ordinary autograd.
     with torch.inference_mode(False), torch.enable_grad():
-        p = torch.zeros(2, requires_grad=True)
-        handle = p.register_post_accumulate_grad_hook(hook)
+        a = torch.zeros(2, requires_grad=True)
+        b = torch.zeros(3, requires_grad=True)
+        handles = [t.register_post_accumulate_grad_hook(hook) for t in (a, b)]
         try:
-            p.sum().backward()
+            (a.sum() + b.sum()).backward()
         finally:
-            handle.remove()
-    return seen[0]
+            for h in handles:
+                h.remove()
+    return own[0], later[0]
 
 
-_FRESH: tuple[int, int] | None = None
+_FRESH: tuple[tuple[int, int], tuple[int, int]] | None = None
 
 
-def fresh(grad: torch.Tensor) -> bool:
+def fresh(grad: torch.Tensor, later: bool = False) -> bool:
     """Whether nobody but its parameter and the caller's one local reference
     holds ``grad``, so that replacing it with a lent view is unobservable.
-    (Otherwise torch's DDP would write the result into that very tensor.)"""
-    expected = _FRESH
-    assert expected is not None, "install() probes first"
+    (Otherwise torch's DDP would write the result into that very tensor.)
+    ``later``: seen from a later parameter's hook, not from its own."""
+    probed = _FRESH
+    assert probed is not None, "install() probes first"
+    expected = probed[1] if later else probed[0]
     # Counted as the probe counts (one call, no helper frames: this runs per gradient).
     if sys.getrefcount(grad) > expected[0]:
         return False

@@ -7,14 +7,15 @@
 2. Each parameter's post-accumulate-grad hook calls ``_on_grad``, and the
    bucket's pending count drops. Where the gradient goes is what its slot's
    kind says (decided once per bucket, see [Note: slot kinds] in
-   ``buckets.py``; the puts are in ``slot_io.py``). HOMED, LENT and COPIED
-   slots are put in by the hook itself, scaled by 1/world_size: left in
-   ``.grad`` with only the part the peers read copied into the bucket
-   (HOMED), copied into the slot with ``.grad`` pointed at it (LENT), or
-   plainly copied (COPIED). VIEW and PACKED slots are deferred: when the
-   bucket's last gradient arrives, they are put in together, a run of small
-   slots per call ([Note: packed slots] in ``packing.py``). The first hook of
-   a backward also marks the unused parameters ready (their slots are zeroed).
+   ``buckets.py``; the puts are in ``slot_io.py``), scaled by 1/world_size:
+   left in ``.grad`` with only the part the peers read copied into the
+   bucket (HOMED), copied into the slot with ``.grad`` pointed at it (LENT),
+   plainly copied (COPIED), or copied a bucket's small slots at a time
+   (PACKED, [Note: packed slots] in ``packing.py``). COPIED slots and large
+   HOMED and LENT ones are put in by the hook itself; the others are
+   deferred: when the bucket's last gradient arrives, they are put in
+   together ([Note: held slots] in ``buckets.py``). The first hook of a backward also marks the
+   unused parameters ready (their slots are zeroed).
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
    ready ones go together. Launching is asynchronous, so bucket k's collective
@@ -260,11 +261,14 @@ class Reducer(ReducerOffPath, SlotIO):
         self._next_bucket = 0
 
     def _build_routes(self) -> None:
-        """Each parameter's bucket, slot and put method, from the stored slot kinds."""
+        """Each parameter's bucket, slot and put method, from the stored slot kinds
+        (none for a held slot, see [Note: held slots] in buckets.py)."""
         route = []
+        held = {(b.index, s) for b in self.buckets for s in b.held}
         for b, s in self._locator:
             bucket = self.buckets[b]
-            route.append((bucket, s, self._put_in[bucket.kinds[s]]))
+            put = None if (b, s) in held else self._put_in[bucket.kinds[s]]
+            route.append((bucket, s, put))
         self._route = route
 
     def _recording_arrival(self) -> bool:
@@ -366,9 +370,10 @@ class Reducer(ReducerOffPath, SlotIO):
     # once per backward, grad mode is switched off only when it is on (it is
     # off inside an ordinary backward; on under create_graph), the scale is
     # multiplied as a cached 0-dim tensor (see packing.scale_tensor), and
-    # tracing marks buckets, never parameters. A deferred slot (VIEW, PACKED)
-    # has no put method: its hook only counts, and _put_deferred does the
-    # tensor work for the whole bucket once its last gradient has arrived.
+    # tracing marks buckets, never parameters. A deferred slot (VIEW, PACKED,
+    # or a held HOMED or LENT one) has no put method: its hook only counts, and
+    # _put_deferred does the tensor work for the whole bucket once its last
+    # gradient has arrived.
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
@@ -400,7 +405,7 @@ class Reducer(ReducerOffPath, SlotIO):
         bucket.pending -= 1
         if bucket.pending == 0:
             if bucket.deferred:
-                self._put_deferred(bucket)
+                self._put_deferred(bucket, i)
             bucket.state = BucketState.READY
             self.trace.mark("ready", bucket.index)
             self._launch_ready()

@@ -28,8 +28,9 @@ class SlotIO:
     grad_as_view: bool
     _recycled: dict[int, torch.Tensor]
 
-    def _put_deferred(self, bucket: Bucket) -> None:
-        """The bucket's last gradient arrived: put in its VIEW and PACKED slots."""
+    def _put_deferred(self, bucket: Bucket, last: int) -> None:
+        """The bucket's last gradient (parameter ``last``'s) arrived: put in its
+        VIEW slots, or its held and PACKED slots (see [Note: held slots])."""
         scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
         grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
         if grad_mode:
@@ -37,6 +38,10 @@ class SlotIO:
         try:
             if self.grad_as_view:
                 self._put_views(bucket, scale)
+                return
+            if bucket.held:
+                self._put_held(bucket, scale, last)
+            if not bucket.runs:
                 return
             if not grad_mode and not bucket.packed_flat and copy_in_all(bucket, scale):
                 return
@@ -49,6 +54,18 @@ class SlotIO:
         finally:
             if grad_mode:
                 torch._C._set_grad_enabled(True)
+
+    def _put_held(self, bucket: Bucket, scale: float, last: int) -> None:
+        kinds, indices, params = bucket.kinds, bucket.param_indices, self.params
+        for s in bucket.held:
+            i = indices[s]
+            if params[i].grad is None:
+                bucket.views[s].zero_()
+                bucket.to_write.append(s)
+            elif kinds[s] is SlotKind.LENT:
+                self._put_lent(bucket, s, i, scale, i != last)
+            else:
+                self._put_homed(bucket, s, i, scale)
 
     def _put_one(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
         if self.params[i].grad is None:
@@ -72,18 +89,19 @@ class SlotIO:
         if scale != 1.0:
             bucket.buffer.mul_(scale_tensor(scale, bucket.buffer.dtype))
 
-    # How a gradient goes into its slot when its hook runs, one method per
-    # non-deferred SlotKind; each falls back to the next simpler kind when the
+    # How a gradient goes into its slot (a COPIED one when its hook runs, a
+    # held one when its bucket is ready); each falls back to the next simpler kind when the
     # gradient does not fit its own. Each reads .grad itself and holds it in
     # exactly one local, because lending.fresh() compares reference counts
     # against a probe made the same way.
-    def _put_lent(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
+    def _put_lent(self, bucket: Bucket, s: int, i: int, scale: float,
+                  later: bool = False) -> None:
         grad = self.params[i].grad
         view = bucket.views[s]
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
                 view.mul_(scale_tensor(scale, view.dtype))
-        elif grad.layout is torch.strided and not grad.requires_grad and fresh(grad):
+        elif grad.layout is torch.strided and not grad.requires_grad and fresh(grad, later):
             self.params[i].grad = bucket.lending.lend(s, grad, scale)
             self._recycled[i] = grad
         else:

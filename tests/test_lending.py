@@ -127,3 +127,52 @@ def test_nothing_is_lent_with_a_comm_hook(pools):
         assert r["diff"] < 1e-12, r
         assert r["lent"] == 0 and r["lent_again"] == 0, r
         assert r["old_kept"] and r["same_objects"] and r["held_is_result"], r
+
+
+def _kept_by_a_user_hook(rank: int, world: int) -> dict:
+    # A user's own post-accumulate hook keeps every .grad of the backward.
+    # torch's DDP writes the reduced result into those very tensors; gradring
+    # must not lend a slot whose gradient somebody else holds (its put runs
+    # when the bucket is ready, after those hooks: see [Note: held slots]).
+    base = _model()
+    impls = {"ours": gradring.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=100),
+             "theirs": torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                                 bucket_cap_mb=100)}
+    out: dict = {}
+    for name, m in impls.items():
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for k in range(2):  # rebuilt buckets and lending in place
+            opt.zero_grad(set_to_none=True)
+            x, y = oracle.make_batch("wide", k, rank, world)
+            oracle.loss_of("wide", m(x.double()), y).backward()
+            opt.step()
+        kept: list[torch.Tensor] = []
+
+        def keep(p: torch.Tensor, kept: list[torch.Tensor] = kept) -> None:
+            kept.append(p.grad)
+        handles = [p.register_post_accumulate_grad_hook(keep) for p in m.parameters()]
+        opt.zero_grad(set_to_none=True)
+        x, y = oracle.make_batch("wide", 2, rank, world)
+        oracle.loss_of("wide", m(x.double()), y).backward()
+        for h in handles:
+            h.remove()
+        out[name] = {"kept": [t.clone() for t in kept],
+                     "final": [p.grad.clone() for p in m.parameters()],
+                     "kept_is_final": [any(t is p.grad for t in kept) for p in m.parameters()]}
+        if name == "ours":
+            out["lent"] = sum(_in_bucket(m, p.grad) for p in m.parameters())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gradient_kept_by_a_user_hook_receives_the_result(pools, world):
+    for r in pools.run(world, _kept_by_a_user_hook):
+        ours, theirs = r["ours"], r["theirs"]
+        assert ours["kept_is_final"] == theirs["kept_is_final"], r
+        # The kept tensors (the order hooks ran in) hold what torch's hold:
+        # the reduced gradients.
+        assert len(ours["kept"]) == len(theirs["kept"])
+        for a, b in zip(sorted(ours["kept"], key=lambda t: (t.shape, t.sum().item())),
+                        sorted(theirs["kept"], key=lambda t: (t.shape, t.sum().item()))):
+            assert a.shape == b.shape and (a - b).abs().max().item() < 1e-12
+        assert oracle.max_diff(ours["final"], theirs["final"]) < 1e-12
