@@ -182,7 +182,10 @@ class SlotKind(enum.Enum):
 # the hook only counts, the gradient waits in .grad, and when the bucket's
 # last gradient arrives every held slot is put in in one burst (then the
 # packed slots), in slot order, by the same put methods. The bucket
-# launches at the same moment as before; only the puts moved.
+# launches at the same moment as before; only the puts moved. Reading .grad
+# then also sees what later hooks of the same parameter did to it, as
+# torch's reducer does. Lending's reference count (lending.fresh) is probed
+# for this context too: another parameter's gradient, from a later hook.
 #
 # Only slots of at most HELD_SLOT_NUMEL elements (1 MiB of fp32) are held.
 # A large gradient is best copied while autograd has just written it and it
@@ -193,10 +196,7 @@ class SlotKind(enum.Enum):
 # 0.73 / 0.57 of torch's overhead, GPT-shaped (weights of 65-262 K
 # elements) 0.34 / 0.25 / 0.28 / 0.23 against 0.43 / 0.35 / 0.46 / 0.32;
 # a 64 K limit left the ResNet's larger convolutions at their hooks and
-# gained nothing there. Reading .grad
-# then also sees what later hooks of the same parameter did to it, as
-# torch's reducer does. Lending's reference count (lending.fresh) is probed
-# for this context too: another parameter's gradient, from a later hook.
+# gained nothing there.
 
 
 class BucketState(enum.Enum):
@@ -260,8 +260,8 @@ class Bucket:
         self.lending = LentSlots(self)
         # Per slot, how its gradient travels (see [Note: slot kinds]).
         self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
-        # Whether some slots are deferred (VIEW or PACKED): the reducer puts them
-        # in when the bucket's last gradient arrives.
+        # Whether some slots are deferred (VIEW, PACKED or held): the reducer puts
+        # them in when the bucket's last gradient arrives.
         self.deferred = False
         # The HOMED and LENT slots, put in when the bucket is ready (see [Note:
         # held slots]).

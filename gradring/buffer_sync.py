@@ -28,6 +28,7 @@ check that it still holds:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,24 @@ from torch import nn
 
 #: Byte alignment of each dtype's part of a coalesced broadcast.
 ALIGN = 16
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def byte_layout(groups: Sequence[tuple[torch.dtype, Sequence[torch.Tensor]]],
+                ) -> tuple[list[tuple[torch.dtype, Sequence[torch.Tensor], int, int]], int]:
+    """Where each dtype's tensors go in one byte buffer: (dtype, tensors, byte
+    offset aligned to ALIGN, byte size) per group, and the total size."""
+    layout, total = [], 0
+    for dtype, group in groups:
+        total = -(-total // ALIGN) * ALIGN
+        nbytes = sum(t.numel() for t in group) * _itemsize(dtype)
+        layout.append((dtype, group, total, nbytes))
+        total += nbytes
+    return layout, total
 
 
 def _same(a: Sequence[object], b: Sequence[object]) -> bool:
@@ -89,12 +108,7 @@ class ByteStage:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in self.tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        layout, total = [], 0
-        for dtype, group in by_dtype.items():
-            total = -(-total // ALIGN) * ALIGN
-            nbytes = sum(t.numel() for t in group) * group[0].element_size()
-            layout.append((dtype, group, total, nbytes))
-            total += nbytes
+        layout, total = byte_layout(list(by_dtype.items()))
         self.buffer = allocate(total)
         # Per dtype: the tensors' flat views, their part of the buffer, and
         # that part split into the tensors' pieces.

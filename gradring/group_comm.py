@@ -18,13 +18,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradring import comm
-from gradring.buffer_sync import ALIGN, ByteStage
+from gradring.buffer_sync import ByteStage, byte_layout
 from gradring.comm.recorder import take_on_done
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 @functools.cache
@@ -182,12 +177,7 @@ class GroupComm:
         """One broadcast of a byte buffer holding every group, each flattened at
         an offset aligned for its dtype (a model's float buffers and its integer
         batch counters used to cost two collectives, and a Python copy per tensor)."""
-        layout, total = [], 0
-        for dtype, group in groups:
-            total = -(-total // ALIGN) * ALIGN
-            nbytes = sum(t.numel() for t in group) * _itemsize(dtype)
-            layout.append((dtype, group, total, nbytes))
-            total += nbytes
+        layout, total = byte_layout(groups)
         buf = torch.empty(total, dtype=torch.uint8)
         if self.rank == src:
             for dtype, group, off, nbytes in layout:

@@ -14,8 +14,8 @@
    (PACKED, [Note: packed slots] in ``packing.py``). COPIED slots and large
    HOMED and LENT ones are put in by the hook itself; the others are
    deferred: when the bucket's last gradient arrives, they are put in
-   together ([Note: held slots] in ``buckets.py``). The first hook of a backward also marks the
-   unused parameters ready (their slots are zeroed).
+   together ([Note: held slots] in ``buckets.py``). The first hook of a
+   backward also marks the unused parameters ready (their slots are zeroed).
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
    ready ones go together. Launching is asynchronous, so bucket k's collective
@@ -461,9 +461,9 @@ class Reducer(ReducerOffPath, SlotIO):
     # thread ran again). So, on the default path (no comm hook; no fused
     # optimizer, which steps the earlier buckets while the last one is still
     # in flight; not find_unused_parameters, whose usage map follows the last
-    # bucket), it is only marked launched, and the finalize reduces it on its own thread, in
-    # order after the others (a synchronous call runs inline once the comm
-    # thread's queue is empty). Every rank does the same, so collectives still
+    # bucket), it is only marked launched, and the finalize reduces it on its
+    # own thread, in order after the others (a synchronous call runs inline
+    # once the comm thread's queue is empty). Every rank does the same, so collectives still
     # pair up in the same order.
     def _reduce_now(self, bucket: Bucket) -> torch.Tensor:
         """Reduce the bucket left to the finalize (see [Note: the last bucket])."""

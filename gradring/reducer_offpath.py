@@ -154,18 +154,23 @@ class ReducerOffPath:
         self.expect_hooks = False
         self.require_finalize = False
         self._finalized_since_forward = False
+        self._drain_launched()
         for b in self.buckets:
-            if b.inline:  # its peers reduce it: take part, as the finalize would have
-                try:
-                    self._reduce_now(b)
-                except Exception:  # noqa: BLE001 - the unfinished reduction is the error
-                    pass
-            if b.future is not None:
-                try:
-                    b.future.wait()
-                except Exception:  # noqa: BLE001 - the old reduction is abandoned
-                    pass
             b.reset()
+
+    def _drain_launched(self) -> None:
+        """Finish every collective this backward launched, ignoring failures, so
+        that none is left dangling for the peers (an abandoned or unfinished
+        reduction). A last bucket left to the finalize (see [Note: the last
+        bucket] in reducer.py) is still issued: the peers issue it too."""
+        for b in self.buckets:
+            try:
+                if b.inline:
+                    self._reduce_now(b)
+                elif b.future is not None:
+                    b.future.wait()
+            except Exception:  # noqa: BLE001 - the caller reports what matters
+                pass
 
     def check_prior_finished(self) -> None:
         """Any forward with grad enabled, under no_sync() too: the previous
@@ -250,18 +255,7 @@ class ReducerOffPath:
         missing = [i for i, r in enumerate(self._ready) if not r]
         per_rank = {self.comm.rank: missing}
         per_rank.update(self._peer_missing(missing))
-        # Drain what was launched, so no collective is left dangling.
-        for b in self.buckets:
-            if b.inline:  # its peers reduce it: take part, as the finalize would have
-                try:
-                    self._reduce_now(b)
-                except Exception:  # noqa: BLE001 - the unfinished reduction is the error
-                    pass
-            if b.future is not None:
-                try:
-                    b.future.wait()
-                except Exception:  # noqa: BLE001 - the unfinished reduction is the error
-                    pass
+        self._drain_launched()
         self.require_finalize = False
         self.expect_hooks = False
         raise self._fail(

@@ -89,11 +89,11 @@ class SlotIO:
         if scale != 1.0:
             bucket.buffer.mul_(scale_tensor(scale, bucket.buffer.dtype))
 
-    # How a gradient goes into its slot (a COPIED one when its hook runs, a
-    # held one when its bucket is ready); each falls back to the next simpler kind when the
-    # gradient does not fit its own. Each reads .grad itself and holds it in
-    # exactly one local, because lending.fresh() compares reference counts
-    # against a probe made the same way.
+    # How a gradient goes into its slot, one method per kind (called by the
+    # hook, or for a held slot when its bucket is ready); each falls back to
+    # the next simpler kind when the gradient does not fit its own. Each reads
+    # .grad itself and holds it in exactly one local, because lending.fresh()
+    # compares reference counts against a probe made the same way.
     def _put_lent(self, bucket: Bucket, s: int, i: int, scale: float,
                   later: bool = False) -> None:
         grad = self.params[i].grad
