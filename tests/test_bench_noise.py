@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -64,3 +65,19 @@ def test_ddp_report_flags_spread_larger_than_the_effect() -> None:
     text = ddp_step.report(_rounds([10.0, 10.0, 10.0], [14.0, 14.0, 14.0],
                                    [10.5, 13.0, 10.2]), 2)
     assert "gradring overhead 0.50 ms varies by 2.80 ms" in text
+
+
+def test_pair_baseline_is_each_steps_slower_rank() -> None:
+    # Two ranks that take turns being slow: each rank's median is 13 ms, but
+    # every step waits 16 ms for its slower rank, as a DDP step would.
+    def rank(steps: list[float]) -> dict:
+        med = statistics.median(steps)
+        return {"m": {"pair": [med], "torch": [20.0], "gradring": [18.0],
+                      "_pair_steps": steps}}
+    merged = ddp_step._slowest([rank([10.0, 16.0, 10.0, 16.0]), rank([16.0, 10.0, 16.0, 10.0])])
+    assert merged["m"]["pair"] == [16.0]
+    assert merged["m"]["_pair_median"] == [13.0]
+    assert merged["m"]["torch"] == [20.0]
+    text = ddp_step.report({"m": {**merged["m"], "gradring_view": [18.0]}}, 2)
+    row = next(line for line in text.splitlines() if line.startswith("m "))
+    assert "0.50" in row and "0.71" in row  # 2/4 per step; 5/7 against the medians
