@@ -75,19 +75,37 @@ class SlotIO:
             self._put_copied(bucket, s, i, scale)
 
     def _put_views(self, bucket: Bucket, scale: float) -> None:
-        """gradient_as_bucket_view: a .grad that is not its slot yet is copied in
-        and pointed at it; then the whole buffer is scaled in one multiply."""
+        """gradient_as_bucket_view: a .grad that is not its slot yet (a new one,
+        after ``zero_grad(set_to_none=True)``) is multiplied into the slot and
+        pointed at it; slots autograd summed into in place are scaled where
+        they are (the whole buffer in one multiply when that is every slot).
+        Each element is multiplied by the same 0-dim scale once either way, so
+        the bits are those of a copy and then a multiply, without the copy's
+        second pass over the new gradients."""
         views = bucket.views
+        st = scale_tensor(scale, bucket.buffer.dtype) if scale != 1.0 else None
+        summed = []  # slots that already were their .grad
         for s, p in enumerate(bucket.params):
-            grad = p.grad
+            grad, view = p.grad, views[s]
             if grad is None:
-                views[s].zero_()
+                view.zero_()
                 bucket.to_write.append(s)
-            elif grad.data_ptr() != views[s].data_ptr():
-                views[s].copy_(grad)
-                p.grad = views[s]
-        if scale != 1.0:
-            bucket.buffer.mul_(scale_tensor(scale, bucket.buffer.dtype))
+            elif grad.data_ptr() == view.data_ptr():
+                summed.append(view)
+            else:
+                if st is not None and grad.dtype == view.dtype \
+                        and grad.layout is torch.strided:
+                    torch.mul(grad, st, out=view)
+                else:
+                    view.copy_(grad)
+                    if st is not None:
+                        view.mul_(st)
+                p.grad = view
+        if st is not None and summed:
+            if len(summed) == len(views):
+                bucket.buffer.mul_(st)
+            else:
+                torch._foreach_mul_(summed, st)
 
     # How a gradient goes into its slot, one method per kind (called by the
     # hook, or for a held slot when its bucket is ready); each falls back to

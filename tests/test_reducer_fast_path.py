@@ -150,3 +150,38 @@ def test_small_slots_are_packed_and_keep_their_own_grad(pools):
         assert r["small"] == 162 and r["packed"] == r["small"], r
         assert r["in_bucket"] == 0 and r["loose"] == 0 and r["homes_left"] == 0, r
         assert 0 < r["runs"] < 20, r  # runs of neighbours, not one call per slot
+
+
+def _view_half_reset(rank: int, world: int) -> tuple[bool, bool]:
+    """gradient_as_bucket_view with half the .grad set to None and half zeroed in
+    place each step: a bucket then holds slots autograd summed into and new
+    gradients side by side (see SlotIO._put_views)."""
+    torch.set_num_threads(1)
+    base = _ManySmall(skip=False)
+    ours = gradring.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                 gradient_as_bucket_view=True)
+    grads_equal = params_equal = True
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    for step in range(4):
+        for m in (ours, theirs):
+            for i, p in enumerate(m.parameters()):
+                if p.grad is not None:
+                    if i % 2:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+            g = torch.Generator().manual_seed(100 * step + rank)
+            m(torch.randn(96, generator=g)).backward()
+        grads_equal &= _same(_grads(ours.module), _grads(theirs.module))
+        for opt in opts:
+            opt.step()
+        params_equal &= _same([p.detach() for p in ours.module.parameters()],
+                              [p.detach() for p in theirs.module.parameters()])
+    torch.distributed.barrier()
+    return grads_equal, params_equal
+
+
+def test_view_mode_with_new_and_summed_gradients_matches_torch(pools) -> None:
+    for grads_equal, params_equal in pools.run(2, _view_half_reset, timeout=120):
+        assert grads_equal and params_equal
