@@ -250,10 +250,11 @@ class Reducer(ReducerOffPath, SlotIO):
         self._build_routes()
         self._recycled.clear()
         if self.grad_as_view:
-            # Keep accumulated values (e.g. from no_sync) and point .grad at the new views.
+            # Keep accumulated values (e.g. from no_sync) and point .grad at the
+            # new views; a sparse .grad is never a view (as in torch's DDP).
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    if p.grad is not None:
+                    if p.grad is not None and p.grad.layout is torch.strided:
                         b, s = locator[i]
                         view = buckets[b].views[s]
                         view.copy_(p.grad)

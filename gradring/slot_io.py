@@ -90,6 +90,8 @@ class SlotIO:
             if grad is None:
                 view.zero_()
                 bucket.to_write.append(s)
+            elif grad.layout is not torch.strided:
+                self._put_copied(bucket, s, bucket.param_indices[s], scale)
             elif grad.data_ptr() == view.data_ptr():
                 summed.append(view)
             else:
@@ -116,6 +118,10 @@ class SlotIO:
                   later: bool = False) -> None:
         grad = self.params[i].grad
         view = bucket.views[s]
+        if grad.layout is not torch.strided:
+            del grad
+            self._put_copied(bucket, s, i, scale)
+            return
         if grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
                 view.mul_(scale_tensor(scale, view.dtype))
@@ -150,10 +156,29 @@ class SlotIO:
         bucket.homes.append((start, flat))
         bucket.homed_slots.add(s)
 
+    # [Note: sparse gradients]
+    # nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give sparse
+    # COO gradients. Torch's DDP reduces each as a sparse tensor in a bucket of
+    # its own. Here every parameter already has a dense slot, so a sparse
+    # gradient is made dense into its slot (scaled like any other) and summed
+    # with its bucket; at the end of the backward .grad becomes a coalesced
+    # sparse tensor again, with the gradient's sparse dimensions and the rows
+    # whose sum is not zero. Every rank takes part in the same bucket
+    # collective whatever layout its gradient has, so nothing can pair up
+    # wrongly or wait forever. The price is a dense pass over the whole
+    # table every step, and a row that ranks touched but whose sum is exactly
+    # zero is left out of the indices (torch's keeps it, with zeros). A comm
+    # hook sees the dense values in the bucket.
     def _put_copied(self, bucket: Bucket, s: int, i: int, scale: float) -> None:
         grad = self.params[i].grad
         view = bucket.views[s]
-        if scale != 1.0:
+        if grad.layout is not torch.strided:
+            # A sparse gradient (nn.Embedding(sparse=True)) is summed densely
+            # in its slot; see [Note: sparse gradients].
+            view.copy_(grad.to_dense())
+            if scale != 1.0:
+                view.mul_(scale_tensor(scale, view.dtype))
+        elif scale != 1.0:
             torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
         else:
             view.copy_(grad)
@@ -186,6 +211,9 @@ class SlotIO:
         p = self.params[i]
         view = bucket.views[slot]
         grad = p.grad
+        if grad is not None and grad.layout is not torch.strided:
+            p.grad = view.to_sparse(grad.sparse_dim())  # see [Note: sparse gradients]
+            return
         if grad is not None and grad.data_ptr() == view.data_ptr():
             return  # .grad is the slot itself (view mode, or lent)
         kind = bucket.kinds[slot]
