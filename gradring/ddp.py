@@ -157,6 +157,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.output_device = output_device
         self.dim = dim
         self._comm = GroupComm(self.process_group)
+        self._warned_unordered_hook = False
         # Buffers: broadcast rank 0's before each forward (forward_sync_buffers;
         # broadcast_buffers is torch 2.13's deprecated name for it).
         init_sync_buffers = self._buffer_flags(broadcast_buffers, forward_sync_buffers)
@@ -284,6 +285,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._guarded(self.reducer.prepare_for_forward)
             if self.reducer.rebuild_if_needed():
                 compile_split.after_rebuild(self)
+                self._warn_unordered_hook()
         else:
             if torch.is_grad_enabled():
                 # Under no_sync too: the previous reducing backward must have finished.
@@ -344,6 +346,18 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
             self._log_and_throw(RuntimeError, errors.comm_hook_with_fused_optim())
         self._has_comm_hook = True
         self.reducer.set_comm_hook(hook, state)
+        self._warn_unordered_hook()
+
+    def _warn_unordered_hook(self) -> None:
+        """Once, when torch's PowerSGD hook meets several buckets on gloo (see
+        docs/hooks.md); checked at registration and after the bucket rebuild."""
+        hook = self.reducer.comm_hook
+        if hook is None or self._warned_unordered_hook or not _unordered_torch_hook(hook) \
+                or len(self.reducer.buckets) < 2 \
+                or dist.get_backend(self.process_group) != "gloo":
+            return
+        self._warned_unordered_hook = True
+        warnings.warn(errors.torch_power_sgd_on_gloo(hook.__name__), stacklevel=3)
 
     def _register_fused_optim(self, optim_cls: type, *args: Any, **kwargs: Any) -> Any:
         """Step each parameter as soon as its bucket is reduced; returns the fused optimizer."""
@@ -466,6 +480,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         # As in torch: an unpickled DDP runs over the default group, with a new reducer.
         self.process_group = _group_of(None, None)
         self._comm = GroupComm(self.process_group)
+        self._warned_unordered_hook = False
         self._module_parameters = [p for n, p in self.module.named_parameters()
                                    if p.requires_grad and n not in self.parameters_to_ignore]
         self._assign_modules_buffers()
@@ -474,3 +489,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP):
         self.reducer = self._build_reducer(static_graph=static)
         if static:
             self.reducer.set_static_graph()
+
+
+def _unordered_torch_hook(hook: Any) -> bool:
+    """Torch's PowerSGD hooks, which issue a second all-reduce from inside the
+    first one's callback and wait for it there (see docs/hooks.md)."""
+    return (getattr(hook, "__module__", "")
+            == "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
+            and getattr(hook, "__name__", "") in ("powerSGD_hook", "batched_powerSGD_hook"))

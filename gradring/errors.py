@@ -199,6 +199,14 @@ def comm_hook_twice() -> str:
     return "register_comm_hook or register_builtin_comm_hook can only be called once."
 
 
+def torch_power_sgd_on_gloo(name: str) -> str:
+    return (f"torch's {name} issues its second all-reduce from inside a gloo callback "
+            "and waits for it there: with more than one bucket, ranks can pair those "
+            "all-reduces in different orders (torch's DDP then aborts; this DDP can wait "
+            f"until the process group times out). gradring.hooks.{name} orders them and "
+            "takes the same PowerSGDState arguments.")
+
+
 def comm_hook_with_fused_optim() -> str:
     return ("A communication hook cannot be combined with a fused optimizer "
             "(_register_fused_optim).")

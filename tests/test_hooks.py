@@ -515,3 +515,46 @@ def test_comm_stats_arithmetic():
     assert s.total_payload_bytes() == 500
     s.reset()
     assert s.snapshot() == {}
+
+
+def _warnings_on_register(rank, world):
+    """What registering each PowerSGD hook warns, with several buckets and with one."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    import gradring
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, cap, state_cls, hook in (
+            ("torch, several buckets", 0.3, torch_psgd.PowerSGDState, torch_psgd.powerSGD_hook),
+            ("torch batched, several buckets", 0.3, torch_psgd.PowerSGDState,
+             torch_psgd.batched_powerSGD_hook),
+            ("torch, one bucket", 25, torch_psgd.PowerSGDState, torch_psgd.powerSGD_hook),
+            ("gradring, several buckets", 0.3, H.PowerSGDState, H.powerSGD_hook)):
+        ddp = gradring.DistributedDataParallel(
+            nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]), bucket_cap_mb=cap)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp.register_comm_hook(state_cls(None, start_powerSGD_iter=3), hook)
+            for _ in range(2):  # the buckets are rebuilt in the second forward
+                ddp(torch.randn(4, 256)).sum().backward()
+        out[name] = (len(ddp.reducer.buckets),
+                     [str(w.message) for w in caught if "PowerSGD" in str(w.message)])
+    torch.distributed.barrier()
+    return out
+
+
+def test_torch_powersgd_with_several_buckets_on_gloo_warns(pools):
+    # torch's PowerSGD hooks wait inside a gloo callback for their second
+    # all-reduce; with several buckets the ranks can pair them differently
+    # (docs/hooks.md). Registering one says so and names gradring's hook.
+    for out in pools.run(2, _warnings_on_register):
+        for name in ("torch, several buckets", "torch batched, several buckets"):
+            n, caught = out[name]
+            assert n > 1 and len(caught) == 1, (name, out[name])
+            assert "gradring.hooks." in caught[0] and "gloo callback" in caught[0]
+        assert out["torch, one bucket"] == (1, [])
+        n, caught = out["gradring, several buckets"]
+        assert n > 1 and caught == []
