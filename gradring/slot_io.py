@@ -95,8 +95,7 @@ class SlotIO:
             elif grad.data_ptr() == view.data_ptr():
                 summed.append(view)
             else:
-                if st is not None and grad.dtype == view.dtype \
-                        and grad.layout is torch.strided:
+                if st is not None and grad.dtype == view.dtype:
                     torch.mul(grad, st, out=view)
                 else:
                     view.copy_(grad)
@@ -118,14 +117,11 @@ class SlotIO:
                   later: bool = False) -> None:
         grad = self.params[i].grad
         view = bucket.views[s]
-        if grad.layout is not torch.strided:
-            del grad
-            self._put_copied(bucket, s, i, scale)
-            return
-        if grad.data_ptr() == view.data_ptr():
+        strided = grad.layout is torch.strided  # else sparse: _put_homed copies it
+        if strided and grad.data_ptr() == view.data_ptr():
             if scale != 1.0:
                 view.mul_(scale_tensor(scale, view.dtype))
-        elif grad.layout is torch.strided and not grad.requires_grad and fresh(grad, later):
+        elif strided and not grad.requires_grad and fresh(grad, later):
             self.params[i].grad = bucket.lending.lend(s, grad, scale)
             self._recycled[i] = grad
         else:
