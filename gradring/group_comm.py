@@ -19,7 +19,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradring import comm
 from gradring.buffer_sync import ByteStage, byte_layout
+from gradring.comm.context import existing_context
 from gradring.comm.recorder import take_on_done
+from gradring.comm.select import env_transport
 
 
 @functools.cache
@@ -187,6 +189,15 @@ class GroupComm:
             for dtype, group, off, nbytes in layout:
                 flat = buf[off:off + nbytes].view(dtype)
                 torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
+
+    def on_shared_memory(self) -> bool:
+        """Whether this group's CPU collectives run over the shared-memory transport
+        (every rank on this host), as far as known now: False until a collective
+        has connected it, and after it was given up (see ``transports/group.py``)."""
+        if env_transport() == "torch":
+            return False
+        ctx = existing_context(self.group)
+        return ctx is not None and ctx.transports.existing_shm() is not None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

@@ -19,7 +19,9 @@
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
    ready ones go together. Launching is asynchronous, so bucket k's collective
-   overlaps the backward of earlier layers. Each launch is labelled
+   overlaps the backward of earlier layers -- where a core is free for it;
+   otherwise every bucket is left to the finalize, as the last one is (see
+   [Note: overlap needs a free core] in ``overlap_policy.py``). Each launch is labelled
    ``DDP bucket <k>`` for errors, desync checks and the flight recorder.
 4. When the last bucket launches, a callback is queued on the autograd engine.
    (On the default path the last bucket is reduced by that callback itself,
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gradring import errors
+from gradring import errors, overlap_policy
 from gradring.buckets import (
     Bucket,
     BucketCaps,
@@ -125,6 +127,9 @@ class Reducer(ReducerOffPath, SlotIO):
         # True once another live reducer acts on these parameters too (nested
         # DDP): both then copy gradients, never keep or lend .grad.
         self._shared = False
+        # Whether ready buckets launch at once or wait for the end of the backward,
+        # and why; decided by each _install (see [Note: overlap needs a free core]).
+        self.overlap, self.overlap_why = True, ""
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
@@ -247,6 +252,9 @@ class Reducer(ReducerOffPath, SlotIO):
                 locator[i] = (bi, slot)
             buckets.append(bucket)
         self.buckets, self._locator = buckets, locator
+        self.overlap, self.overlap_why = overlap_policy.choose(
+            device_type=buckets[0].buffer.device.type if buckets else "cpu",
+            on_shared_memory=comm.on_shared_memory(), world_size=comm.world_size)
         self._build_routes()
         self._recycled.clear()
         if self.grad_as_view:
@@ -417,7 +425,8 @@ class Reducer(ReducerOffPath, SlotIO):
         while self._next_bucket <= last and \
                 buckets[self._next_bucket].state is BucketState.READY:
             bucket = buckets[self._next_bucket]
-            if self._next_bucket == last and self.comm_hook is None \
+            # The last bucket, or every bucket without a free core for the comm thread.
+            if (self._next_bucket == last or not self.overlap) and self.comm_hook is None \
                     and self.post_reduce is None and self.mode is not GraphMode.FIND_UNUSED:
                 bucket.state = BucketState.LAUNCHED
                 bucket.inline = True  # the finalize reduces it (see [Note: the last bucket])

@@ -1,6 +1,7 @@
 """DDP behaviour beyond the numbers: buckets, overlap, init sync, bad input, API surface."""
 
 import io
+import os
 import time
 import warnings
 
@@ -60,6 +61,7 @@ def _overlap(rank, world_size):
     # Default caps: the rebuilt first bucket (1 MiB cap) takes the late layer
     # alone, the early layer goes into the next. (An explicit bucket_cap_mb is
     # the first bucket's cap too, as in torch 2.13.)
+    os.environ["GRADRING_OVERLAP"] = "1"  # launches at ready time whatever the host
     ddp = gradring.DistributedDataParallel(_SlowEarly())
     x = torch.randn(4, 64)
     for _ in range(3):  # iteration 1 uses one bucket; the rebuild splits it

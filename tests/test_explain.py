@@ -4,6 +4,7 @@ each provoked in a small real 2-rank run and absent from a run that must not rep
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -93,6 +94,18 @@ def test_no_complete_step_is_a_clear_error() -> None:
         ex.analyse(rec)
 
 
+def test_buckets_reduced_at_the_end_are_said_so() -> None:
+    evs = [list(e) for e in _rank_events(100.0, 0.0)]
+    said = "every bucket was reduced when the backward ended"
+    quiet = ex.analyse([{"rank": 0, "facts": _facts(), "curve": None, "events": evs}])
+    assert not any(said in n for n in quiet.notes)
+    why = "2 core(s) for 2 rank(s) x 1 intra-op thread(s): no core is free"
+    x = ex.analyse([{"rank": 0, "facts": _facts(overlap=False, overlap_why=why),
+                     "curve": None, "events": evs}])
+    assert any(said in n and why in n for n in x.notes), x.notes
+    assert said in x.text
+
+
 # ----------------------------------------------------------------- real 2-rank runs
 class Sleepy(nn.Module):
     """Sleeps ``seconds`` in its forward on rank ``rank``: a straggler on demand."""
@@ -173,6 +186,7 @@ def _build(case: str) -> tuple[nn.Module, dict, torch.Tensor]:
 
 def explain_case(rank: int, world: int, case: str, out_dir: str | None = None) -> dict:
     torch.set_num_threads(1)
+    os.environ["GRADRING_OVERLAP"] = "1"  # the bucket findings assume overlapped launches
     model, kw, x = _build(case)
     ddp = gradring.DistributedDataParallel(model, **kw)
     if case == "slow_hook":

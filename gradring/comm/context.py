@@ -145,6 +145,13 @@ def context(group: Any) -> GroupContext | None:
     return ctx
 
 
+def existing_context(group: Any) -> GroupContext | None:
+    """The context of ``group`` if one was made already (None otherwise; never makes one)."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return _contexts.get(group)
+
+
 def _close_destroyed() -> None:
     """Release the contexts of process groups torch has destroyed since."""
     try:

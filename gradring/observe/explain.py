@@ -234,6 +234,8 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "bucket_params": [list(b.param_indices) for b in r.buckets],
         "bucket_bytes": [int(b.nbytes) for b in r.buckets],
         "grad_bytes_outside_buckets": int(outside),
+        "overlap": bool(getattr(r, "overlap", True)),
+        "overlap_why": str(getattr(r, "overlap_why", "")),
     }
 
 
@@ -292,6 +294,10 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
     notes = [] if curve is not None else [
         "no all-reduce curve was measured on this link: the bucket-size findings use this "
         "run's own bucket timings, and the comm hook is not judged"]
+    if not facts.get("overlap", True):
+        notes.append("every bucket was reduced when the backward ended, not overlapped with "
+                     f"it ({facts.get('overlap_why', '')}); GRADRING_OVERLAP=1 overlaps "
+                     "anyway, and the bucket-size findings are left out")
     return Explanation(sorted(parts), len(keep), parts, straggler, findings, notes)
 
 
@@ -408,7 +414,8 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
             if small else (use.times_ms[0], "smallest all-reduce")
         # The last bucket's exposure is clearest on the rank that waited least for others.
         p_last = max(parts.values(), key=lambda q: q["last_bucket"])
-        out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
+        if facts.get("overlap", True):  # the step model's buckets overlap the backward
+            out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)

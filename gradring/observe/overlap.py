@@ -251,8 +251,14 @@ def bucket_infos(ddp: Any) -> list[BucketInfo]:
 
 
 def ddp_overlap_stats(ddp: Any, last_n: int = 10) -> dict[str, Any]:
-    """``summarize`` over a gradring DDP model's trace (what ``ddp.overlap_stats()`` returns)."""
-    return summarize(iteration_times(list(ddp.reducer.trace.events)), bucket_infos(ddp), last_n)
+    """``summarize`` over a gradring DDP model's trace (what ``ddp.overlap_stats()`` returns),
+    with ``launch_when_ready`` and ``launch_why``: whether buckets were launched as
+    they became ready or all at the end of the backward, and why (see [Note:
+    overlap needs a free core] in ``gradring/overlap_policy.py``)."""
+    stats = summarize(iteration_times(list(ddp.reducer.trace.events)), bucket_infos(ddp), last_n)
+    stats["launch_when_ready"] = bool(getattr(ddp.reducer, "overlap", True))
+    stats["launch_why"] = str(getattr(ddp.reducer, "overlap_why", ""))
+    return stats
 
 
 def format_table(stats: dict[str, Any], *, max_names: int = 3) -> str:

@@ -145,6 +145,9 @@ def _overlap_summary(result: dict[str, Any]) -> list[str]:
         f"{ov['overlap_ratio']:.0%} of it during the backward; backward() ran "
         f"{ov['tail_ms']:.2f} ms past autograd (waiting + copying into .grad)",
         *("  " + line for line in format_table(ov).splitlines()),
+        *([] if ov.get("launch_when_ready", True) else [
+            f"  every bucket waited for the end of the backward: {ov.get('launch_why', '')} "
+            "(GRADRING_OVERLAP=1 launches them as they become ready)"]),
     ]
 
 

@@ -1,0 +1,148 @@
+"""When buckets launch: at ready time, or all at the end of the backward.
+
+The choice itself is a pure function of the host (checked here with made-up
+hosts); the reductions it leads to must give torch's DDP's bits either way
+(checked in real ranks against torch's DDP, with the choice forced off).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradring
+from gradring.overlap_policy import choose
+
+
+def _cpu(**kw):
+    args = {"device_type": "cpu", "on_shared_memory": True, "world_size": 2, "threads": 1,
+            "cores": (2, False), "env": ""}
+    args.update(kw)
+    return choose(**args)
+
+
+def test_no_free_core_reduces_at_the_end() -> None:
+    c = _cpu()
+    assert not c.overlap and "no core is free" in c.why and "2 rank(s) x 1" in c.why
+    assert not _cpu(threads=2, cores=(4, False)).overlap     # 2 ranks x 2 threads on 4 cores
+
+
+def test_a_free_core_overlaps() -> None:
+    assert _cpu(cores=(3, False)).overlap
+    assert _cpu(world_size=4, threads=2, cores=(16, False)).overlap
+
+
+def test_a_pinned_rank_counts_only_its_own_threads() -> None:
+    assert _cpu(world_size=8, threads=2, cores=(4, True)).overlap
+    assert not _cpu(world_size=8, threads=4, cores=(4, True)).overlap
+
+
+def test_local_world_size_counts_ranks_outside_the_group(monkeypatch) -> None:
+    assert _cpu(cores=(4, False)).overlap
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    c = _cpu(cores=(4, False))
+    assert not c.overlap and "4 rank(s)" in c.why
+
+
+def test_off_the_cpu_or_across_hosts_always_overlaps() -> None:
+    assert _cpu(device_type="cuda").overlap
+    assert _cpu(on_shared_memory=False).overlap
+    assert _cpu(world_size=1).overlap
+
+
+@pytest.mark.parametrize("env,expect", [("1", True), ("on", True), ("0", False), ("off", False)])
+def test_the_environment_overrides_the_host(env, expect) -> None:
+    c = _cpu(cores=(64, False) if not expect else (1, False), env=env)
+    assert c.overlap is expect and c.why == f"GRADRING_OVERLAP={env}"
+
+
+# ------------------------------------------------------------------ real ranks
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                         nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+
+
+def _train_both(rank: int, world_size: int, kwargs: dict) -> dict:
+    torch.set_num_threads(1)
+    old = os.environ.get("GRADRING_OVERLAP")
+    os.environ["GRADRING_OVERLAP"] = "0"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mine = gradring.DistributedDataParallel(_model(), **kwargs)
+            ref = torch.nn.parallel.DistributedDataParallel(_model(), **kwargs)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (mine, ref)]
+        for step in range(6):
+            torch.manual_seed(100 * step + rank)
+            x, y = torch.randn(5, 16), torch.randn(5, 3)
+            for m, o in zip((mine, ref), opts):
+                if step % 3 == 1:  # accumulate one micro-batch locally first
+                    with m.no_sync():
+                        nn.functional.mse_loss(m(x * 0.5), y).backward()
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad(set_to_none=step % 2 == 0)
+        r = mine.reducer
+        last = r.trace.iteration - 1
+        ev = r.trace.iteration_events(last)
+        end = next(e.t for e in ev if e.kind == "backward_end")
+        launches = [e.t for e in ev if e.kind == "launch"]
+        same = all(torch.equal(a, b) for a, b in zip(mine.parameters(), ref.parameters()))
+        stats = mine.overlap_stats()
+        return {"stats": (stats["launch_when_ready"], stats["launch_why"]),
+                "overlap": r.overlap, "why": r.overlap_why, "buckets": len(r.buckets),
+                "launches": len(launches), "all_after_end": all(t >= end for t in launches),
+                "same": same, "shm": mine._comm.on_shared_memory()}
+    finally:
+        if old is None:
+            os.environ.pop("GRADRING_OVERLAP", None)
+        else:
+            os.environ["GRADRING_OVERLAP"] = old
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"bucket_cap_mb": 0.01},
+    {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True},
+    {"bucket_cap_mb": 0.01, "static_graph": True},
+])
+def test_every_bucket_at_the_end_matches_torch_bit_for_bit(pools, kwargs) -> None:
+    for r in pools.run(2, _train_both, kwargs):
+        assert r["overlap"] is False and r["why"] == "GRADRING_OVERLAP=0", r
+        assert r["stats"] == (False, "GRADRING_OVERLAP=0"), r
+        assert r["buckets"] >= 3 and r["launches"] == r["buckets"], r
+        assert r["all_after_end"], r
+        assert r["same"], r
+        assert r["shm"], r
+
+
+def _unused_at_the_end(rank: int, world_size: int) -> str:
+    torch.set_num_threads(1)
+    os.environ["GRADRING_OVERLAP"] = "0"
+    try:
+        torch.manual_seed(0)
+        module = nn.ModuleDict({"a": nn.Linear(32, 32), "idle": nn.Linear(32, 32),
+                                "b": nn.Linear(32, 32)})
+        module.forward = lambda x, m=module: m["b"](m["a"](x))
+        ddp = gradring.DistributedDataParallel(module, bucket_cap_mb=0.004)
+        x = torch.randn(2, 32)
+        ddp(x).sum().backward()
+        try:
+            ddp(x).sum().backward()
+            return "no error"
+        except RuntimeError as e:
+            return str(e)
+    finally:
+        os.environ["GRADRING_OVERLAP"] = "1"
+
+
+def test_unused_parameter_with_every_bucket_at_the_end_names_it(pools) -> None:
+    for msg in pools.run(2, _unused_at_the_end):
+        assert "Expected to have finished reduction in the prior iteration" in msg, msg
+        assert "idle.weight" in msg and "idle.bias" in msg, msg
+        assert "a.weight" not in msg, msg
