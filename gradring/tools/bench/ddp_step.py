@@ -8,7 +8,10 @@
 Each rank runs, round after round, the same model under these set-ups:
 ``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
 the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
-and gradring's with its always-on trace switched off (``notrace``). Rounds
+and gradring's with its always-on trace switched off (``notrace``); with
+``--floor`` also a minimal flat DDP over gradring's transport (``floor``, see
+``floor.py``: what any DDP here pays, so gradring minus floor is what the
+reducer's own machinery costs). Rounds
 interleave the set-ups step by step (every set-up takes one step in turn, the
 ranks starting each step together), so that a slow stretch of the machine
 hits all of them alike. A round's figure is the median of its steps, each
@@ -235,6 +238,10 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             "notrace": gradring.DistributedDataParallel(copy.deepcopy(base)),
         }
         setups["notrace"].reducer.trace.enabled = False
+        if args.floor:
+            from gradring.tools.bench.floor import FlatDDP
+
+            setups["floor"] = FlatDDP(copy.deepcopy(base))
         for m in setups.values():
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
         res: dict[str, list[float]] = {k: [] for k in setups}
@@ -348,15 +355,40 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"{(out_plain + buck_plain) / mib:.1f} MiB (private grads {out_plain / mib:.1f} + "
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
+    lines += _floor_table(results)
     if notes:
         lines += ["", "NOT TRUSTWORTHY on this machine now (rerun with more --rounds/--steps, "
                   "or on a quieter machine):", *("  " + n for n in notes)]
     return "\n".join(lines)
 
 
+def _floor_table(results: dict[str, dict[str, list[float]]]) -> list[str]:
+    """--floor: the minimal flat DDP's overhead beside torch's and gradring's
+    (see gradring/tools/bench/floor.py), medians over rounds of per-round figures."""
+    rows = [name for name, res in results.items() if "floor" in res]
+    if not rows:
+        return []
+    lines = ["", "floor = a minimal flat DDP over gradring's transport (one broadcast, one "
+             "all-reduce at the end, no buckets); per-round overheads, medians",
+             f"{'model':<12}{'ovh floor':>11}{'ovh gradring':>14}{'floor/torch':>13}"
+             f"{'gradring/torch':>16}{'gradring-floor':>16}"]
+    for name in rows:
+        res = results[name]
+        per = {k: [v - p for v, p in zip(res[k], res["pair"])] for k in ("torch", "gradring",
+                                                                         "floor")}
+        med = {k: statistics.median(v) for k, v in per.items()}
+        extra = statistics.median([g - f for g, f in zip(per["gradring"], per["floor"])])
+        frac = {k: (f"{med[k] / med['torch']:.2f}" if med["torch"] > 0 else "noisy")
+                for k in ("floor", "gradring")}
+        lines.append(f"{name:<12}{med['floor']:>11.2f}{med['gradring']:>14.2f}"
+                     f"{frac['floor']:>13}{frac['gradring']:>16}{extra:>16.2f}")
+    return lines
+
+
 def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
-        rounds: int = 5) -> str:
-    args = argparse.Namespace(models=models or list(MODELS), steps=steps, rounds=rounds)
+        rounds: int = 5, floor: bool = False) -> str:
+    args = argparse.Namespace(models=models or list(MODELS), steps=steps, rounds=rounds,
+                              floor=floor)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -377,8 +409,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--floor", action="store_true",
+                    help="also step a minimal flat DDP (gradring/tools/bench/floor.py)")
     a = ap.parse_args(argv)
-    print(run(a.nproc, a.models, a.steps, a.rounds))
+    print(run(a.nproc, a.models, a.steps, a.rounds, a.floor))
     return 0
 
 
