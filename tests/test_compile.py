@@ -149,6 +149,9 @@ class _SlowEarly(nn.Module):
 
 def _overlap_compiled(rank, world_size, order, compiled_backward=False):
     import contextlib
+    import os
+
+    os.environ["GRADRING_OVERLAP"] = "1"  # launches at ready time whatever the host
 
     import torch._dynamo
     from torch._dynamo import compiled_autograd
