@@ -52,6 +52,20 @@ def test_one_iteration_exact() -> None:
     assert (b1.wait_ms, b1.queue_ms, b1.run_ms, b1.flight_ms) == pytest.approx((0, 1, 6, 7))
 
 
+def test_buckets_reduced_after_the_backward_are_exposed_run_by_run() -> None:
+    # No core free for the comm thread: both buckets launch after backward_end, with
+    # bucket 0's write-back (12 -> 12.5) between them; only the runs are exposed.
+    evs = events(0, [("backward_start", -1, 0), ("ready", 0, 3), ("ready", 1, 9),
+                     ("backward_end", -1, 10), ("launch", 0, 11), ("comm_done", 0, 12),
+                     ("written", 0, 12.5), ("launch", 1, 12.5), ("comm_done", 1, 14),
+                     ("written", 1, 14.5)])
+    [it] = iteration_times(evs)
+    assert it.comm_ms == pytest.approx(2.5)
+    assert it.exposed_ms == pytest.approx(2.5)
+    assert it.overlap_ratio == pytest.approx(0.0)
+    assert it.tail_ms == pytest.approx(4.5)
+
+
 def test_done_is_the_earlier_of_comm_done_and_written() -> None:
     # The comm_done callback waited for the GIL: written came first.
     evs = events(0, [("backward_start", -1, 0), ("ready", 0, 1), ("launch", 0, 3),

@@ -164,7 +164,8 @@ def test_tune_rank_on_real_ranks(pools) -> None:
 def test_demo_small_end_to_end(tmp_path) -> None:
     _needs_matplotlib()
     png, trace = tmp_path / "demo.png", tmp_path / "demo.json"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "GRADRING_OVERLAP": "1"}  # the picture is of launches during the backward
     proc = subprocess.run(
         [sys.executable, "-m", "gradring.tools.demo", "--small", "--timeline", str(png),
          "--trace", str(trace)],
@@ -213,3 +214,16 @@ def test_iteration_labels_never_collide() -> None:
     # Few long iterations keep every label.
     assert [t for _, t in timeline.iteration_labels([(0.0, 7), (10.0, 8)], 20.0)] == \
         [" it 7", " it 8"]
+
+
+def test_demo_says_when_buckets_waited_for_the_end_of_the_backward() -> None:
+    from gradring.tools.demo import _overlap_summary
+
+    ov = {"iterations": 3, "exposed_ms": 2.0, "backward_ms": 10.0, "comm_ms": 2.0,
+          "overlap_ratio": 0.0, "tail_ms": 2.5, "buckets": [], "launch_when_ready": False,
+          "launch_why": "2 core(s) for 2 rank(s) x 1 intra-op thread(s): no core is free"}
+    said = "every bucket waited for the end of the backward: 2 core(s)"
+    assert any(said in line for line in _overlap_summary({"overlap": ov, "step_ms": 20.0}))
+    ov["launch_when_ready"] = True
+    assert not any("waited" in line for line in
+                   _overlap_summary({"overlap": ov, "step_ms": 20.0}))

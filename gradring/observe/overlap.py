@@ -22,10 +22,12 @@ Per iteration, with times taken from the reducer's events:
   ``start_k - launch_k`` is time queued behind the previous bucket.
 - ``comm_ms``      = the length of the union of the in-flight intervals: the
   wall time during which at least one collective was running.
-- ``exposed_ms``   = max(0, last done - backward_end): the communication the
-  backward did not hide. Every launch precedes backward_end (the callback is
-  queued by the last launch), so the in-flight union after backward_end is
-  one interval and ``exposed_ms`` is exactly its part after backward_end.
+- ``exposed_ms``   = the part of that union after backward_end: the
+  communication the backward did not hide. When every launch precedes
+  backward_end, that part is one interval, up to the last done. When the
+  buckets wait for the end of the backward (no core free for the comm
+  thread, see [Note: overlap needs a free core] in ``overlap_policy.py``),
+  it is the sum of their runs, without the write-back between them.
   Communication "before" the backward (launched before backward_start) cannot
   happen in a synchronised iteration and is not counted.
 - ``overlap_ratio`` = (comm_ms - exposed_ms) / comm_ms: the hidden fraction of
@@ -168,7 +170,8 @@ def _one_iteration(it: int, m: dict[tuple[str, int], float]) -> IterationTimes |
     return IterationTimes(
         iteration=it, t0=bs, backward_ms=back,
         comm_ms=_union_length((x.launch, x.done) for x in buckets),
-        exposed_ms=max(0.0, last_done - back),
+        exposed_ms=_union_length((max(x.launch, back), x.done) for x in buckets
+                                 if x.done > back),
         tail_ms=max(0.0, last_written - back),
         buckets=tuple(buckets),
     )
