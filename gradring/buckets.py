@@ -241,8 +241,8 @@ class Bucket:
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
         self.future: Any = None
-        # The last bucket of a backward, left to be reduced by the finalize on
-        # its own thread (see [Note: the last bucket] in reducer.py).
+        # Left to be reduced by the finalize on its own thread: the last bucket,
+        # or every bucket without overlap (see [Note: the last bucket] in reducer.py).
         self.inline = False
         # The part of the buffer this rank reduces itself (homes.own_range), set by
         # the reducer, and this backward's homed gradients: (offset, flat .grad)

@@ -21,7 +21,7 @@ from gradring import comm
 from gradring.buffer_sync import ByteStage, byte_layout
 from gradring.comm.context import existing_context
 from gradring.comm.recorder import take_on_done
-from gradring.comm.select import env_transport
+from gradring.comm.select import env_algo, env_transport
 
 
 @functools.cache
@@ -193,8 +193,9 @@ class GroupComm:
     def on_shared_memory(self) -> bool:
         """Whether this group's CPU collectives run over the shared-memory transport
         (every rank on this host), as far as known now: False until a collective
-        has connected it, and after it was given up (see ``transports/group.py``)."""
-        if env_transport() == "torch":
+        has connected it, after it was given up (see ``transports/group.py``),
+        and under GRADRING_TRANSPORT=torch or GRADRING_ALGO=native."""
+        if env_transport() == "torch" or env_algo() == "native":
             return False
         ctx = existing_context(self.group)
         return ctx is not None and ctx.transports.existing_shm() is not None

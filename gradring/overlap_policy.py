@@ -21,10 +21,9 @@ backward. GPT-shaped and 12 x Linear(1024) models measured the same either way
 So the reducer overlaps when a core is free for the comm thread, and
 otherwise reduces every bucket on the training thread when the backward ends,
 in bucket order (the path the last bucket always takes, see [Note: the last
-bucket] in ``reducer.py``). The results are the same bits either way, and the
-collectives are issued in the same order on every rank, so ranks that decide
-differently still pair up. The decision is made whenever buckets are
-installed (construction and the rebuild), from:
+bucket] in ``reducer.py``). The results are the same bits either way. The
+decision is made whenever buckets are assigned (construction and the
+rebuild), from:
 
 - ``GRADRING_OVERLAP=1`` or ``0``: always or never, whatever the host;
 - the buckets' device: not CPU means the process group's own collectives,
@@ -32,10 +31,18 @@ installed (construction and the rebuild), from:
 - the group's transport: only shared memory, with every rank on this host,
   competes for the host's cores; across hosts a bucket also waits on the
   network, which overlap hides; overlap;
-- the cores: this process's CPU affinity (and a cgroup CPU quota, if any)
-  against the intra-op threads of the ranks on the host (the group's size,
-  or ``LOCAL_WORLD_SIZE`` if larger). A process pinned to fewer cores than
-  the machine has is taken to have them to itself.
+- the cores: this process's CPU affinity, capped by the tightest CPU quota
+  on its cgroup path (v2 or v1), against the intra-op threads of the ranks
+  on the host (the group's size, or ``LOCAL_WORLD_SIZE`` if larger). The
+  ranks are taken to share those cores: ranks pinned to disjoint cores
+  (each with cores to spare) should set ``GRADRING_OVERLAP=1``.
+
+Every rank follows rank 0's choice (it travels with rank 0's bucket
+assignment): ranks that launched buckets at different times could issue the
+unused-parameter map of ``static_graph``'s first iteration, or Join's flag,
+in a different order relative to the buckets. Shared memory being given up
+later (a full ``/dev/shm``, which every rank does together) switches
+overlap back on at the next backward.
 
 The choice does not apply with a comm hook, a fused optimizer or
 ``find_unused_parameters``: those keep launching at ready time (they need the
@@ -60,39 +67,80 @@ class OverlapChoice(NamedTuple):
     why: str
 
 
-def usable_cores() -> tuple[int, bool]:
-    """(cores this process may run on, whether it is pinned to fewer than the machine has)."""
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota."""
     try:
         mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         mine = os.cpu_count() or 1
-    total = os.cpu_count() or mine
     quota = _cgroup_cores()
     if quota is not None:
         mine = min(mine, quota)
-    return max(1, mine), mine < total
+    return max(1, mine)
 
 
 def _cgroup_cores() -> int | None:
-    """Whole cores a cgroup v2 CPU quota allows (``cpu.max``), or None without one."""
+    """Whole cores the tightest CPU quota on this process's cgroup path allows
+    (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``), or None without one."""
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-    except (OSError, ValueError):
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
         return None
-    if quota == "max":
-        return None
-    try:
-        return max(1, int(int(quota) / int(period)))
-    except (ValueError, ZeroDivisionError):
-        return None
+    found: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            roots, files = ["/sys/fs/cgroup"], ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            roots = [f"/sys/fs/cgroup/{controllers}", "/sys/fs/cgroup/cpu"]
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for root in roots:
+            cores = _quota_along(root, path.strip("/"), files)
+            if cores is not None:
+                found.append(cores)
+                break
+    return min(found) if found else None
+
+
+def _quota_along(root: str, path: str, files: tuple[str, ...]) -> int | None:
+    """The tightest quota from ``root/path`` up to ``root``."""
+    best: int | None = None
+    parts = path.split("/") if path else []
+    for depth in range(len(parts), -1, -1):
+        here = os.path.join(root, *parts[:depth])
+        try:
+            if len(files) == 1:
+                with open(os.path.join(here, files[0])) as f:
+                    quota, period = f.read().split()[:2]
+            else:
+                with open(os.path.join(here, files[0])) as f:
+                    quota = f.read().strip()
+                with open(os.path.join(here, files[1])) as f:
+                    period = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if quota in ("max", "-1"):
+            continue
+        try:
+            cores = max(1, int(int(quota) / int(period)))
+        except (ValueError, ZeroDivisionError):
+            continue
+        best = cores if best is None else min(best, cores)
+    return best
 
 
 def choose(*, device_type: str, on_shared_memory: bool, world_size: int,
-           threads: int | None = None, cores: tuple[int, bool] | None = None,
+           threads: int | None = None, cores: int | None = None,
            env: str | None = None) -> OverlapChoice:
-    """The reducer's choice (see [Note: overlap needs a free core]); the keyword
-    arguments after ``world_size`` default to this process's own settings."""
+    """This rank's choice (see [Note: overlap needs a free core]); the keyword
+    arguments after ``world_size`` default to this process's own settings. The
+    reducer makes every rank follow rank 0's (``Reducer._rank0_groups``)."""
     forced = (os.environ.get(ENV, "") if env is None else env).strip().lower()
     if forced in ("1", "on", "true", "yes"):
         return OverlapChoice(True, f"{ENV}={forced}")
@@ -106,12 +154,9 @@ def choose(*, device_type: str, on_shared_memory: bool, world_size: int,
         return OverlapChoice(True, "the group's collectives do not run over shared memory "
                                    "on one host")
     threads = torch.get_num_threads() if threads is None else threads
-    n, pinned = usable_cores() if cores is None else cores
-    if pinned:
-        busy, who = threads, f"{threads} intra-op thread(s) of this rank"
-    else:
-        local = max(world_size, _local_world_size())
-        busy, who = local * threads, f"{local} rank(s) x {threads} intra-op thread(s)"
+    n = usable_cores() if cores is None else cores
+    local = max(world_size, _local_world_size())
+    busy, who = local * threads, f"{local} rank(s) x {threads} intra-op thread(s)"
     if n > busy:
         return OverlapChoice(True, f"{n} core(s) for {who}: one is free for the comm thread")
     return OverlapChoice(False, f"{n} core(s) for {who}: no core is free for the comm "

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gradring import errors, overlap_policy
+from gradring import errors
 from gradring.buckets import (
     Bucket,
     BucketCaps,
@@ -102,7 +102,10 @@ class Reducer(ReducerOffPath, SlotIO):
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [bucket_key(p) for p in self.params]
         # Ranks may pass different bucket caps; torch's DDP then follows rank
-        # 0's assignment, and so does this one.
+        # 0's assignment, and so does this one. It also sets self.overlap and
+        # self.overlap_why: whether ready buckets launch at once or wait for the
+        # end of the backward, and why (rank 0's choice, see [Note: overlap
+        # needs a free core] in overlap_policy.py).
         groups = self._rank0_groups(assign_buckets(self._sizes, initial_caps, keys=self._keys),
                                     list(range(len(self.params))))
         groups.reverse()
@@ -127,9 +130,6 @@ class Reducer(ReducerOffPath, SlotIO):
         # True once another live reducer acts on these parameters too (nested
         # DDP): both then copy gradients, never keep or lend .grad.
         self._shared = False
-        # Whether ready buckets launch at once or wait for the end of the backward,
-        # and why; decided by each _install (see [Note: overlap needs a free core]).
-        self.overlap, self.overlap_why = True, ""
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
@@ -252,9 +252,6 @@ class Reducer(ReducerOffPath, SlotIO):
                 locator[i] = (bi, slot)
             buckets.append(bucket)
         self.buckets, self._locator = buckets, locator
-        self.overlap, self.overlap_why = overlap_policy.choose(
-            device_type=buckets[0].buffer.device.type if buckets else "cpu",
-            on_shared_memory=comm.on_shared_memory(), world_size=comm.world_size)
         self._build_routes()
         self._recycled.clear()
         if self.grad_as_view:
@@ -314,6 +311,9 @@ class Reducer(ReducerOffPath, SlotIO):
         self._next_bucket = 0
         for b in self.buckets:
             b.reset()
+        if not self.overlap and not self.comm.on_shared_memory():
+            # Shared memory was given up since (every rank at once): overlap again.
+            self.overlap, self.overlap_why = True, "shared memory was given up"
         if self.mode is GraphMode.STATIC:
             self._static_remaining = list(self._static_counts)
         elif self.mode is GraphMode.FIND_UNUSED:
@@ -419,6 +419,13 @@ class Reducer(ReducerOffPath, SlotIO):
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
 
+    @property
+    def launches_when_ready(self) -> bool:
+        """Whether this backward's buckets (all but the last) launch as they become
+        ready, rather than all at the end of the backward (see _launch_ready)."""
+        return self.overlap or self.comm_hook is not None or self.post_reduce is not None \
+            or self.mode is GraphMode.FIND_UNUSED
+
     def _launch_ready(self) -> None:
         buckets = self.buckets
         last = len(buckets) - 1
@@ -474,7 +481,9 @@ class Reducer(ReducerOffPath, SlotIO):
     # bucket), it is only marked launched, and the finalize reduces it on its
     # own thread, in order after the others (a synchronous call runs inline
     # once the comm thread's queue is empty). Every rank does the same, so collectives still
-    # pair up in the same order.
+    # pair up in the same order. Without overlap (no core free for the comm
+    # thread, see [Note: overlap needs a free core] in overlap_policy.py) every
+    # bucket takes this path, in bucket order; all ranks follow rank 0's choice.
     def _reduce_now(self, bucket: Bucket) -> torch.Tensor:
         """Reduce the bucket left to the finalize (see [Note: the last bucket])."""
         bucket.inline = False

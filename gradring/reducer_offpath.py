@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gradring import errors
+from gradring import errors, overlap_policy
 from gradring.buckets import Bucket, assign_buckets
 from gradring.graph import GraphMode
 
@@ -38,7 +38,8 @@ def _queue_engine_callback(fn: Callable[[], None]) -> None:
     Under compiled autograd the backward runs as one compiled function; the
     gradient hooks (modules Dynamo never traces, see ``gradring/compile.py``)
     are graph breaks inside it and run eagerly, in backward order, so the
-    buckets still launch while later pieces of the backward compute. The
+    buckets still launch while later pieces of the backward compute (where
+    the reducer overlaps at all, see [Note: overlap needs a free core]). The
     engine's final callbacks are not available there (Dynamo only accepts
     ``queue_callback`` in a full graph), so the finalize runs as soon as the
     last bucket has launched: every parameter's gradient is in by then, and
@@ -104,20 +105,35 @@ class ReducerOffPath:
         ``groups`` (this rank's assignment) was built by walking ``order``, so
         each bucket lists its parameters in walk order; one broadcast of the
         walk order and of each parameter's bucket number rebuilds rank 0's.
+        Rank 0's overlap choice travels in the same broadcast and becomes
+        every rank's ``overlap`` (see [Note: overlap needs a free core]).
         """
         n = len(self.params)
+        mine = self._overlap_choice()
         if self.comm.world_size == 1:
+            self.overlap, self.overlap_why = mine
             return groups
-        plan = torch.empty(2 * n, dtype=torch.int64)
+        plan = torch.empty(2 * n + 1, dtype=torch.int64)
         plan[:n] = torch.tensor(order, dtype=torch.int64)
         for g, idxs in enumerate(groups):
             plan[n + torch.tensor(idxs, dtype=torch.int64)] = g
+        plan[2 * n] = int(mine.overlap)  # rank 0's overlap choice travels along
         self.comm.broadcast_coalesced([plan])
-        walk, bucket_of = plan[:n].tolist(), plan[n:].tolist()
+        self.overlap = bool(plan[2 * n])
+        self.overlap_why = mine.why if self.overlap == mine.overlap else \
+            f"rank 0's choice (this rank would have chosen otherwise: {mine.why})"
+        walk, bucket_of = plan[:n].tolist(), plan[n:2 * n].tolist()
         out: list[list[int]] = [[] for _ in range(max(bucket_of) + 1)]
         for i in walk:
             out[bucket_of[i]].append(i)
         return out
+
+    def _overlap_choice(self) -> overlap_policy.OverlapChoice:
+        """This rank's overlap choice for its parameters' devices and group."""
+        devices = {key[1].type for key in self._keys}
+        return overlap_policy.choose(
+            device_type="cpu" if devices <= {"cpu"} else sorted(devices - {"cpu"})[0],
+            on_shared_memory=self.comm.on_shared_memory(), world_size=self.comm.world_size)
 
     def _claim(self, *, again: bool = False) -> None:
         """Become the owner of this reducer's parameters (see [Note: owners]).
@@ -161,8 +177,9 @@ class ReducerOffPath:
     def _drain_launched(self) -> None:
         """Finish every collective this backward launched, ignoring failures, so
         that none is left dangling for the peers (an abandoned or unfinished
-        reduction). A last bucket left to the finalize (see [Note: the last
-        bucket] in reducer.py) is still issued: the peers issue it too."""
+        reduction). A bucket left to the finalize (the last one, or every one
+        without overlap: see [Note: the last bucket] in reducer.py) is still
+        issued: the peers issue it too."""
         for b in self.buckets:
             try:
                 if b.inline:

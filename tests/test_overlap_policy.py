@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 import gradring
-from gradring.overlap_policy import choose
+from gradring.overlap_policy import _quota_along, choose
 
 
 def _cpu(**kw):
     args = {"device_type": "cpu", "on_shared_memory": True, "world_size": 2, "threads": 1,
-            "cores": (2, False), "env": ""}
+            "cores": 2, "env": ""}
     args.update(kw)
     return choose(**args)
 
@@ -28,24 +28,21 @@ def _cpu(**kw):
 def test_no_free_core_reduces_at_the_end() -> None:
     c = _cpu()
     assert not c.overlap and "no core is free" in c.why and "2 rank(s) x 1" in c.why
-    assert not _cpu(threads=2, cores=(4, False)).overlap     # 2 ranks x 2 threads on 4 cores
+    assert not _cpu(threads=2, cores=4).overlap     # 2 ranks x 2 threads on 4 cores
 
 
 def test_a_free_core_overlaps() -> None:
-    assert _cpu(cores=(3, False)).overlap
-    assert _cpu(world_size=4, threads=2, cores=(16, False)).overlap
-
-
-def test_a_pinned_rank_counts_only_its_own_threads() -> None:
-    assert _cpu(world_size=8, threads=2, cores=(4, True)).overlap
-    assert not _cpu(world_size=8, threads=4, cores=(4, True)).overlap
+    assert _cpu(cores=3).overlap
+    assert _cpu(world_size=4, threads=2, cores=16).overlap
 
 
 def test_local_world_size_counts_ranks_outside_the_group(monkeypatch) -> None:
-    assert _cpu(cores=(4, False)).overlap
+    assert _cpu(cores=4).overlap
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    c = _cpu(cores=(4, False))
+    c = _cpu(cores=4)
     assert not c.overlap and "4 rank(s)" in c.why
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")  # unreadable: the group's size
+    assert _cpu(cores=4).overlap
 
 
 def test_off_the_cpu_or_across_hosts_always_overlaps() -> None:
@@ -56,8 +53,25 @@ def test_off_the_cpu_or_across_hosts_always_overlaps() -> None:
 
 @pytest.mark.parametrize("env,expect", [("1", True), ("on", True), ("0", False), ("off", False)])
 def test_the_environment_overrides_the_host(env, expect) -> None:
-    c = _cpu(cores=(64, False) if not expect else (1, False), env=env)
+    c = _cpu(cores=64 if not expect else 1, env=env)
     assert c.overlap is expect and c.why == f"GRADRING_OVERLAP={env}"
+
+
+def test_cgroup_quotas_are_read_along_the_path(tmp_path) -> None:
+    # v2: a 2-core quota on the parent, none on the leaf; v1: 1.5 cores -> 1.
+    (tmp_path / "v2" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "v2" / "a" / "cpu.max").write_text("200000 100000\n")
+    (tmp_path / "v2" / "a" / "b" / "cpu.max").write_text("max 100000\n")
+    assert _quota_along(str(tmp_path / "v2"), "a/b", ("cpu.max",)) == 2
+    (tmp_path / "v1" / "x").mkdir(parents=True)
+    (tmp_path / "v1" / "x" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "v1" / "x" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "v1" / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "v1" / "cpu.cfs_period_us").write_text("100000\n")
+    files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+    assert _quota_along(str(tmp_path / "v1"), "x", files) == 1
+    assert _quota_along(str(tmp_path / "v1"), "", files) is None
+    assert _quota_along(str(tmp_path / "none"), "x", files) is None
 
 
 # ------------------------------------------------------------------ real ranks
@@ -68,10 +82,10 @@ def _model() -> nn.Module:
                          nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
 
 
-def _train_both(rank: int, world_size: int, kwargs: dict) -> dict:
+def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0")) -> dict:
     torch.set_num_threads(1)
     old = os.environ.get("GRADRING_OVERLAP")
-    os.environ["GRADRING_OVERLAP"] = "0"
+    os.environ["GRADRING_OVERLAP"] = envs[rank]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -112,13 +126,25 @@ def _train_both(rank: int, world_size: int, kwargs: dict) -> dict:
     {"bucket_cap_mb": 0.01, "static_graph": True},
 ])
 def test_every_bucket_at_the_end_matches_torch_bit_for_bit(pools, kwargs) -> None:
-    for r in pools.run(2, _train_both, kwargs):
+    for r in pools.run(2, _train_both, kwargs, ("0", "0")):
         assert r["overlap"] is False and r["why"] == "GRADRING_OVERLAP=0", r
         assert r["stats"] == (False, "GRADRING_OVERLAP=0"), r
         assert r["buckets"] >= 3 and r["launches"] == r["buckets"], r
         assert r["all_after_end"], r
         assert r["same"], r
         assert r["shm"], r
+
+
+@pytest.mark.parametrize("kwargs", [{"bucket_cap_mb": 0.01}, {"bucket_cap_mb": 0.01,
+                                                              "static_graph": True}])
+def test_every_rank_follows_rank_0s_choice(pools, kwargs) -> None:
+    # Rank 1 alone asks for overlap: it must follow rank 0, or static_graph's first
+    # iteration would issue its usage map between different buckets on the two ranks.
+    r0, r1 = pools.run(2, _train_both, kwargs, ("0", "1"))
+    assert r0["overlap"] is False and r1["overlap"] is False, (r0, r1)
+    assert r1["why"].startswith("rank 0's choice") and "GRADRING_OVERLAP=1" in r1["why"], r1
+    assert r0["same"] and r1["same"], (r0, r1)
+    assert r1["all_after_end"], r1
 
 
 def _unused_at_the_end(rank: int, world_size: int) -> str:

@@ -234,7 +234,7 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "bucket_params": [list(b.param_indices) for b in r.buckets],
         "bucket_bytes": [int(b.nbytes) for b in r.buckets],
         "grad_bytes_outside_buckets": int(outside),
-        "overlap": bool(getattr(r, "overlap", True)),
+        "overlap": bool(getattr(r, "launches_when_ready", True)),
         "overlap_why": str(getattr(r, "overlap_why", "")),
     }
 

@@ -259,7 +259,7 @@ def ddp_overlap_stats(ddp: Any, last_n: int = 10) -> dict[str, Any]:
     they became ready or all at the end of the backward, and why (see [Note:
     overlap needs a free core] in ``gradring/overlap_policy.py``)."""
     stats = summarize(iteration_times(list(ddp.reducer.trace.events)), bucket_infos(ddp), last_n)
-    stats["launch_when_ready"] = bool(getattr(ddp.reducer, "overlap", True))
+    stats["launch_when_ready"] = bool(getattr(ddp.reducer, "launches_when_ready", True))
     stats["launch_why"] = str(getattr(ddp.reducer, "overlap_why", ""))
     return stats
 
