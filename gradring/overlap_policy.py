@@ -11,12 +11,12 @@ intra-op threads as there are cores), that thread can only take a core from a
 backward: the bucket is not hidden, it is paid by whichever rank gets
 descheduled, and each hand-off between the threads adds a wake-up.
 
-Measured on a 2-core VM, 2 ranks of 1 thread, a ResNet-shaped model (62
-tensors, two buckets), every set-up stepping in turn, 200 steps, median of
-each step's slower rank: overhead against torch's DDP 0.57 and 0.51 with the
-launch at ready time, 0.54 and 0.36 with every bucket at the end of the
-backward. GPT-shaped and 12 x Linear(1024) models measured the same either way
-(0.32 / 0.30 and 0.30 / 0.28).
+Measured on a 2-core VM, 2 ranks of 1 thread, every set-up stepping in turn,
+median of each step's slower rank, overhead against torch's DDP with the
+launch at ready time / with every bucket at the end of the backward:
+ResNet-shaped (62 tensors, two buckets, 200 steps) 0.57 / 0.54, 0.51 / 0.36,
+0.61 / 0.53; GPT-shaped 0.32 / 0.30, 0.31 / 0.26; 12 x Linear(1024) at
+batch 64 0.30 / 0.28, 0.31 / 0.25 (docs/collectives.md).
 
 So the reducer overlaps when a core is free for the comm thread, and
 otherwise reduces every bucket on the training thread when the backward ends,
