@@ -21,7 +21,7 @@ from gradring import comm
 from gradring.buffer_sync import ByteStage, byte_layout
 from gradring.comm.context import existing_context
 from gradring.comm.recorder import take_on_done
-from gradring.comm.select import env_algo, env_transport
+from gradring.comm.select import overrides
 
 
 @functools.cache
@@ -195,7 +195,8 @@ class GroupComm:
         (every rank on this host), as far as known now: False until a collective
         has connected it, after it was given up (see ``transports/group.py``),
         and under GRADRING_TRANSPORT=torch or GRADRING_ALGO=native."""
-        if env_transport() == "torch" or env_algo() == "native":
+        forced = overrides()  # cached per environment value: cheap once per backward
+        if forced.transport == "torch" or forced.algo == "native":
             return False
         ctx = existing_context(self.group)
         return ctx is not None and ctx.transports.existing_shm() is not None

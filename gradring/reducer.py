@@ -419,12 +419,17 @@ class Reducer(ReducerOffPath, SlotIO):
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
 
+    def _finalize_may_reduce(self) -> bool:
+        """Whether the finalize may reduce buckets itself (see [Note: the last bucket]):
+        not with a comm hook, a fused optimizer (post_reduce) or find_unused's map."""
+        return self.comm_hook is None and self.post_reduce is None \
+            and self.mode is not GraphMode.FIND_UNUSED
+
     @property
     def launches_when_ready(self) -> bool:
         """Whether this backward's buckets (all but the last) launch as they become
         ready, rather than all at the end of the backward (see _launch_ready)."""
-        return self.overlap or self.comm_hook is not None or self.post_reduce is not None \
-            or self.mode is GraphMode.FIND_UNUSED
+        return self.overlap or not self._finalize_may_reduce()
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
@@ -433,8 +438,7 @@ class Reducer(ReducerOffPath, SlotIO):
                 buckets[self._next_bucket].state is BucketState.READY:
             bucket = buckets[self._next_bucket]
             # The last bucket, or every bucket without a free core for the comm thread.
-            if (self._next_bucket == last or not self.overlap) and self.comm_hook is None \
-                    and self.post_reduce is None and self.mode is not GraphMode.FIND_UNUSED:
+            if (self._next_bucket == last or not self.overlap) and self._finalize_may_reduce():
                 bucket.state = BucketState.LAUNCHED
                 bucket.inline = True  # the finalize reduces it (see [Note: the last bucket])
             else:
