@@ -81,3 +81,27 @@ def test_pair_baseline_is_each_steps_slower_rank() -> None:
     text = ddp_step.report({"m": {**merged["m"], "gradring_view": [18.0]}}, 2)
     row = next(line for line in text.splitlines() if line.startswith("m "))
     assert "0.50" in row and "0.71" in row  # 2/4 per step; 5/7 against the medians
+
+
+def test_ddp_report_never_runs_two_figures_together() -> None:
+    # Wide figures (hundreds of ms with a wide spread) once filled their columns
+    # and printed as "576.9 ±69.6534.4 ±105.4".
+    text = ddp_step.report(_rounds([500.0, 640.0, 510.0], [430.0, 640.0, 520.0],
+                                   [576.9, 700.0, 450.0]), 2)
+    row = next(line for line in text.splitlines() if line.startswith("m "))
+    assert all(part.count("±") <= 1 for part in row.split()), row
+    assert row.count("±") == 6, row
+
+
+def test_against_report_flags_only_a_consistent_slowdown() -> None:
+    from gradring.tools.bench.against import report
+
+    def rounds(*gradring: float) -> list[dict]:
+        return [{"m": {"pair": 10.0, "torch": 20.0, "gradring": g}} for g in gradring]
+
+    steady = report(rounds(13.0, 13.1, 12.9), rounds(13.0, 13.05, 12.95), "HEAD~1")
+    assert steady.splitlines()[-1].endswith("ok")
+    slower = report(rounds(15.0, 15.2, 14.9), rounds(13.0, 13.1, 12.9), "HEAD~1")
+    assert slower.splitlines()[-1].endswith("SLOWER")
+    one_bad_round = report(rounds(13.0, 19.0, 12.8), rounds(13.0, 13.1, 12.9), "HEAD~1")
+    assert one_bad_round.splitlines()[-1].endswith("ok")

@@ -227,3 +227,47 @@ def test_demo_says_when_buckets_waited_for_the_end_of_the_backward() -> None:
     ov["launch_when_ready"] = True
     assert not any("waited" in line for line in
                    _overlap_summary({"overlap": ov, "step_ms": 20.0}))
+
+
+def _fake_result(chosen_buckets, chosen_ms, default_ms, spread) -> tune.TuneResult:
+    from gradring.step_model import Prediction
+
+    default = Prediction(25.0, [[0, 1]], 0.0, 10.0, [1.0])
+    chosen = Prediction(1.0, chosen_buckets, 0.0, 9.0, [1.0])
+    measured = {25.0: {"step_ms": default_ms, "exposed_ms": 0.0, "buckets": 1.0,
+                       "spread_ms": spread},
+                1.0: {"step_ms": chosen_ms, "exposed_ms": 0.0, "buckets": 2.0,
+                      "spread_ms": spread}}
+    return tune.TuneResult(None, None, [chosen, default], chosen, default, measured, 0.1)
+
+
+def test_tune_recommends_only_a_gain_beyond_the_spread() -> None:
+    # The same buckets: nothing to choose, whatever the clock said.
+    r = _fake_result([[0, 1]], 9.0, 10.0, 0.1)
+    assert "keep the default" in tune.recommendation(r)
+    # Different buckets, but the gain is inside the rounds' spread: noise.
+    r = _fake_result([[0], [1]], 9.5, 10.0, 0.8)
+    assert "keep the default" in tune.recommendation(r)
+    assert "within the rounds' spread" in tune.recommendation(r)
+    # A gain beyond the spread is reported as one.
+    r = _fake_result([[0], [1]], 8.0, 10.0, 0.5)
+    assert tune.recommendation(r).startswith("recommendation: bucket_cap_mb=1:")
+
+
+def test_tune_cli_finds_a_workload_in_the_current_folder(tmp_path) -> None:
+    (tmp_path / "mymod.py").write_text(
+        "import torch\n"
+        "def workload():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+        "    return m, torch.randn(4, 8), lambda out: out.pow(2).mean()\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from gradring.tools.cli import main; "
+         "sys.exit(main(sys.argv[1:]))", "tune", "mymod:workload", "--caps", "1", "--steps",
+         "1", "--rounds", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Two tiny layers fit one bucket at any cap: the tuner says so and keeps the default.
+    assert "all give the same 1 bucket(s)" in proc.stdout
+    assert "recommendation: keep the default" in proc.stdout

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -129,6 +130,8 @@ def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps
             model = gradring.DistributedDataParallel(model, bucket_cap_mb=key)
         setups[key] = (model, x, loss_fn, torch.optim.SGD(model.parameters(), lr=1e-4))
     times: dict[Any, list[float]] = {key: [] for key in setups}
+    # Each round's median per set-up: their range is the noise a gain must beat.
+    per_round: dict[Any, list[float]] = {key: [] for key in setups}
 
     def run(key: Any, n: int) -> None:
         model, x, loss_fn, opt = setups[key]
@@ -146,12 +149,14 @@ def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps
         for key in setups:
             dist.barrier()
             run(key, steps)
+            per_round[key].append(statistics.median(times[key][-steps:]))
     out = {}
     for cap in caps_mb:
         ddp = setups[cap][0]
         stats = ddp_overlap_stats(ddp, last_n=steps)
         out[cap] = {"step_ms": statistics.median(times[cap]), "exposed_ms": stats["exposed_ms"],
-                    "buckets": float(len(ddp.reducer.buckets))}
+                    "buckets": float(len(ddp.reducer.buckets)),
+                    "spread_ms": max(per_round[cap]) - min(per_round[cap])}
     return out, statistics.median(times["plain"])
 
 
@@ -200,6 +205,8 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     predictions = [simulate(profile, curve, c, per_bucket_ms=c0) for c in caps]
     chosen = choose(predictions)  # identical on every rank: same inputs, same arithmetic
     default = next(p for p in predictions if p.cap_mb == DEFAULT_BUCKET_CAP_MB)
+    if chosen.buckets == default.buckets:
+        chosen = default  # the same buckets: nothing to choose (see report)
     to_measure = caps if measure_all else sorted({chosen.cap_mb, default.cap_mb})
     measured, plain_ms = measure_ddp(make, to_measure, steps=steps, rounds=rounds)
     if rank != 0:
@@ -275,13 +282,29 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
         tag = "chosen" if q is r.chosen else ("default" if q is r.default else "")
         lines.append(f"cap {q.cap_mb:<5g}{tag:>8} {q.step_ms:>7.1f} ms {m['step_ms']:>7.1f} ms "
                      f"{q.exposed_ms:>10.2f} ms {m['exposed_ms']:>10.2f} ms {int(m['buckets']):>8}")
-    if r.chosen.cap_mb != r.default.cap_mb:
-        c, d = r.measured[r.chosen.cap_mb], r.measured[r.default.cap_mb]
-        lines.append(f"measured: bucket_cap_mb={r.chosen.cap_mb:g} takes "
-                     f"{c['step_ms'] / d['step_ms']:.3f}x the default's step time")
-    else:
-        lines.append("the default (25 MiB) is already the best predicted cap")
+    same = [q.cap_mb for q in r.predictions if q.buckets == r.default.buckets]
+    if len(same) > 1:
+        lines.append(f"caps {', '.join(f'{c:g}' for c in same)} MiB all give the same "
+                     f"{len(r.default.buckets)} bucket(s): they cannot differ")
+    lines.append(recommendation(r))
     return "\n".join(lines)
+
+
+def recommendation(r: TuneResult) -> str:
+    """The verdict line: a cap other than the default only for a measured gain
+    beyond the round-to-round spread of both measurements."""
+    if r.chosen.buckets == r.default.buckets:
+        return f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB})"
+    c, d = r.measured[r.chosen.cap_mb], r.measured[r.default.cap_mb]
+    gain = d["step_ms"] - c["step_ms"]
+    noise = max(c.get("spread_ms", 0.0), d.get("spread_ms", 0.0))
+    if gain > noise:
+        return (f"recommendation: bucket_cap_mb={r.chosen.cap_mb:g}: measured "
+                f"{c['step_ms'] / d['step_ms']:.3f}x the default's step time, a gain of "
+                f"{gain:.2f} ms beyond the rounds' spread of {noise:.2f} ms")
+    return (f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB}): "
+            f"bucket_cap_mb={r.chosen.cap_mb:g} measured {c['step_ms'] / d['step_ms']:.3f}x, "
+            f"a difference of {gain:+.2f} ms within the rounds' spread of {noise:.2f} ms")
 
 
 def _as_json(r: TuneResult) -> dict[str, Any]:
@@ -308,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
                          "measured smallest all-reduce; 0: fixed costs overlap perfectly)")
     ap.add_argument("--json", default=None, help="also write the raw result here")
     a = ap.parse_args(argv)
+    # As `python -m` does: a workload in the current folder imports, here and
+    # in the rank processes (which inherit PYTHONPATH).
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [cwd] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     caps = [float(c) for c in a.caps.split(",") if c.strip()]
     r = tune_bucket_cap(nproc=a.nproc, workload=a.workload, caps_mb=caps, steps=a.steps,
                         rounds=a.rounds, measure_all=a.measure_all,

@@ -268,6 +268,34 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
     dist.destroy_process_group()
 
 
+def compare_rank(rank: int, world: int, store_path: str, models: list[str], steps: int
+                 ) -> dict[str, dict[str, list[float]]]:
+    """One rank of ``--against``'s job (see against.py): per model, the wall ms of
+    each step of ``pair``, torch's DDP and gradring's DDP, stepped in turn. Only
+    gradring's public API is used, so that any commit's gradring can run it."""
+    import gradring
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in models:
+        kind, batch = MODELS[name]
+        base, make_x = build(kind)
+        x = make_x(batch)
+        setups = {"pair": copy.deepcopy(base),
+                  "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
+                  "gradring": gradring.DistributedDataParallel(copy.deepcopy(base))}
+        for m in setups.values():
+            time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in setups.items()}
+        out[name] = {k: v[2] for k, v in interleaved_round(setups, opts, x, steps).items()}
+        del setups
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
 def _slowest(per_rank: list[dict[str, dict[str, list[float]]]]
              ) -> dict[str, dict[str, list[float]]]:
     """Per model, set-up and round: the slowest rank's time (rank 0's extras kept).
@@ -299,8 +327,8 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
              "± half the range across rounds;",
              "pair = each step's slower rank, see the docstring; ovh = DDP - pair, "
              "round by round)",
-             f"{'model':<12}{'pair':>12}{'torch':>12}{'gradring':>12}{'view':>12}"
-             f"{'ovh torch':>12}{'ovh gradring':>14}{'ovh ratio':>11}{'vs median pair':>16}"
+             f"{'model':<12}{'pair':>15}{'torch':>15}{'gradring':>15}{'view':>15}"
+             f"{'ovh torch':>15}{'ovh gradring':>15}{'ovh ratio':>11}{'vs median pair':>16}"
              f"{'vs rank0 pair':>15}"]
     notes = []
     for name, res in results.items():
@@ -311,9 +339,11 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                        ("gradring", "torch"))
                  for base in (res.get("_pair_median", res["pair"]), res["_pair_rank0"])]
         lines.append(
-            f"{name:<12}{fig['pair']!s:>12}{fig['torch']!s:>12}{fig['gradring']!s:>12}"
-            f"{fig['gradring_view']!s:>12}{ot!s:>12}{og!s:>14}{verdict.cell(11)}"
-            f"{older[0].cell(16)}{older[1].cell(15)}")
+            f"{name:<12}"
+            # Every figure cell is a space and then the figure: never two run together.
+            + "".join(f" {v!s:>14}" for v in (fig['pair'], fig['torch'], fig['gradring'],
+                                               fig['gradring_view'], ot, og))
+            + f"{verdict.cell(11)}{older[0].cell(16)}{older[1].cell(15)}")
         if verdict.problem:
             notes.append(f"{name}: no overhead ratio: {verdict.problem}")
     lines += ["", "per parameter and step (overhead / tensors), ratio spread = each round's "
@@ -411,7 +441,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--floor", action="store_true",
                     help="also step a minimal flat DDP (gradring/tools/bench/floor.py)")
+    ap.add_argument("--against", metavar="REV",
+                    help="run this tree and git revision REV alternately, round by round, "
+                         "and print new/old per model (see against.py)")
     a = ap.parse_args(argv)
+    if a.against:
+        from gradring.tools.bench.against import run_against
+
+        print(run_against(a.against, a.models, a.steps, a.rounds, a.nproc))
+        return 0
     print(run(a.nproc, a.models, a.steps, a.rounds, a.floor))
     return 0
 
