@@ -10,6 +10,7 @@ gradring/comm/recorder.py).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pathlib
@@ -30,6 +31,15 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
 
 NOBODY = 65534
 SECRET = "root only\n"
+
+@pytest.fixture(autouse=True)
+def _remove_private_folders():
+    """Remove the private folders the refused dumps went to."""
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "gradring-flight-*")))
+    yield
+    for folder in set(glob.glob(os.path.join(tempfile.gettempdir(), "gradring-flight-*"))) - before:
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 @pytest.fixture
 def base():
