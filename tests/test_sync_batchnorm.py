@@ -7,12 +7,14 @@ its own slice, and returns the largest differences.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradring.nn import SyncBatchNorm
+from gradring.nn import SyncBatchNorm, SyncBatchNormAct
 
 TOL = 1e-10
 _BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -210,6 +212,55 @@ def test_convert_sync_batchnorm_takes_over_state():
     assert type(lone) is SyncBatchNorm and lone.weight is None
     linear = nn.Linear(2, 2)
     assert SyncBatchNorm.convert_sync_batchnorm(linear) is linear
+
+
+class _OwnForward(nn.BatchNorm2d):
+    """A batch norm whose forward does more than batch norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class _NormAct(nn.BatchNorm2d):
+    """Shaped like timm's BatchNormAct2d (and named like it below), without needing timm."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.drop = nn.Identity()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
+_NormAct.__module__, _NormAct.__qualname__ = "timm.layers.norm_act", "BatchNormAct2d"
+
+
+def test_convert_keeps_a_fused_activation():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 1), _NormAct(3))
+    x = torch.randn(4, 2, 3, 3)
+    expected = net(x)
+    act, weight, running_var = net[1].act, net[1].weight, net[1].running_var
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted = SyncBatchNorm.convert_sync_batchnorm(net)
+    layer = converted[1]
+    assert type(layer) is SyncBatchNormAct
+    assert layer.act is act and layer.weight is weight and layer.running_var is running_var
+    assert (expected >= 0).all() and (expected == 0).any()
+    torch.testing.assert_close(converted(x), expected)  # one process: plain batch norm + ReLU
+
+
+def test_convert_leaves_a_subclass_with_its_own_forward_and_names_it():
+    net = nn.Sequential(nn.BatchNorm2d(2), nn.Sequential(_OwnForward(2)))
+    with pytest.warns(UserWarning, match=r"1\.0 \(tests\.test_sync_batchnorm\._OwnForward\)"):
+        converted = SyncBatchNorm.convert_sync_batchnorm(net)
+    assert type(converted[0]) is SyncBatchNorm
+    assert type(converted[1][0]) is _OwnForward
+    lazy = nn.LazyBatchNorm1d()
+    with pytest.warns(UserWarning, match="LazyBatchNorm1d"):
+        assert SyncBatchNorm.convert_sync_batchnorm(lazy) is lazy
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])

@@ -9,17 +9,46 @@ ranks' files and points at the first collective the ranks disagree on.
 
 ``label("bucket 3")`` names the collectives issued inside it (in errors, in
 the recorder, and -- with ``GRADRING_CHECK`` -- in the desync fingerprint).
+
+[Note: flight-recorder dumps in a folder other users can reach]
+The folder is typically a shared path such as ``/tmp/fr`` and ranks often run
+as root, so another local user may have created the folder, or planted
+symbolic links in it, before the job starts (issue 31: links named
+``rank0.json.<pid>.tmp`` once made a root job overwrite a root-only file).
+``FlightRecorder.dump`` therefore
+
+- opens the folder itself without following a link (``O_DIRECTORY |
+  O_NOFOLLOW``) and does everything else through that descriptor, so the path
+  cannot be swapped under it afterwards;
+- accepts the folder only if it is owned by this process's user or by root,
+  and, if other users may write to it, only if it is sticky (then nobody else
+  can remove or rename the files it creates there);
+- creates the temporary file under a fresh random name with ``O_CREAT |
+  O_EXCL | O_NOFOLLOW``: it never opens anything that is already there;
+- renames that file onto ``rank<R>.json``. A rename replaces whatever has the
+  final name, a planted link included, and never follows it; nothing opens the
+  final name for writing.
+
+A folder that is refused, or where writing fails, does not lose the dump: it
+goes to a private folder the process creates (``mkdtemp``, mode 0700), and a
+``RuntimeWarning`` names the folder, why it was refused and where the dump
+went.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
+import secrets
 import socket
+import stat
+import tempfile
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -121,6 +150,9 @@ class FlightRecorder:
         # rank that left no dump of its own.
         self.peers: dict[str, dict[str, dict[str, Any]]] = {}
         self._lock = threading.Lock()
+        # Where dumps go when their folder is refused (created on first need; see
+        # [Note: flight-recorder dumps in a folder other users can reach]).
+        self._private_folder: str | None = None
 
     def note_group(self, name: str, rank: int, world_size: int) -> None:
         self.groups[name] = {"rank": rank, "world_size": world_size}
@@ -151,25 +183,115 @@ class FlightRecorder:
                 "entries": [e.as_dict() for e in self.entries()]}
 
     def dump(self, reason: str, directory: str | None = None) -> str | None:
-        """Write this rank's buffer to ``directory`` (default ``$GRADRING_FLIGHT_RECORDER``)."""
+        """Write this rank's buffer to ``directory`` (default ``$GRADRING_FLIGHT_RECORDER``).
+
+        Returns the file written, or None when no folder is set or nothing could
+        be written. See [Note: flight-recorder dumps in a folder other users can
+        reach] for how the folder is checked and what happens when it is refused.
+        """
         directory = directory or os.environ.get("GRADRING_FLIGHT_RECORDER")
         if not directory:
             return None
         with self._lock:
             data = self.snapshot(reason)
             self.reasons.append(reason)
+            name = f"rank{data['rank']}.json" if data["rank"] >= 0 else f"pid{data['pid']}.json"
+            text = json.dumps(data, indent=1)
             try:
-                os.makedirs(directory, exist_ok=True)
-                name = f"rank{data['rank']}.json" if data["rank"] >= 0 \
-                    else f"pid{data['pid']}.json"
-                path = os.path.join(directory, name)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(data, f, indent=1)
-                os.replace(tmp, path)
-            except OSError:
+                return write_into(directory, name, text)
+            except UnsafeFolder as exc:
+                why = str(exc)
+            except OSError as exc:
+                why = f"writing {name} there failed ({exc.strerror or exc})"
+            try:
+                if self._private_folder is None:
+                    self._private_folder = tempfile.mkdtemp(prefix="gradring-flight-")
+                path = write_into(self._private_folder, name, text)
+            except OSError as exc:
+                warnings.warn(f"gradring flight recorder: did not write into {directory}: {why}; "
+                              f"writing to a private folder failed too ({exc}), so this dump "
+                              "is lost", RuntimeWarning, stacklevel=2)
                 return None
+        warnings.warn(f"gradring flight recorder: did not write into {directory}: {why}. "
+                      f"Wrote {name} to {self._private_folder} instead (read it with "
+                      f"`gradring flight {self._private_folder}`).", RuntimeWarning, stacklevel=2)
         return path
+
+
+class UnsafeFolder(OSError):
+    """A dump folder that other users could use against us; the message says why."""
+
+
+#: Open a folder, never through a link at its last component.
+_FOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+#: Create a file that did not exist, never through a link.
+_NEW_FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                   | getattr(os, "O_CLOEXEC", 0))
+
+
+def write_into(directory: str, name: str, text: str) -> str:
+    """Write ``text`` to ``directory/name`` the safe way; return the path.
+
+    Raises UnsafeFolder for a folder it refuses, OSError when writing fails (see
+    [Note: flight-recorder dumps in a folder other users can reach]).
+    """
+    folder = _open_folder(directory)
+    try:
+        for _ in range(16):
+            tmp = f"{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+            try:
+                fd = os.open(tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=folder)
+                break
+            except FileExistsError:
+                continue  # someone planted this name: draw another
+        else:
+            raise UnsafeFolder(f"16 fresh temporary names for {name} were all taken")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
+    return os.path.join(directory, name)
+
+
+def _open_folder(directory: str) -> int:
+    """A descriptor of ``directory`` (created if missing) once it passes the checks."""
+    with contextlib.suppress(OSError):
+        os.makedirs(directory, mode=0o755, exist_ok=True)  # opening it says what went wrong
+    try:
+        folder = os.open(directory, _FOLDER_FLAGS)
+    except OSError as exc:
+        if os.path.islink(directory):
+            raise UnsafeFolder("it is a symbolic link") from exc
+        if exc.errno == errno.ENOTDIR:
+            raise UnsafeFolder("it is not a folder") from exc
+        raise UnsafeFolder(f"it cannot be opened ({exc.strerror})") from exc
+    why = _refusal(os.fstat(folder))
+    if why is not None:
+        os.close(folder)
+        raise UnsafeFolder(why)
+    return folder
+
+
+def _refusal(st: os.stat_result) -> str | None:
+    """Why a folder with status ``st`` is refused, or None if it is accepted."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a folder"
+    if not hasattr(os, "geteuid"):
+        return None  # no owners to check (Windows)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return f"it is owned by uid {st.st_uid}, not by this job's user (uid {me}) or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return (f"other users may write to it (mode {stat.filemode(st.st_mode)}) and it is "
+                "not sticky")
+    return None
 
 
 def dist_rank() -> int:

@@ -34,8 +34,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradring import comm
+from gradring.nn.conversion import convert_batchnorms
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "SyncBatchNormAct"]
 
 
 def _world_size(group: Any) -> int:
@@ -195,29 +196,75 @@ class SyncBatchNorm(_BatchNorm):
             self.process_group, world)
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
-        """Return ``module`` with every ``_BatchNorm`` inside it replaced by a SyncBatchNorm.
+    def from_batchnorm(cls, bn: _BatchNorm, process_group: Any = None) -> SyncBatchNorm:
+        """A new layer of this class that takes over ``bn``'s state.
 
-        The new layers take over the old ones' parameters and buffers (the same
-        tensors, so an optimizer built before the conversion keeps working), their
-        training flag and, if present, their ``qconfig``. Convert before wrapping
-        the model in DistributedDataParallel.
+        It holds ``bn``'s parameters and buffers (the same tensors, so an
+        optimizer built before keeps working), its training flag and, if
+        present, its ``qconfig``. ``bn``'s children are not moved.
         """
-        converted = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
-            has_bias = getattr(module, "bias", None) is not None or not module.affine
-            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group, bias=has_bias)
-            if module.affine:
-                converted.weight = module.weight
-                if has_bias:
-                    converted.bias = module.bias
-            converted.running_mean = module.running_mean
-            converted.running_var = module.running_var
-            converted.num_batches_tracked = module.num_batches_tracked
-            converted.train(module.training)
-            if getattr(module, "qconfig", None) is not None:
-                converted.qconfig = module.qconfig
-        for child_name, child in module.named_children():
-            converted.add_module(child_name, cls.convert_sync_batchnorm(child, process_group))
-        return converted
+        has_bias = getattr(bn, "bias", None) is not None or not bn.affine
+        layer = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
+                    process_group, bias=has_bias)
+        if bn.affine:
+            layer.weight = bn.weight
+            if has_bias:
+                layer.bias = bn.bias
+        layer.running_mean = bn.running_mean
+        layer.running_var = bn.running_var
+        layer.num_batches_tracked = bn.num_batches_tracked
+        layer.train(bn.training)
+        if getattr(bn, "qconfig", None) is not None:
+            layer.qconfig = bn.qconfig
+        return layer
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
+        """Return ``module`` with its batch-norm layers replaced by synchronised ones.
+
+        torch's BatchNorm1d/2d/3d and SyncBatchNorm become this class, timm's
+        fused batch norm + activation layers a :class:`SyncBatchNormAct`; other
+        ``_BatchNorm`` subclasses are left as they are, with a warning that names
+        them (see [Note: which batch norms convert_sync_batchnorm converts] in
+        gradring/nn/conversion.py). The new layers take over the old ones'
+        state (see :meth:`from_batchnorm`). Convert before wrapping the model in
+        DistributedDataParallel.
+        """
+        return convert_batchnorms(
+            module, SyncBatchNorm,
+            plain=lambda bn: cls.from_batchnorm(bn, process_group),
+            fused=lambda bn: SyncBatchNormAct.from_batchnorm(bn, process_group))
+
+
+class SyncBatchNormAct(SyncBatchNorm):
+    """SyncBatchNorm followed by ``drop`` and then ``act``, like timm's ``BatchNormAct2d``.
+
+    What ``convert_sync_batchnorm`` turns a fused batch norm + activation layer
+    into: the statistics span the ranks, and the layer's own dropout and
+    activation still run after them.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: Any = None, device: Any = None, dtype: Any = None,
+                 *, bias: bool = True, act: nn.Module | None = None,
+                 drop: nn.Module | None = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         process_group, device, dtype, bias=bias)
+        # Applied to the normalised output before ``act`` (timm's drop_layer; identity if none).
+        self.drop: nn.Module = drop if drop is not None else nn.Identity()
+        # The fused activation, applied last.
+        self.act: nn.Module = act if act is not None else nn.Identity()
+
+    @classmethod
+    def from_batchnorm(cls, bn: _BatchNorm, process_group: Any = None) -> SyncBatchNormAct:
+        """As :meth:`SyncBatchNorm.from_batchnorm`, and takes over ``bn.drop`` and ``bn.act``."""
+        layer = super().from_batchnorm(bn, process_group)
+        for name in ("drop", "act"):
+            child = getattr(bn, name, None)
+            if child is not None:
+                layer.add_module(name, child)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
