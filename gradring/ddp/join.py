@@ -110,4 +110,4 @@ def shadow_iteration(ddp: Any) -> None:
 
 def sync_final_model(ddp: Any, *, is_last_joiner: bool) -> None:
     """After everyone joined: the last joiner's parameters and buffers win."""
-    ddp._sync_module_states(highest_rank(ddp.comm, is_last_joiner, ddp.device))
+    ddp._sync_params_and_buffers(highest_rank(ddp.comm, is_last_joiner, ddp.device))
