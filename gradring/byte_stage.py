@@ -57,6 +57,7 @@ class ByteStage:
         for t in self.tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         layout, total = byte_layout(list(by_dtype.items()))
+        # The byte buffer itself (allocate may place it in shared memory).
         self.buffer = allocate(total)
         # Per dtype: the tensors' flat views, their part of the buffer, and
         # that part split into the tensors' pieces.

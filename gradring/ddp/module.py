@@ -196,6 +196,7 @@ class DistributedDataParallel(TorchDDP):
         self.require_forward_param_sync = True
         # Bucket caps as torch 2.13 derives them; the byte cap is reported by the reducer.
         self._caps, self._auto_cap = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        # The per-bucket caps in bytes (torch's attribute).
         self.bucket_bytes_cap_list = list(self._caps.per_bucket)
         # Bucket size of the buffer and init broadcasts (torch's attribute; ours
         # coalesces per dtype).
