@@ -80,7 +80,8 @@ def map_tensors(fn: Callable[[Any], Any], obj: Any,
         if isinstance(obj, collections.defaultdict):
             return type(obj)(obj.default_factory, pairs)
         return type(obj)(pairs)
-    if is_namedtuple(obj):
+    if isinstance(obj, tuple) and hasattr(obj, "_fields") and hasattr(obj, "_asdict"):
+        # A namedtuple (is_namedtuple, written out: this runs once per container node).
         return type(obj)(*(map_tensors(fn, v, whole) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, v, whole) for v in obj)
