@@ -6,9 +6,8 @@ host, its own shared-memory collectives.
 """
 
 from gradring import comm
-from gradring.ddp import DistributedDataParallel
+from gradring.ddp import DistributedDataParallel, Join, Joinable, JoinHook
 from gradring.install import install, uninstall
-from gradring.join import Join, Joinable, JoinHook
 from gradring.nn import SyncBatchNorm
 
 DDP = DistributedDataParallel

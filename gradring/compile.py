@@ -143,8 +143,7 @@ def install() -> None:
 
         def factory(bucket_bytes_cap: int, backend_compile_fn: Callable[..., Any],
                     first_bucket_cap: int | None = None) -> Any:
-            from gradring.ddp import DistributedDataParallel
-            from gradring.ddp_surface import TorchDDP
+            from gradring.ddp import DistributedDataParallel, TorchDDP
 
             active = TorchDDP._active_ddp_module
             if isinstance(active, DistributedDataParallel) and SPLIT_BY == "buckets":

@@ -259,3 +259,12 @@ class NotInitializedError(ValueError, RuntimeError):
 
 def buffer_hook_not_callable(hook: object) -> str:
     return f"A buffer comm hook must be callable; {type(hook).__name__} is not."
+
+
+def torch_sync_batchnorm_on_cpu(name: str) -> str:
+    where = f" (torch.nn.SyncBatchNorm at {name!r})" if name else ""
+    return ("SyncBatchNorm layers only work with GPU modules" + where + ": torch's "
+            "SyncBatchNorm cannot run on CPU. Convert the model with "
+            "gradring.nn.SyncBatchNorm.convert_sync_batchnorm(model) instead of "
+            "torch.nn.SyncBatchNorm.convert_sync_batchnorm; gradring's SyncBatchNorm works "
+            "on CPU.")

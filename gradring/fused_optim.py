@@ -154,7 +154,9 @@ def attach_fused_optimizer(reducer: Any, optim_cls: type, *args: Any,
     """Build a ``FusedOptimizer`` over the reducer's parameters and hook it into finalize.
 
     ``optim_params`` (as in torch) restricts it to a subset of the parameters;
-    the others keep their averaged gradients for a separate optimizer.
+    the others keep their averaged gradients for a separate optimizer. Whether
+    the reducer's buckets are free for it is the DDP's ConsumerSlot's to decide
+    ([Note: one consumer] in ``gradring/ddp/consumers.py``).
     """
     if not isinstance(optim_cls, type) or not issubclass(optim_cls, torch.optim.Optimizer):
         raise TypeError(f"optim_cls must be a torch.optim.Optimizer subclass (e.g. "
@@ -162,9 +164,6 @@ def attach_fused_optimizer(reducer: Any, optim_cls: type, *args: Any,
     if optim_cls is torch.optim.LBFGS:
         raise ValueError("LBFGS needs a closure and couples all parameters; it cannot be "
                          "stepped per parameter inside backward")
-    if reducer.post_reduce is not None:
-        raise RuntimeError("this reducer already has a post-reduce callback (a fused "
-                           "optimizer was registered before)")
     params, names = _select(reducer.params, reducer.names, optim_params)
     fused = FusedOptimizer(params, names, optim_cls, *args, **kwargs)
     reducer.set_post_reduce(fused.step_bucket)

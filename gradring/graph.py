@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,21 +31,6 @@ class GraphMode(enum.Enum):
         if static_graph:
             return cls.STATIC
         return cls.FIND_UNUSED if find_unused else cls.DEFAULT
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Yield every tensor inside a (possibly nested) forward output."""
-    stack = [obj]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, torch.Tensor):
-            yield cur
-        elif isinstance(cur, dict):
-            stack.extend(reversed(list(cur.values())))
-        elif isinstance(cur, (list, tuple)):
-            stack.extend(reversed(cur))
-        elif hasattr(cur, "__dataclass_fields__"):
-            stack.extend(getattr(cur, f) for f in reversed(list(cur.__dataclass_fields__)))
 
 
 def reachable_params(outputs: Iterable[torch.Tensor], param_index: dict[int, int]) -> set[int]:

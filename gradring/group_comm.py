@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradring import comm
-from gradring.buffer_sync import ByteStage, byte_layout
+from gradring.byte_stage import ByteStage, byte_layout
 from gradring.comm.context import existing_context
 from gradring.comm.recorder import take_on_done
 from gradring.comm.select import overrides
@@ -136,7 +136,7 @@ class GroupComm:
 
         ``reuse=True`` (the per-forward buffer sync) keeps the byte buffer and its
         layout for the next call with the same tensors (see [Note: buffer sync
-        per forward] in ``buffer_sync.py``)."""
+        per forward] in ``gradring/ddp/buffers.py``)."""
         if self.world_size == 1 or not tensors:
             return
         src_global = self.global_rank(src)

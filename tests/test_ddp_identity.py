@@ -1,6 +1,6 @@
 """Type identity with torch's DDP, coverage of its class surface, and pickling.
 
-See [Note: type identity] in gradring/ddp_surface.py: gradring's class
+See [Note: type identity] in gradring/ddp/module.py: gradring's class
 subclasses torch's but never runs torch's code.
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradring
-from gradring.ddp_surface import TorchDDP
+from gradring.ddp import TorchDDP
 
 pytestmark = pytest.mark.timeout(180)
 

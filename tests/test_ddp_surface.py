@@ -6,7 +6,9 @@ with torch's DDP and once with gradring's, and the test compares the two.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -288,3 +290,165 @@ def _optim_in_backward(rank: int, world: int) -> dict:
 def test_apply_optimizer_in_backward(pools) -> None:
     for r in pools.run(2, _optim_in_backward):
         assert r["diff"] < 1e-12 and r["none"] == r["oracle_none"] == [True, True], r
+
+
+# ------------------------------------------------ containers in and out
+class Pair(NamedTuple):
+    x: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    extra: torch.Tensor
+
+
+class ContainerNet(nn.Module):
+    """Takes a namedtuple, a dataclass and a dict; returns a namedtuple and a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(5, 3)
+        self.side = nn.Linear(5, 3)
+        self.unused = nn.Linear(5, 3)
+
+    def forward(self, pair: Pair, batch: Batch, opts: dict) -> tuple[Pair, Batch]:
+        a = self.fc(pair.x) * pair.scale
+        b = self.side(batch.x) + batch.extra
+        return Pair(a, b), Batch(a + opts["bias"], b)
+
+
+def _containers(rank: int, world: int) -> dict:
+    out = {}
+    for kw in ({}, {"find_unused_parameters": True}, {"static_graph": True}):
+        per = {}
+        for name, cls in BOTH:
+            model = ContainerNet().double()
+            ddp = cls(model, **kw)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            types = []
+            for s in range(3):
+                opt.zero_grad()
+                x = _batch(s, rank)
+                res = ddp(Pair(x, torch.full((3,), 2.0, dtype=torch.float64)),
+                          Batch(x * 2, torch.ones(3, dtype=torch.float64)),
+                          {"bias": torch.zeros(3, dtype=torch.float64)})
+                types.append((type(res).__name__, type(res[0]).__name__,
+                              type(res[1]).__name__))
+                (res[0].x.pow(2).sum() + res[1].x.sum() + res[1].extra.mean()).backward()
+                opt.step()
+            per[name] = {"state": _state(model), "types": types}
+        out[str(kw)] = {"diff": _equal(per["ours"]["state"], per["theirs"]["state"], world),
+                        "types": per["ours"]["types"] == per["theirs"]["types"]}
+    return out
+
+
+def test_namedtuple_and_dataclass_inputs_and_outputs(pools) -> None:
+    for r in pools.run(2, _containers):
+        for kw, res in r.items():
+            assert res == {"diff": [], "types": True}, (kw, r)
+
+
+def test_inputs_move_to_the_device_as_torch_moves_them() -> None:
+    """gradring.pytree.to_device against torch's DDP input move (_to_kwargs),
+    on the meta device (no accelerator needed): namedtuples, lists, tuples and
+    dicts are rebuilt with every tensor moved; torch leaves dataclasses alone,
+    gradring moves them too ([Note: container rules])."""
+    from torch.distributed.utils import _to_kwargs
+    from torch.nn.utils.rnn import pack_sequence
+
+    from gradring import pytree
+
+    meta = torch.device("meta")
+    t = torch.ones(2)
+    inputs = (Pair(t, t + 1), [t, (t, {"k": t})], {"a": Pair(t, t)})
+    kwargs = {"pair": Pair(t, t), "n": 3, "packed": pack_sequence([torch.ones(3), torch.ones(2)])}
+    theirs_in, theirs_kw = _to_kwargs(inputs, kwargs, meta, False)
+    ours_in, ours_kw = pytree.to_device(inputs, meta), pytree.to_device(kwargs, meta)
+
+    def shape(obj: object) -> object:
+        if isinstance(obj, torch.Tensor):
+            return ("tensor", obj.device.type)
+        if pytree.is_namedtuple(obj):
+            return (type(obj).__name__, *[shape(v) for v in obj])
+        if isinstance(obj, (list, tuple)):
+            return (type(obj).__name__, *[shape(v) for v in obj])
+        if isinstance(obj, dict):
+            return (type(obj).__name__, {k: shape(v) for k, v in obj.items()})
+        return obj
+
+    assert shape(ours_in) == shape(theirs_in[0])
+    assert shape(ours_kw) == shape(theirs_kw[0])
+    assert shape(ours_in[0]) == ("Pair", ("tensor", "meta"), ("tensor", "meta"))
+    # A PackedSequence moves whole: its data goes, its batch_sizes stay on the CPU.
+    assert ours_kw["packed"].data.is_meta and ours_kw["packed"].batch_sizes.device.type == "cpu"
+    assert theirs_kw[0]["packed"].batch_sizes.device.type == "cpu"
+    # torch leaves a dataclass where it was; gradring moves the tensors inside it.
+    batch = Batch(t, t)
+    assert pytree.to_device(batch, meta).x.is_meta and not _to_kwargs((batch,), {}, meta,
+                                                                      False)[0][0][0].x.is_meta
+
+
+# ------------------------------------------------- torch's SyncBatchNorm on CPU
+def _torch_syncbn_on_cpu(rank: int, world: int) -> dict:
+    out = {}
+    for name, cls in BOTH:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+        try:
+            cls(model)
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - compared with torch's
+            out[name] = (type(exc).__name__, str(exc))
+    converted = gradring.nn.SyncBatchNorm.convert_sync_batchnorm(
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    ddp = gradring.DistributedDataParallel(converted)
+    ddp(torch.randn(3, 4)).sum().backward()
+    return out
+
+
+def test_torch_syncbatchnorm_on_cpu_refused_at_construction(pools) -> None:
+    for r in pools.run(2, _torch_syncbn_on_cpu):
+        assert r["theirs"][0] == r["ours"][0] == "ValueError", r
+        assert r["theirs"][1] in r["ours"][1], r  # torch's words, then ours
+        assert "gradring.nn.SyncBatchNorm.convert_sync_batchnorm" in r["ours"][1], r
+        assert "'1'" in r["ours"][1], r  # the layer is named
+
+
+# ------------------------------------------ one consumer of the buckets
+def _one_consumer(rank: int, world: int) -> dict:
+    """A comm hook, a fused optimizer and in-backward optimizers: one per DDP
+    ([Note: one consumer]); torch's DDP builds the last two from comm hooks."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from gradring.hooks import default as H
+
+    def text(fn: object) -> str:
+        try:
+            fn()
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    _apply_optimizer_in_backward(torch.optim.SGD, model[1].parameters(), {"lr": 0.1})
+    ddp = gradring.DistributedDataParallel(model)
+    ddp(torch.randn(2, 4)).sum().backward()  # the first forward sets them up
+    out = {"hook_after_in_backward": text(lambda: ddp.register_comm_hook(None, H.allreduce_hook)),
+           "fused_after_in_backward": text(lambda: ddp._register_fused_optim(torch.optim.SGD,
+                                                                             lr=0.1)),
+           "logged": "in backward" in ddp._get_ddp_logging_data().get("error", "")}
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    _apply_optimizer_in_backward(torch.optim.SGD, model[1].parameters(), {"lr": 0.1})
+    ddp = gradring.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, H.allreduce_hook)
+    out["in_backward_after_hook"] = text(lambda: ddp(torch.randn(2, 4)))
+    return out
+
+
+def test_one_consumer_of_the_buckets(pools) -> None:
+    for r in pools.run(2, _one_consumer):
+        assert r.pop("logged"), r
+        assert all("applied in backward" in v for v in r.values()), r

@@ -205,10 +205,10 @@ def explain_case(rank: int, world: int, case: str, out_dir: str | None = None) -
         from gradring.observe.overlap import export_chrome_trace, merge_traces
 
         total = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
-        curve = measure_allreduce(ddp._comm, curve_sizes(total))
-        paths = ddp._comm.all_gather_object(
+        curve = measure_allreduce(ddp.comm, curve_sizes(total))
+        paths = ddp.comm.all_gather_object(
             export_chrome_trace(ddp, f"{out_dir}/rank{rank}.json", curve=curve))
-        live = ex.analyse(ddp._comm.all_gather_object(ex.rank_record(ddp, curve)))
+        live = ex.analyse(ddp.comm.all_gather_object(ex.rank_record(ddp, curve)))
         out["live_parts"] = live.parts
         if rank == 0:
             merge_traces(paths, f"{out_dir}/merged.json")

@@ -112,7 +112,7 @@ def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0
         return {"stats": (stats["launch_when_ready"], stats["launch_why"]),
                 "overlap": r.overlap, "why": r.overlap_why, "buckets": len(r.buckets),
                 "launches": len(launches), "all_after_end": all(t >= end for t in launches),
-                "same": same, "shm": mine._comm.on_shared_memory()}
+                "same": same, "shm": mine.comm.on_shared_memory()}
     finally:
         if old is None:
             os.environ.pop("GRADRING_OVERLAP", None)

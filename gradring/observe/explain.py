@@ -3,8 +3,8 @@
 Pure functions over what a run recorded: every rank's trace events
 (observe/trace.py: the reducer's bucket marks, DDP.forward's marks, the
 optimizer's) on one wall clock, plus a few facts about each rank's DDP
-(``facts_of``). ``explain_ddp`` gathers them from a live model (a collective:
-every rank calls it); ``load`` reads them back from traces written by
+(``facts_of`` in observe/record.py). ``explain_ddp`` gathers them from a
+live model (a collective: every rank calls it); ``load`` reads them back from traces written by
 ``overlap.export_chrome_trace`` / ``merge_traces``. The command line is
 ``gradring explain`` (tools/explain.py); docs/explain.md shows an example.
 
@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 from gradring.buckets import MIB
 from gradring.observe.overlap import IterationTimes, iteration_times, recent
+from gradring.observe.record import rank_record
 from gradring.observe.trace import Event
 from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, choose, simulate
 
@@ -200,55 +201,6 @@ def _medians(steps: Sequence[RankStep]) -> dict[str, float]:
     out["other"] = max(0.0, out["step"] - sum(out[k] for k in PARTS if k != "other"))
     out["compute"] = statistics.median([_compute(s) for s in steps])
     return out
-
-
-# ------------------------------------------------------------------ facts of a live DDP
-def facts_of(ddp: Any) -> dict[str, Any]:
-    """The settings and sizes explain's findings need, from one rank's DDP (plain data)."""
-    r = ddp.reducer
-    comm = ddp._comm
-    spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in r.buckets]
-    outside = sum(t.numel() * t.element_size() for t in getattr(r, "_recycled", {}).values())
-    for p in r.params:
-        if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
-            outside += p.grad.numel() * p.grad.element_size()
-    buffers = [(n, b.numel() * b.element_size(), int(b._version))
-               for n, b in ddp.module.named_buffers()]
-    mode = getattr(r.mode, "name", str(r.mode))
-    return {
-        "rank": comm.rank, "world_size": comm.world_size,
-        "device": str(ddp.device),
-        "find_unused": bool(ddp.find_unused_parameters) and mode == "FIND_UNUSED",
-        "unused_last": len(getattr(r, "_unused", [])),
-        "static_graph": bool(ddp.static_graph),
-        "bucket_view": bool(ddp.gradient_as_bucket_view),
-        "comm_hook": "" if r.comm_hook is None else
-        getattr(r.comm_hook, "__qualname__", type(r.comm_hook).__name__),
-        "sync_buffers": bool(ddp.forward_sync_buffers),
-        "buffers": buffers,
-        "num_forward": int(r.num_forward),
-        "bucket_cap_bytes": int(r.bucket_cap_bytes),
-        "sizes": [p.numel() * p.element_size() for p in r.params],
-        "keys": [f"{p.dtype}/{p.device}" for p in r.params],
-        "names": list(r.names),
-        "bucket_params": [list(b.param_indices) for b in r.buckets],
-        "bucket_bytes": [int(b.nbytes) for b in r.buckets],
-        "grad_bytes_outside_buckets": int(outside),
-        "overlap": bool(getattr(r, "launches_when_ready", True)),
-        "overlap_why": str(getattr(r, "overlap_why", "")),
-    }
-
-
-def rank_record(ddp: Any, curve: CommCurve | None = None) -> dict[str, Any]:
-    """This rank's events on the wall clock, its facts and an optional measured curve."""
-    from gradring.observe.overlap import clock_offset
-
-    off = clock_offset()
-    return {"rank": ddp._comm.rank, "facts": facts_of(ddp),
-            "events": [[e.iteration, e.kind, e.bucket, e.t + off]
-                       for e in list(ddp.reducer.trace.events)],
-            "curve": None if curve is None else {"sizes": list(curve.sizes),
-                                                 "times_ms": list(curve.times_ms)}}
 
 
 # ------------------------------------------------------------------ analysis
@@ -525,7 +477,7 @@ def measure_link(ddp: Any) -> CommCurve:
     from gradring.autocap import curve_sizes, measure_allreduce
 
     total = sum(p.numel() * p.element_size() for p in ddp.reducer.params)
-    return measure_allreduce(ddp._comm, curve_sizes(total))
+    return measure_allreduce(ddp.comm, curve_sizes(total))
 
 
 def explain_ddp(ddp: Any, *, last_n: int = 20, measure: bool = True) -> Explanation:
@@ -533,7 +485,7 @@ def explain_ddp(ddp: Any, *, last_n: int = 20, measure: bool = True) -> Explanat
     point (it gathers every rank's trace and, with ``measure``, times a few
     all-reduces on the model's group). Every rank gets the same answer."""
     curve = measure_link(ddp) if measure else None
-    records = ddp._comm.all_gather_object(rank_record(ddp, curve))
+    records = ddp.comm.all_gather_object(rank_record(ddp, curve))
     return analyse(records, last_n=last_n)
 
 

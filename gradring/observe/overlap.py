@@ -64,6 +64,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from gradring.observe.record import clock_offset, rank_record
 from gradring.observe.trace import Event
 
 COMPUTE_TID = 0  # Chrome-trace thread id of the compute lane
@@ -282,27 +283,6 @@ def format_table(stats: dict[str, Any], *, max_names: int = 3) -> str:
 
 
 # ------------------------------------------------------------------ Chrome trace
-_CLOCK_OFFSET: float | None = None
-
-
-def clock_offset() -> float:
-    """``time.time() - time.perf_counter()``, sampled once per process ([Note: trace clocks])."""
-    global _CLOCK_OFFSET
-    if _CLOCK_OFFSET is None:
-        # Bracket time.time() between two perf_counter reads and keep the
-        # tightest of a few tries: a rank descheduled between the two reads
-        # would otherwise be misaligned by a whole time slice.
-        best = None
-        for _ in range(7):
-            a = time.perf_counter()
-            wall = time.time()
-            b = time.perf_counter()
-            if best is None or b - a < best[0]:
-                best = (b - a, wall - (a + b) / 2)
-        _CLOCK_OFFSET = best[1]
-    return _CLOCK_OFFSET
-
-
 def bucket_span_name(k: int) -> str:
     return f"gradring::bucket_all_reduce#{k}"
 
@@ -368,8 +348,6 @@ def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None,
     ``curve`` (a ``step_model.CommCurve`` measured on the link), if given.
     Returns ``path``.
     """
-    from gradring.observe.explain import rank_record
-
     comm = getattr(ddp.reducer, "comm", None)
     if rank is None:
         rank = comm.rank if comm is not None else 0
@@ -383,7 +361,7 @@ def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None,
                       "origin_unix_us": (origin + clock_offset()) * 1e6,
                       "clock": "perf_counter; ts relative to origin_unix_us"},
     }
-    if hasattr(ddp, "_comm") and hasattr(ddp, "module"):  # a gradring DDP, not a stand-in
+    if hasattr(ddp, "comm") and hasattr(ddp, "module"):  # a gradring DDP, not a stand-in
         doc["otherData"]["gradring_explain"] = rank_record(ddp, curve)
     with open(path, "w") as f:
         json.dump(doc, f)

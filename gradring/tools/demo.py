@@ -103,7 +103,7 @@ def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
         else ddp_overlap_stats(model)
     # Collective, every rank: time a few all-reduces on this link, then explain the run.
     curve = explain.measure_link(model)
-    summary = explain.analyse(model._comm.all_gather_object(explain.rank_record(model, curve)))
+    summary = explain.analyse(model.comm.all_gather_object(explain.rank_record(model, curve)))
     trace = None
     if trace_dir is not None:
         trace = export_chrome_trace(model, os.path.join(trace_dir, f"rank{rank}.json"),

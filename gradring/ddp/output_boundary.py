@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gradring.graph import iter_tensors
+from gradring import pytree
 
 
 class _OutputBoundary(torch.autograd.Function):
@@ -39,27 +39,11 @@ def wrap_outputs(out: Any, reducer: Any) -> Any:
     """Route every tensor of ``out`` that has a grad_fn through the boundary Function.
 
     Tensors without one (inputs passed through, leaves such as a parameter
-    returned as is) are left alone, as torch's DDP leaves them."""
-    tensors = [t for t in iter_tensors(out) if t.grad_fn is not None]
+    returned as is) are left alone, as torch's DDP leaves them. Containers
+    are walked by [Note: container rules] (``gradring/pytree.py``)."""
+    tensors = [t for t in pytree.tensors(out) if t.grad_fn is not None]
     if not tensors:
         return out
     wrapped = _OutputBoundary.apply(reducer, *tensors)
     mapping = {id(t): w for t, w in zip(tensors, wrapped)}
-    return _replace(out, mapping)
-
-
-def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return mapping.get(id(obj), obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _replace(v, mapping)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace(v, mapping) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace(v, mapping) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.replace(
-            obj, **{f: _replace(getattr(obj, f), mapping) for f in obj.__dataclass_fields__})
-    return obj
+    return pytree.map_tensors(lambda t: mapping.get(id(t), t), out)

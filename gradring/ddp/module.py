@@ -1,0 +1,769 @@
+"""gradring.DistributedDataParallel: the wrapper class.
+
+[Note: type identity]
+``gradring.DistributedDataParallel`` subclasses torch's class, so
+``isinstance(m, torch.nn.parallel.DistributedDataParallel)`` holds and
+libraries take their DDP paths (Lightning, Accelerate, Dynamo, distributed
+checkpoint do). On these terms:
+
+- torch's ``__init__`` never runs, so no C++ ``Reducer``, ``Logger`` or
+  ``_DDPSink`` is ever created;
+- every callable attribute of torch 2.13's class is overridden in the class
+  below: implemented with torch's meaning on top of gradring's own reducer,
+  or, for torch-internal machinery gradring has no counterpart of, raising
+  ``NotImplementedError`` that names it (``tests/test_ddp_identity.py`` walks
+  torch's class and checks it);
+- nothing inherited from torch's class is ever called.
+
+The class holds construction, forward, ``no_sync``, pickling and torch's
+surface. A torch-named method whose concept lives elsewhere is a one-line
+delegation to the collaborator that owns it: the buffers to ``BufferSync``
+(``buffers.py``), Join to ``join.py``, the comm hook / fused optimizer /
+in-backward optimizers to ``ConsumerSlot`` (``consumers.py``). The averaging
+is done by gradring's own Reducer (``gradring/reducer.py``); this class
+decides *when* the reducer is told what, mirroring torch's DDP so a user
+switches by one import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import distributed as _torch_distributed
+
+from gradring import autocap, errors, pytree
+from gradring import compile as compile_split
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
+from gradring.ddp import join
+from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
+from gradring.ddp.consumers import ConsumerSlot
+from gradring.ddp.output_boundary import wrap_outputs
+from gradring.fused_optim import FusedOptimizer
+from gradring.graph import GraphMode
+from gradring.group_comm import GroupComm
+from gradring.observe.trace import profiled
+from gradring.reducer import CommHook, Reducer
+
+__all__ = ["DistributedDataParallel", "TorchDDP", "bucket_cap_bytes", "bucket_caps"]
+
+#: torch's class, captured at import time (``gradring.install()`` may later
+#: rebind the public names; this stays the original).
+TorchDDP = _torch_distributed.DistributedDataParallel
+
+
+def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
+                ) -> tuple[BucketCaps, bool]:
+    """The constructor's caps, and whether ``"auto"`` picks the cap at the rebuild."""
+    auto = autocap.is_auto(bucket_cap_mb) and not bucket_cap_mb_list
+    if autocap.is_auto(bucket_cap_mb):
+        bucket_cap_mb = None
+    if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+            or bucket_cap_mb <= 0):
+        raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
+    return BucketCaps.from_args(bucket_cap_mb, bucket_cap_mb_list), auto
+
+
+def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
+                     ) -> tuple[int, bool]:
+    """The constructor's cap in bytes, and whether ``"auto"`` picks it at the rebuild."""
+    caps, auto = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+    return caps.cap, auto
+
+
+def _group_of(process_group: Any, device_mesh: Any) -> Any:
+    """The process group to average over, from ``process_group`` or a 1-D ``device_mesh``."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is not None:
+        return process_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise errors.NotInitializedError(errors.not_initialized())
+    return dist.group.WORLD
+
+
+def _not_supported(name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(errors.torch_internal(name))
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"torch-internal ``{name}``: gradring has no counterpart (raises)."
+    return method
+
+
+class DistributedDataParallel(TorchDDP):
+    """Data-parallel wrapper with torch DDP's constructor and behaviour.
+
+    Gradients are averaged across the process group when ``loss.backward()``
+    returns. See the README for what differs from torch (better errors,
+    shared-memory collectives on one host).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float | str | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        # torch's DDP.__init__ is never called (see [Note: type identity]).
+        nn.Module.__init__(self)
+        join.Joinable.__init__(self)
+        unsupported = {
+            "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
+            "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
+            "mixed_precision": mixed_precision is not None,
+            "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
+            "batched_grad_copy": bool(batched_grad_copy),
+        }
+        for name, given in unsupported.items():
+            if given:
+                raise NotImplementedError(errors.unsupported_argument(name))
+        # The error DDP last raised, for _get_ddp_logging_data (as torch's logger keeps it).
+        self._error: str | None = None
+        # Group the gradients are averaged over.
+        self.process_group = _group_of(process_group, device_mesh)
+        if device_mesh is not None:
+            # The 1-D mesh the group came from (torch keeps it too).
+            self.device_mesh = device_mesh
+        if check_reduction:
+            warnings.warn(errors.check_reduction_deprecated(), FutureWarning, stacklevel=2)
+        if device_ids is not None and len(device_ids) > 1:
+            self._log_and_throw(ValueError, errors.too_many_device_ids())
+        # Names (module-relative) of parameters and buffers DDP leaves alone.
+        self.parameters_to_ignore: set[str] = set(
+            getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
+        if not named:
+            self._log_and_throw(RuntimeError, errors.no_trainable_params())
+        devices = {str(p.device) for _, p in named}
+        if len(devices) > 1:
+            self._log_and_throw(ValueError, errors.mixed_devices([str(p.device)
+                                                                  for _, p in named]))
+        # The wrapped module; state_dict keys get the usual "module." prefix.
+        self.module = module
+        # The single device every parameter lives on, and its type (torch's names).
+        self.device = named[0][1].device
+        self.device_type = self.device.type
+        if device_ids is not None and self.device.type == "cpu":
+            self._log_and_throw(ValueError,
+                                errors.device_ids_on_cpu(device_ids, output_device, devices))
+        self._passing_sync_batchnorm_handle(module)
+        # Where inputs are moved before forward (torch moves them for device_ids).
+        self.device_ids = None if device_ids is None else [torch.device(self.device)]
+        # torch's arguments, kept as given (gradring never scatters or gathers).
+        self.output_device = output_device
+        self.dim = dim
+        # The collectives of the group (reducer, buffers, Join, init and final sync).
+        self._comm = GroupComm(self.process_group)
+        # Buffers: broadcast rank 0's before each forward (forward_sync_buffers;
+        # broadcast_buffers is torch 2.13's deprecated name for it).
+        each_forward, init_sync_buffers = _buffer_flags(broadcast_buffers, forward_sync_buffers)
+        self._buffer_sync = BufferSync(self.parameters_to_ignore, each_forward=each_forward)
+        # torch's flags of the same names.
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # Set by no_sync(): when False, backward only accumulates locally.
+        self.require_backward_grad_sync = True
+        # Whether the next forward syncs buffers (torch's require_forward_param_sync).
+        self.require_forward_param_sync = True
+        # Bucket caps as torch 2.13 derives them; the byte cap is reported by the reducer.
+        self._caps, self._auto_cap = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        # The per-bucket caps in bytes (torch's attribute).
+        self.bucket_bytes_cap_list = list(self._caps.per_bucket)
+        # Bucket size of the buffer and init broadcasts (torch's attribute; ours
+        # coalesces per dtype).
+        self.broadcast_bucket_size = 250 * 1024 * 1024
+        # The parameters the reducer averages, and their module-relative names.
+        self._param_names = [n for n, _ in named]
+        self._module_parameters = [p for _, p in named]
+        self._buffer_sync.refresh(module)
+        if init_sync:
+            self._verify_same_model(self._module_parameters)
+            self._sync_params_and_buffers(0, buffers=init_sync_buffers)
+        # What the reducer is built with again after unpickling.
+        self._static_at_init = static_graph
+        # gradring's reducer: buckets, gradient hooks, the all-reduces.
+        self.reducer = self._build_reducer(static_graph=static_graph)
+        if self._auto_cap and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
+            warnings.warn(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB), stacklevel=2)
+        # Join: average over the initial world size, not over the ranks still training.
+        self.divide_by_initial_world_size = True
+        # The comm hook, fused optimizer or in-backward optimizers (one of them).
+        self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
+        # Whether the first forward's one-time setup (_lazy_init) ran.
+        self._lazy_init_ran = False
+        if static_graph:
+            self._set_static_graph()
+
+    def _build_reducer(self, *, static_graph: bool) -> Reducer:
+        find_unused = self.find_unused_parameters and not static_graph
+        return Reducer(
+            self._module_parameters, self._param_names, self._comm, caps=self._caps,
+            initial_caps=self._caps.initial(find_unused=find_unused),
+            mode=GraphMode.of(find_unused=self.find_unused_parameters, static_graph=False),
+            gradient_as_bucket_view=self.gradient_as_bucket_view, auto_cap=self._auto_cap,
+        )
+
+    # ------------------------------------------------------------ construction
+    def _verify_same_model(self, params: list[torch.Tensor]) -> None:
+        """Every rank checks every rank against rank 0, so all of them raise together."""
+        meta = [(tuple(p.shape), tuple(p.stride())) for p in params]
+        everyone = self._comm.all_gather_object((meta, self._param_names))
+        counts = [len(m) for m, _ in everyone]
+        if any(c != counts[0] for c in counts):
+            self._log_and_throw(RuntimeError, errors.param_count_mismatch(counts))
+        ref = everyone[0][0]
+        for rank, (theirs, names) in enumerate(everyone):
+            for i, ((shape, stride), (rshape, rstride)) in enumerate(zip(theirs, ref)):
+                for what, mine, want in (("sizes", shape, rshape), ("strides", stride, rstride)):
+                    if mine != want:
+                        self._log_and_throw(RuntimeError, errors.param_shape_mismatch(
+                            i, names[i], what, mine, want, rank))
+
+    def _sync_params_and_buffers(self, src: int, *, buffers: bool = True) -> None:
+        """Broadcast the parameters DDP manages (ignored ones excepted) and, with
+        ``buffers``, the module's buffers from group rank ``src`` (at
+        construction, and at the end of a Join)."""
+        self._buffer_sync.refresh(self.module)
+        self._comm.broadcast_coalesced(
+            [p.data for n, p in self.module.named_parameters()
+             if n not in self.parameters_to_ignore]
+            + (self._buffer_sync.buffers if buffers else []), src=src)
+
+    def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
+        """Refuse torch's own SyncBatchNorm on CPU, as torch's DDP does;
+        gradring.nn.SyncBatchNorm is the one that works there."""
+        if self.device_type != "cpu":
+            return
+        for name, layer in module.named_modules():
+            if isinstance(layer, nn.SyncBatchNorm):
+                self._log_and_throw(ValueError, errors.torch_sync_batchnorm_on_cpu(name))
+
+    @property
+    def comm(self) -> GroupComm:
+        """The collectives of this DDP's process group (rank, world size, all-gather...)."""
+        return self._comm
+
+    @property
+    def static_graph(self) -> bool:
+        """Whether the graph is declared the same every iteration (stored by the reducer)."""
+        return self.reducer.static_graph
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes (what bucket_cap_mb="auto" chose, once it has)."""
+        return self.reducer.bucket_cap_bytes
+
+    def _set_static_graph(self) -> None:
+        """Declare that the graph is the same every iteration (docs/design.md)."""
+        if self.static_graph:
+            warnings.warn(errors.static_graph_twice(), stacklevel=2)
+            return
+        try:
+            self.reducer.set_static_graph()
+        except RuntimeError as exc:
+            self._log_and_throw(RuntimeError, str(exc))
+
+    # ----------------------------------------------------------------- forward
+    # Under torch.compile Dynamo never traces this frame (frames it calls still
+    # may be compiled) nor the bookkeeping before and after; the wrapped module
+    # is compiled as a frame of its own, split at the buckets (see [Note:
+    # compile and the buckets] in compile.py).
+    @compile_split.never_traced(recursive=False)
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        compile_split.install()
+        trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
+        with profiled("gradring::forward"):
+            trace.mark("forward_start")
+            inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            trace.mark("module_start")
+            out = self._run_ddp_forward(*inputs, **kwargs)
+            trace.mark("module_end")
+            out = self._post_forward(out)
+            trace.mark("forward_end")
+            return out
+
+    @compile_split.never_traced(recursive=True)
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Before the module runs: rebuild buckets once, sync buffers, move inputs."""
+        if not self._lazy_init_ran:
+            self._lazy_init()
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._join_config.enable:
+            # Tells joined ranks whether this iteration reduces gradients.
+            join.notify(self, sync)
+        if sync:
+            self._guarded(self.reducer.prepare_for_forward)
+            if self.reducer.rebuild_if_needed():
+                compile_split.after_rebuild(self)
+                self._consumers.warn_unordered_hook(self.process_group)
+        else:
+            if torch.is_grad_enabled():
+                # Under no_sync too: the previous reducing backward must have finished.
+                self._guarded(self.reducer.check_prior_finished)
+            self.reducer.note_unsynced_forward()
+        if self._buffer_sync.before_forward(self.require_forward_param_sync):
+            self._sync_buffers(active=True)
+        if self.device_ids:
+            inputs = pytree.to_device(inputs, self.device_ids[0])
+            kwargs = pytree.to_device(kwargs, self.device_ids[0])
+        return inputs, kwargs
+
+    @compile_split.never_traced(recursive=True)
+    def _post_forward(self, output: Any) -> Any:
+        """After the module ran: prepare the reducer for the backward to come.
+        The sync flag is read again, as torch does: code inside the module's
+        forward may have entered no_sync() (Lightning's manual optimization)."""
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._buffer_sync.after_forward(self.require_forward_param_sync):
+            self._sync_buffers(active=True)
+        self.require_forward_param_sync = sync
+        if not sync:
+            return output
+        find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
+        self.reducer.prepare_for_backward(list(pytree.tensors(output)) if find_unused else None)
+        if find_unused or self.reducer.static_first_backward():
+            output = wrap_outputs(output, self.reducer)
+        return output
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """Run a reducer step; an error it raises is recorded for the logging data."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._error = str(exc)
+            raise
+
+    def _lazy_init(self) -> None:
+        """Once, at the first forward: optimizers registered to run in backward."""
+        self._lazy_init_ran = True
+        self._setup_in_backward_optimizers()
+
+    # ------------------------------------------------------------------- sync
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after leaving reduces the sum."""
+        if self._consumers.fused_optim is not None:
+            raise RuntimeError(errors.no_sync_with_fused_optim())
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # ------------------------------------------------- consumers of the buckets
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``."""
+        self._check_comm_hook(hook)
+        self._consumers.set_comm_hook(hook, state)
+        self._consumers.warn_unordered_hook(self.process_group)
+
+    def _register_fused_optim(self, optim_cls: type, *args: Any, **kwargs: Any) -> Any:
+        """Step each parameter as soon as its bucket is reduced; returns the fused optimizer."""
+        return self._consumers.set_fused_optim(optim_cls, *args, **kwargs)
+
+    @property
+    def _fused_optim(self) -> FusedOptimizer | None:
+        """The fused optimizer, once registered (docs/hooks.md reads it here)."""
+        return self._consumers.fused_optim
+
+    def _setup_in_backward_optimizers(self) -> None:
+        """Step parameters that carry ``_in_backward_optimizers`` (torch's
+        ``_apply_optimizer_in_backward``) as soon as their bucket is reduced."""
+        if any(hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
+            self._consumers.set_in_backward(self._module_parameters)
+
+    def _check_comm_hook(self, hook: Any) -> None:
+        if not callable(hook):
+            self._log_and_throw(TypeError, errors.hook_not_callable(hook))
+        try:
+            sig = inspect.signature(hook)
+        except (TypeError, ValueError):
+            return
+        bucket = sig.parameters.get("bucket")
+        if bucket is not None and bucket.annotation not in (inspect._empty, dist.GradBucket) \
+                and not isinstance(bucket.annotation, str):
+            from gradring.grad_bucket import GradBucket
+
+            if bucket.annotation is not GradBucket:
+                self._log_and_throw(ValueError, "Communication hook: bucket annotation "
+                                    "should be dist.GradBucket.")
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hook types, mapped to gradring's hooks of the same meaning."""
+        from gradring.hooks import default
+
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            raise NotImplementedError(f"built-in comm hook {comm_hook_type} is not supported")
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+
+    # ---------------------------------------------------------------- buffers
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether each forward syncs the module's buffers (torch 2.13's name)."""
+        return self._buffer_sync.each_forward
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self._buffer_sync.each_forward = value
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch 2.13's deprecated name for ``forward_sync_buffers``."""
+        return self._buffer_sync.each_forward
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self._buffer_sync.each_forward = value
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """The buffers synced, as last read (torch's attribute)."""
+        return self._buffer_sync.buffers
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """The same by name (torch's attribute; what a buffer comm hook gets)."""
+        return self._buffer_sync.named
+
+    @property
+    def buffer_hook(self) -> Any:
+        """torch's ``_BufferCommHook`` registered by _register_buffer_comm_hook, or None."""
+        return self._buffer_sync.hook
+
+    def _assign_modules_buffers(self) -> None:
+        """Read the module's buffers anew (a reassigned buffer is the one synced)."""
+        self._buffer_sync.refresh(self.module)
+
+    def will_sync_module_buffers(self) -> bool:
+        return self._buffer_sync.will_sync(self.require_forward_param_sync)
+
+    def _check_sync_bufs_pre_fwd(self) -> bool:
+        return self._buffer_sync.before_forward(self.require_forward_param_sync)
+
+    def _check_sync_bufs_post_fwd(self) -> bool:
+        return self._buffer_sync.after_forward(self.require_forward_param_sync)
+
+    def _register_buffer_comm_hook(self, state: Any, hook: Any,
+                                   comm_hook_location: Any = BufferCommHookLocation.POST_FORWARD,
+                                   ) -> None:
+        """Sync buffers with ``hook(state, {name: buffer})`` instead of a broadcast
+        from rank 0. Futures the hook returns are waited for at the end of backward."""
+        self._buffer_sync.register_hook(state, hook, comm_hook_location)
+
+    def _sync_buffers(self, *, active: bool = True) -> None:
+        """Sync buffers before (or after) a forward. Under Join the source is the
+        highest rank still training (as torch does); otherwise rank 0. Buffers
+        are read from the module each time: a reassigned one is the one sent."""
+        if not self._buffer_sync.will_sync(self.require_forward_param_sync):
+            return
+        src = join.buffer_source(self, active) if self._join_config.enable else 0
+        self._buffer_sync.refresh(self.module)
+        self._sync_module_buffers(src)
+
+    def _sync_module_buffers(self, authoritative_rank: int) -> None:
+        futures = self._buffer_sync.sync(self._comm, authoritative_rank)
+        if futures is not None:
+            self.reducer.install_post_backward_futures(futures)
+
+    def _default_broadcast_coalesced(self, bufs: list[torch.Tensor] | None = None,
+                                     bucket_size: int | None = None,
+                                     authoritative_rank: int = 0) -> None:
+        """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``."""
+        if bufs is None or bufs is self._buffer_sync.buffers:
+            self._buffer_sync.broadcast(self._comm, authoritative_rank)
+            return
+        self._distributed_broadcast_coalesced(
+            bufs, self.broadcast_bucket_size if bucket_size is None else bucket_size,
+            authoritative_rank)
+
+    def _distributed_broadcast_coalesced(self, tensors: list[torch.Tensor], buffer_size: int,
+                                         authoritative_rank: int = 0) -> None:
+        """Broadcast ``tensors`` in place from a group rank (one collective per dtype)."""
+        del buffer_size  # gradring coalesces per dtype, whatever the size
+        with torch.no_grad():
+            self._comm.broadcast_coalesced(list(tensors), src=authoritative_rank)
+
+    # -------------------------------------------------------------------- join
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Any:
+        return join.Join([self], enable, throw_on_early_termination,
+                         divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> join.DDPJoinHook:
+        return join.DDPJoinHook(self, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> Any:
+        """Whether any rank reduces in this iteration (Join's sync flag)."""
+        wants = (not is_joined_rank) and self.require_backward_grad_sync
+        return torch.tensor(int(join.any_rank(self._comm, wants, self.device)))
+
+    def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        """The highest rank for which ``rank_cond`` holds (Join's buffer source)."""
+        rank = join.highest_rank(self._comm, rank_cond, self.device)
+        if rank < 0:
+            raise ValueError("No rank satisfies the condition: every rank passed False.")
+        return rank
+
+    def _check_and_sync_module_buffers(self) -> None:
+        """A joined rank's buffer sync, in step with the ranks still training."""
+        if self._check_sync_bufs_pre_fwd():
+            self._sync_buffers(active=False)
+
+    def _match_all_reduce_for_bwd_pass(self) -> None:
+        """A joined rank's backward collectives, with zero gradients."""
+        self.reducer.shadow_backward()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        join.sync_final_model(self, is_last_joiner=is_last_joiner)
+
+    # ------------------------------------------------- ignored params and buffers
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module,
+                                                    params_and_buffers_to_ignore: Any) -> None:
+        """Mark parameters and buffers (by module-relative name) that DDP must leave alone."""
+        given = params_and_buffers_to_ignore
+        names = set(given)
+        # The attribute torch's DDP constructor (and ours) reads, as given.
+        module._ddp_params_and_buffers_to_ignore = given
+        for name, param in module.named_parameters():
+            if name in names:
+                param._ddp_ignored = True
+        for name, buf in module.named_buffers():
+            if name in names:
+                buf._ddp_ignored = True
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator[Any]:
+        """The parameters DDP manages: not the ignored ones.
+
+        With ``named_params=True`` torch 2.13 checks the mark on the (name,
+        parameter) pair rather than on the parameter, so it yields every pair,
+        ignored ones included; callers rely on torch's result, so it is kept."""
+        if named_params:
+            yield from module.named_parameters()
+            return
+        for param in module.parameters():
+            if not hasattr(param, "_ddp_ignored"):
+                yield param
+
+    def _get_parameters(self, m: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
+        """Parameters of ``m`` that DDP manages."""
+        for name, param in m.named_parameters(recurse=recurse):
+            if name not in self.parameters_to_ignore:
+                yield param
+
+    # ---------------------------------------------------------------- reducer
+    def _remove_autograd_hooks(self) -> None:
+        """Remove the reducer's gradient hooks (a new DDP on the same module then works)."""
+        self.reducer.remove_hooks()
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last synchronised backward did not finish its reduction."""
+        if self.reducer.require_finalize:
+            raise RuntimeError(errors.reducer_not_finalized())
+
+    # -------------------------------------------------------------- introspection
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        r = self.reducer
+        data: dict[str, Any] = {
+            "world_size": self._comm.world_size,
+            "rank": self._comm.rank,
+            "module_name": type(self.module).__name__,
+            "device_ids": "" if not self.device_ids else str(self.device_ids[0]),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(bool(self.forward_sync_buffers)),
+            "bucket_cap_bytes": r.bucket_cap_bytes,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "has_rebuilt_buckets": int(r.has_rebuilt),
+            "bucket_sizes": list(r.initial_bucket_sizes),
+            "rebuilt_bucket_sizes": list(r.rebuilt_bucket_sizes),
+            "rebuilt_per_bucket_param_indices": [list(x) for x in r.rebuilt_param_indices],
+            "num_parameter_tensors": len(r.params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in r.params),
+            "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in r.params}),
+            "comm_hook": "" if r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
+            "backend_name": dist.get_backend(self.process_group),
+            "iteration": r.num_backward,
+            "has_error": int(self._error is not None or r.error is not None),
+        }
+        error = self._error or r.error
+        if error is not None:
+            data["error"] = error
+        return data
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        if sample_rate < 1:
+            self._log_and_throw(ValueError, "DDP runtime logging sample rate should be equal "
+                                "or greater than 1")
+        # gradring's trace records every iteration; the rate is kept for the logging data.
+        self._logging_sample_rate = sample_rate
+
+    def _log_and_throw(self, err_type: type[BaseException], err_msg: str) -> None:
+        """Record ``err_msg`` for the logging data, then raise it as ``err_type``."""
+        self._error = err_msg
+        raise err_type(err_msg)
+
+    @property
+    def _distributed_rank(self) -> int:
+        return self._comm.rank
+
+    def overlap_stats(self, last_n: int = 10) -> dict[str, Any]:
+        """Backward/communication overlap of the last ``last_n`` iterations (docs/overlap.md)."""
+        from gradring.observe.overlap import ddp_overlap_stats
+
+        return ddp_overlap_stats(self, last_n=last_n)
+
+    # ---------------------------------------------------------------- pickling
+    def _check_default_group(self) -> None:
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP "
+                               "with the default process group. That is, when you have "
+                               "called init_process_group and have not passed process_group "
+                               "argument to DDP constructor")
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._check_default_group()
+        state = self.__dict__.copy()
+        # What holds the group or the reducer is built anew; hooks and fused
+        # optimizers, like torch's, are not pickled.
+        for key in ("process_group", "_comm", "reducer", "_consumers"):
+            state.pop(key, None)
+        # What the reducer knew and a new one needs.
+        state["_static_at_init"] = self.static_graph
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        nn.Module.__setstate__(self, state)
+        # As in torch: an unpickled DDP runs over the default group, with a new reducer.
+        self.process_group = _group_of(None, None)
+        self._comm = GroupComm(self.process_group)
+        self._module_parameters = [p for n, p in self.module.named_parameters()
+                                   if p.requires_grad and n not in self.parameters_to_ignore]
+        self._buffer_sync.refresh(self.module)
+        static = self.__dict__.pop("_static_at_init", False)
+        self._static_at_init = static
+        self.reducer = self._build_reducer(static_graph=static)
+        self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
+        if static:
+            self.reducer.set_static_graph()
+
+    # ---------------------------------------------------------------- dynamo
+    @classmethod
+    def _get_active_ddp_module(cls) -> Any:
+        """The DDP whose forward is running (Dynamo reads it from torch's class)."""
+        return TorchDDP._active_ddp_module
+
+    @contextlib.contextmanager
+    def _inside_ddp_forward(self) -> Iterator[None]:
+        """Announce this DDP as the active one while its module runs, the way
+        torch's does, so Dynamo's DDP support sees it."""
+        old = TorchDDP._active_ddp_module
+        TorchDDP._active_ddp_module = self
+        try:
+            yield
+        finally:
+            TorchDDP._active_ddp_module = old
+
+    @compile_split.never_traced(recursive=False)
+    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module as the active DDP: a frame Dynamo compiles in
+        it is split at this DDP's buckets ([Note: compile and the buckets]).
+        What _inside_ddp_forward does, written out: contextlib's frames would
+        be compiled by Dynamo at the first call (this frame's callees are)."""
+        old = TorchDDP._active_ddp_module
+        TorchDDP._active_ddp_module = self
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            TorchDDP._active_ddp_module = old
+
+    # ------------------------------------------------- data-parallel helpers
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+        from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+        return scatter_kwargs(inputs, kwargs, device_ids, self.dim)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: Any) -> Any:
+        from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+        return scatter_kwargs(inputs, kwargs, [device_id], dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        from torch.nn.parallel.scatter_gather import gather
+
+        return gather(outputs, output_device, dim=self.dim)
+
+    def train(self, mode: bool = True) -> Any:
+        nn.Module.train(self, mode)
+        return self
+
+    # ------------------------------------ torch-internal: no gradring counterpart
+    _register_accum_grad_hook = _not_supported("_register_accum_grad_hook")
+    _delayed_all_reduce_hook = _not_supported("_delayed_all_reduce_hook")
+    _register_delay_all_reduce_hook = _not_supported("_register_delay_all_reduce_hook")
+    _fire_reducer_autograd_hook = _not_supported("_fire_reducer_autograd_hook")
+    _root_copy_hook = _not_supported("_root_copy_hook")
+    _module_wait_for_copy_hook = _not_supported("_module_wait_for_copy_hook")
+    _ddp_init_helper = _not_supported("_ddp_init_helper")
+    _build_params_for_reducer = _not_supported("_build_params_for_reducer")
+    _build_debug_param_to_name_mapping = _not_supported("_build_debug_param_to_name_mapping")
+    _clear_grad_buffer = _not_supported("_clear_grad_buffer")
+    _match_unused_params_allreduce = _not_supported("_match_unused_params_allreduce")
+    _set_sparse_metadata = _not_supported("_set_sparse_metadata")
+    _update_process_group = _not_supported("_update_process_group")
+    _set_ddp_sink_clone = _not_supported("_set_ddp_sink_clone")
+
+
+def _buffer_flags(broadcast_buffers: bool | None,
+                  forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(forward_sync_buffers, whether the construction syncs buffers), the way
+    torch 2.13 derives them from its two arguments."""
+    if broadcast_buffers is not None:
+        warnings.warn(errors.broadcast_buffers_deprecated(
+            both=forward_sync_buffers is not None), FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
