@@ -21,7 +21,8 @@ How it is built (details in docs/collectives.md), module by module:
 
 - ``api``: the functions above, issuing each collective; ``homes``: DDP's
   homed all-reduce (``all_reduce_homed``, ``Homes``, ``own_range``);
-- ``context``: per-group state and the registry of groups; ``runner``: one
+- ``context``: per-group state; ``registry``: the groups that have some;
+  ``runner``: one
   collective, start to finish; ``engine``: the per-group async thread;
   ``select``: thresholds, the choice of transport and algorithm, and the
   ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` / ``GRADRING_TIMEOUT`` overrides;
