@@ -56,6 +56,8 @@ from typing import NamedTuple
 
 import torch
 
+from gradring import config
+
 #: ``GRADRING_OVERLAP``: "1"/"on" always overlaps, "0"/"off" never, else the host decides.
 ENV = "GRADRING_OVERLAP"
 
@@ -141,7 +143,7 @@ def choose(*, device_type: str, on_shared_memory: bool, world_size: int,
     """This rank's choice (see [Note: overlap needs a free core]); the keyword
     arguments after ``world_size`` default to this process's own settings. The
     reducer makes every rank follow rank 0's (``Reducer._rank0_groups``)."""
-    forced = (os.environ.get(ENV, "") if env is None else env).strip().lower()
+    forced = (config.current().overlap if env is None else env).strip().lower()
     if forced in ("1", "on", "true", "yes"):
         return OverlapChoice(True, f"{ENV}={forced}")
     if forced in ("0", "off", "false", "no"):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradring import config
 from gradring.comm import engine, select
 from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
@@ -38,7 +39,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 def _group_timeout(group: Any) -> float:
-    override = select.env_timeout()
+    override = config.current().timeout
     if override is not None:
         return override
     try:

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from gradring import config
 from gradring.comm import desync
 from gradring.comm.transport import Kind, describe_collective
 
 #: Ring-buffer length of the flight recorder.
-FLIGHT_SIZE = int(os.environ.get("GRADRING_FLIGHT_SIZE", "256"))
+FLIGHT_SIZE = config.current().flight_size
 
 _local = threading.local()
 
@@ -152,7 +153,7 @@ class FlightRecorder:
 
     def dump(self, reason: str, directory: str | None = None) -> str | None:
         """Write this rank's buffer to ``directory`` (default ``$GRADRING_FLIGHT_RECORDER``)."""
-        directory = directory or os.environ.get("GRADRING_FLIGHT_RECORDER")
+        directory = directory or config.current().flight_recorder
         if not directory:
             return None
         with self._lock:

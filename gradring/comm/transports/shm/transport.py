@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from gradring import config
 from gradring.comm import desync
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
@@ -64,7 +65,7 @@ _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 #: DDP overhead went from 0.47-0.55x torch's to 0.38-0.44x (CPU time 0.54-0.69x
 #: to 0.29-0.38x), while 4 B to 64 KiB all-reduces stayed 2-10x gloo.
 SPIN_ITERS = 64
-YIELD_S = float(os.environ.get("GRADRING_SHM_YIELD_US", "50")) * 1e-6
+YIELD_S = config.current().shm_yield_us * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
 SLICE_S = 0.05
 
