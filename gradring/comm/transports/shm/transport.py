@@ -55,12 +55,12 @@ _HAS_BUFFER, _ZERO_COPY, _NO_ROOM = 1, 2, 4
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
-#: sleeping in the kernel; see [Note: spin, then block]. The yield window was
-#: 1 ms: inside DDP a bucket's collective mostly waits for the peer's backward
-#: to reach the same bucket, milliseconds later, and each yield hands the GIL
-#: to the backward's hooks and takes it back. At 50 us the GPT-shaped model's
-#: DDP overhead went from 0.47-0.55x torch's to 0.38-0.44x (CPU time 0.54-0.69x
-#: to 0.29-0.38x), while 4 B to 64 KiB all-reduces stayed 2-10x gloo.
+#: sleeping in the kernel (``GRADRING_SHM_YIELD_US``); see [Note: spin, then
+#: block]. The yield window was 1 ms: inside DDP a bucket's collective mostly
+#: waits for the peer's backward to reach the same bucket, milliseconds later,
+#: and each yield hands the GIL to the backward's hooks and takes it back. A
+#: 50 us window cut that cost and left small all-reduces as fast (the figures
+#: are in docs/collectives.md, "Async engine").
 SPIN_ITERS = 64
 YIELD_S = config.current().shm_yield_us * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
