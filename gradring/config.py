@@ -172,15 +172,16 @@ def parse(environ: Mapping[str, str]) -> Config:
 
 # Raw values are compared in os.environ's backing dict (bytes keys and values, kept in
 # sync by os.environ) where the interpreter has one: see the module's Note.
-_RAW: Mapping[Any, Any] = getattr(os.environ, "_data", None) or os.environ
-_rawkey: Callable[[str], Any] = os.environ.encodekey if _RAW is not os.environ else str
+_BACKING: Mapping[Any, Any] | None = getattr(os.environ, "_data", None)
+_RAW: Mapping[Any, Any] = os.environ if _BACKING is None else _BACKING
+_rawkey: Callable[[str], Any] = str if _BACKING is None else os.environ.encodekey
 
 
 class _Parsed:
     """The configuration last parsed and the raw values it came from."""
 
     def __init__(self) -> None:
-        # Raw value of every variable when ``config`` was parsed (None: not yet).
+        # Raw value of every variable when ``_config`` was parsed (None: not yet).
         self._raw: tuple[Any, ...] | None = None
         # What they parsed to.
         self._config = Config()
