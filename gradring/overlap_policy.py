@@ -11,12 +11,10 @@ intra-op threads as there are cores), that thread can only take a core from a
 backward: the bucket is not hidden, it is paid by whichever rank gets
 descheduled, and each hand-off between the threads adds a wake-up.
 
-Measured on a 2-core VM, 2 ranks of 1 thread, every set-up stepping in turn,
-median of each step's slower rank, overhead against torch's DDP with the
-launch at ready time / with every bucket at the end of the backward:
-ResNet-shaped (62 tensors, two buckets, 200 steps) 0.57 / 0.54, 0.51 / 0.36,
-0.61 / 0.53; GPT-shaped 0.32 / 0.30, 0.31 / 0.26; 12 x Linear(1024) at
-batch 64 0.30 / 0.28, 0.31 / 0.25 (docs/collectives.md).
+On a 2-core VM with 2 ranks of 1 thread, reducing every bucket at the end
+of the backward cost less overhead against torch's DDP than launching at
+ready time, for every model measured side by side (the runs are in
+docs/collectives.md, under "Where the ResNet's overhead goes").
 
 So the reducer overlaps when a core is free for the comm thread, and
 otherwise reduces every bucket on the training thread when the backward ends,
@@ -55,6 +53,8 @@ import os
 from typing import NamedTuple
 
 import torch
+
+from gradring import config
 
 #: ``GRADRING_OVERLAP``: "1"/"on" always overlaps, "0"/"off" never, else the host decides.
 ENV = "GRADRING_OVERLAP"
@@ -141,7 +141,7 @@ def choose(*, device_type: str, on_shared_memory: bool, world_size: int,
     """This rank's choice (see [Note: overlap needs a free core]); the keyword
     arguments after ``world_size`` default to this process's own settings. The
     reducer makes every rank follow rank 0's (``Reducer._rank0_groups``)."""
-    forced = (os.environ.get(ENV, "") if env is None else env).strip().lower()
+    forced = (config.current().overlap if env is None else env).strip().lower()
     if forced in ("1", "on", "true", "yes"):
         return OverlapChoice(True, f"{ENV}={forced}")
     if forced in ("0", "off", "false", "no"):

@@ -206,8 +206,7 @@ def squat(rank: int, world: int, tmp: str) -> bool:
     names = _guesses(os.getpid())
     shm = context(None).transports.existing_shm()
     if hasattr(segments, "segment_name"):  # the exact next names: force the retry
-        nxt = next(shm._segnos)
-        names += [segments.segment_name(shm._base, shm._secret, nxt + i) for i in (1, 2)]
+        names += shm.memory.next_names(2)
     made = _squat(names)
     dist.barrier()
     try:
@@ -241,20 +240,18 @@ def squat(rank: int, world: int, tmp: str) -> bool:
 
 def bad_offset(rank: int, world: int, tmp: str) -> bool:
     """Rank 1 publishes an offset near the end of its staging segment."""
-    from gradring.comm.transports.shm.transport import ShmTransport
+    from gradring.comm.transports.shm.memory import SegmentBook
 
     comm.all_reduce(torch.ones(8))
     if rank == 1:
-        orig = ShmTransport.exchange
+        orig = SegmentBook.outgoing
 
-        def lying(self, info, exposed, *, zero_copy):  # type: ignore[no-untyped-def]
-            if self._exposed is not None:
-                segno, _ = self._exposed
-                seg = next(s for s in self._staging if s is not None
-                           and self._segno_of(s) == segno)
-                self._exposed = (segno, seg.size - 4)
-            return orig(self, info, exposed, zero_copy=zero_copy)
-        ShmTransport.exchange = lying  # type: ignore[method-assign]
+        def lying(self, exposed):  # type: ignore[no-untyped-def]
+            slot, no_room, segno, offset = orig(self, exposed)
+            if exposed is not None and self.staging_size(segno):
+                offset = self.staging_size(segno) - 4
+            return slot, no_room, segno, offset
+        SegmentBook.outgoing = lying  # type: ignore[method-assign]
     x = torch.full((1000,), float(rank + 1))
     out = _attempt(lambda: comm.all_reduce(x))
     say(rank=rank, case="bad_offset", value=float(x[0]), **out)

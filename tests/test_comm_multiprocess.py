@@ -290,11 +290,11 @@ def _zero_copy(rank: int, world: int) -> dict[str, object]:
     row = select.oneshot_max_bytes(world) // 4 + 1
     x = comm.empty((10, row))
     x.fill_(rank + 1)
-    before = shm.staged_bytes
+    before = shm.memory.staged_bytes
     comm.all_reduce(x)
     view = x[2:5]  # a contiguous view of comm.empty memory is zero-copy too
     comm.all_reduce(view, op=dist.ReduceOp.MAX)
-    zero_copy_staged = shm.staged_bytes - before
+    zero_copy_staged = shm.memory.staged_bytes - before
     user = torch.full((1000,), float(rank + 1))
     comm.all_reduce(user)
     tri = world * (world + 1) / 2
@@ -302,7 +302,7 @@ def _zero_copy(rank: int, world: int) -> dict[str, object]:
     return {"sum": bool(torch.all(x[:2] == tri) and torch.all(x[5:] == tri)),
             "view": bool(torch.all(view == tri)), "in_memory": comm.in_transport_memory(x),
             "user_in_memory": comm.in_transport_memory(user),
-            "zero_copy_staged": zero_copy_staged, "user_staged": shm.staged_bytes - before,
+            "zero_copy_staged": zero_copy_staged, "user_staged": shm.memory.staged_bytes - before,
             "segments": len(mine), "user": bool(torch.all(user == tri))}
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradring import config
 from gradring.comm import ops, select
 from gradring.comm.algos import hierarchical, naive, ring
 from gradring.comm.ops import Op
@@ -117,7 +118,7 @@ def test_choose_on_several_hosts():
 
 def test_env_accepts_hierarchical(monkeypatch):
     monkeypatch.setenv("GRADRING_ALGO", "hierarchical")
-    assert select.env_algo() == "hierarchical"
+    assert config.current().algo == "hierarchical"
 
 
 # ----------------------------------------------------------------- hierarchical on threads

@@ -21,10 +21,11 @@ How it is built (details in docs/collectives.md), module by module:
 
 - ``api``: the functions above, issuing each collective; ``homes``: DDP's
   homed all-reduce (``all_reduce_homed``, ``Homes``, ``own_range``);
-- ``context``: per-group state and the registry of groups; ``runner``: one
-  collective, start to finish; ``engine``: the per-group async thread;
-  ``select``: thresholds, the choice of transport and algorithm, and the
-  ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` / ``GRADRING_TIMEOUT`` overrides;
+- ``context``: per-group state; ``registry``: the groups that have some;
+  ``runner``: one collective, start to finish; ``engine``: the per-group
+  async thread; ``select``: thresholds, the choice of transport and
+  algorithm, and the ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` overrides
+  (every ``GRADRING_*`` variable is parsed in ``gradring/config.py``);
 - ``ops``: reductions and chunking; ``transport``: the interfaces algorithms
   are written against -- see [Note: algorithms versus transports] there;
 - ``algos/``: the registry (``algos/__init__``: name and kind -> algorithm)
@@ -35,11 +36,11 @@ How it is built (details in docs/collectives.md), module by module:
   (tests), ``topology`` (which ranks share a host), ``hosts`` (the multi-host
   transports and their rendezvous);
 - ``transports/shm/``: the one-host transport -- ``transport``, ``memory``
-  (its data segments and the peers' it maps), ``layout`` (every offset of the
-  control segment), ``mailbox``, ``status``, ``verdict`` (sticky failures and
-  the group lock), ``segments`` (names, reservation, safe opening), ``space``
-  (a small /dev/shm: the collective fallback), ``sigterm``, ``futex``,
-  ``rendezvous``;
+  (its data segments and the peers' it maps; an object the transport
+  owns), ``layout`` (every offset of the control segment), ``mailbox``,
+  ``status``, ``verdict`` (sticky failures and the group lock), ``segments``
+  (names, reservation, safe opening), ``space`` (a small /dev/shm: the
+  collective fallback), ``sigterm``, ``futex``, ``rendezvous``;
 - reliability (docs/reliability.md): ``watchdog`` (deadlines of what cannot be
   interrupted), ``board`` (the peers' markers), ``recorder`` (the flight
   recorder, ``GRADRING_FLIGHT_RECORDER``; ``label("bucket 3")`` names the

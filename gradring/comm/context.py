@@ -1,4 +1,4 @@
-"""Per-process-group state, and the registry of groups gradring has seen.
+"""Per-process-group state, kept in the registry of groups (``registry.py``).
 
 A :class:`GroupContext` is created on a group's first gradring call and lives
 until ``comm.shutdown()`` (or exit). It holds what the group's collectives
@@ -19,16 +19,17 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gradring import config
 from gradring.comm import engine, select
 from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
+from gradring.comm.registry import GROUPS
 from gradring.comm.store import group_store
 from gradring.comm.transports.group import GroupTransports
 from gradring.comm.watchdog import WATCHDOG
@@ -38,7 +39,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 def _group_timeout(group: Any) -> float:
-    override = select.env_timeout()
+    override = config.current().timeout
     if override is not None:
         return override
     try:
@@ -87,6 +88,11 @@ class GroupContext:
                                  "source": "peer board"})
         return found
 
+    def has_failed(self) -> bool:
+        """Whether a collective of this group failed here, or the watchdog gave up on one
+        the engine is still blocked in (see ``failures.py``)."""
+        return self.failures.failed or self.failures.broken is not None
+
     def next_seq(self) -> int:
         return next(self._seq)
 
@@ -125,31 +131,24 @@ class GroupContext:
         self.transports.close()
 
 
-_contexts: dict[Any, GroupContext] = {}
-_contexts_lock = threading.Lock()
-
-
 def context(group: Any) -> GroupContext | None:
     """The context of ``group`` (default group for None); None if this rank is not in it."""
     if group is None:
         group = dist.distributed_c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return None
-    ctx = _contexts.get(group)
+    ctx = GROUPS.get(group)
     if ctx is None:
         _close_destroyed()
-        with _contexts_lock:
-            ctx = _contexts.get(group)
-            if ctx is None:
-                ctx = _contexts[group] = GroupContext(group)
-    return ctx
+        ctx = GROUPS.get_or_make(group, GroupContext)
+    return ctx  # type: ignore[return-value] # the registry holds GroupContexts only
 
 
 def existing_context(group: Any) -> GroupContext | None:
     """The context of ``group`` if one was made already (None otherwise; never makes one)."""
     if group is None:
         group = dist.distributed_c10d._get_default_group()
-    return _contexts.get(group)
+    return GROUPS.get(group)  # type: ignore[return-value]
 
 
 def _close_destroyed() -> None:
@@ -158,25 +157,20 @@ def _close_destroyed() -> None:
         live = dist.distributed_c10d._world.pg_map
     except Exception:  # noqa: BLE001 - private API
         return
-    with _contexts_lock:
-        dead = [g for g in _contexts if g not in live]
-        victims = [_contexts.pop(g) for g in dead]
-    for ctx in victims:
+    for ctx in GROUPS.pop_missing(live):
         ctx.close(1.0)
 
 
 def shutdown(group: Any = None, *, all_groups: bool = False, timeout: float = 10.0) -> None:
     """Tear down gradring's state for ``group`` (or every group): engine threads,
     transports, shared-memory segments. Collectives issued later start afresh."""
-    with _contexts_lock:
-        if all_groups:
-            victims = list(_contexts.values())
-            _contexts.clear()
-        else:
-            if group is None and dist.is_initialized():
-                group = dist.distributed_c10d._get_default_group()
-            ctx = _contexts.pop(group, None)
-            victims = [ctx] if ctx else []
+    if all_groups:
+        victims = GROUPS.pop_all()
+    else:
+        if group is None and dist.is_initialized():
+            group = dist.distributed_c10d._get_default_group()
+        ctx = GROUPS.pop(group)
+        victims = [ctx] if ctx else []
     for ctx in victims:
         ctx.close(timeout)
     if all_groups:
@@ -186,7 +180,7 @@ def shutdown(group: Any = None, *, all_groups: bool = False, timeout: float = 10
 def _forget_after_fork() -> None:
     """A forked child inherits contexts whose threads and peers are not its own:
     drop them without closing (closing would unlink the parent's segments)."""
-    _contexts.clear()
+    GROUPS.forget()
 
 
 # At exit, queued work gets a short grace period: a peer may already be gone.

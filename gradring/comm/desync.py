@@ -27,7 +27,6 @@ the peer's own description (shape, label) when it arrives in time.
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradring import config
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, describe_collective
 
 #: dtype <-> small integer, as written into descriptors and fingerprints.
@@ -50,20 +50,9 @@ class DesyncError(CollectiveError):
     """Ranks issued different collectives (kind, size, dtype, shape or label)."""
 
 
-# os.environ's backing dict: a lookup there is ~20x cheaper (see select.py).
-_ENV_DATA: dict = getattr(os.environ, "_data", {})
-_KEY = os.environ.encodekey("GRADRING_CHECK") if _ENV_DATA else None
-_last: tuple[Any, bool] = (None, False)
-
-
-def enabled() -> bool:
-    """Whether ``GRADRING_CHECK`` asks for full fingerprints (shape, label, native)."""
-    global _last
-    raw = _ENV_DATA.get(_KEY) if _KEY is not None else os.environ.get("GRADRING_CHECK")
-    if raw != _last[0]:
-        text = raw.decode() if isinstance(raw, bytes) else (raw or "")
-        _last = (raw, text.strip().lower() in ("1", "true", "yes", "on"))
-    return _last[1]
+#: ``enabled()``: whether ``GRADRING_CHECK`` asks for full fingerprints (shape, label,
+#: native), read per collective (see [Note: when the environment is read] in ``config.py``).
+enabled = config.view(("check",), lambda c: c.check)
 
 
 def text_hash(text: str | None) -> int:

@@ -55,11 +55,12 @@ from typing import Any
 
 import torch
 
+from gradring import config
 from gradring.comm import desync
 from gradring.comm.transport import Kind, describe_collective
 
 #: Ring-buffer length of the flight recorder.
-FLIGHT_SIZE = int(os.environ.get("GRADRING_FLIGHT_SIZE", "256"))
+FLIGHT_SIZE = config.current().flight_size
 
 _local = threading.local()
 
@@ -189,7 +190,7 @@ class FlightRecorder:
         be written. See [Note: flight-recorder dumps in a folder other users can
         reach] for how the folder is checked and what happens when it is refused.
         """
-        directory = directory or os.environ.get("GRADRING_FLIGHT_RECORDER")
+        directory = directory or config.current().flight_recorder
         if not directory:
             return None
         with self._lock:

@@ -45,7 +45,7 @@ def run(ctx: GroupContext, plan: Plan) -> None:
     except ShmExhausted as exc:
         # Every rank raised it in this collective (shm/space.py): all fall back together.
         shm = ctx.transports.existing_shm()
-        advice = space.advice(exc.needed, shm.reserved if shm else 0, ctx.world_size)
+        advice = space.advice(exc.needed, shm.memory.reserved if shm else 0, ctx.world_size)
         ctx.transports.drop_shm(str(exc))
         if plan.env.transport == "shm":
             err = CollectiveError(f"{exc}; GRADRING_TRANSPORT=shm forbids falling back to "

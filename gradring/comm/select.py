@@ -1,6 +1,7 @@
 """Which transport and algorithm a collective uses: measured thresholds plus overrides.
 
-Environment overrides (read at every call, so a benchmark can switch):
+Environment overrides (read at every call, so a benchmark can switch; parsed and
+validated in ``gradring/config.py``):
 
 - ``GRADRING_TRANSPORT=shm|torch``: force the transport (``shm`` fails loudly
   if the ranks do not share a host);
@@ -10,7 +11,8 @@ Environment overrides (read at every call, so a benchmark can switch):
   point-to-point; ``hierarchical`` only matters there (it is the default
   when every host has the same number > 1 of ranks; elsewhere it means "the
   default");
-- ``GRADRING_TIMEOUT=<seconds>``: overrides the process group's timeout.
+- ``GRADRING_TIMEOUT=<seconds>``: overrides the process group's timeout (read
+  when the group's state is made, ``context.py``).
 
 Defaults (crossovers measured at world 2 and 4 on a 2-core VM, numbers in
 docs/collectives.md):
@@ -30,9 +32,9 @@ docs/collectives.md):
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
+from gradring import config
 from gradring.comm.transport import Kind
 
 #: Largest all-reduce (bytes) run as one-shot on shared memory, at world size 2.
@@ -45,8 +47,6 @@ def oneshot_max_bytes(world_size: int) -> int:
     """One-shot reads W buffers per rank, two-shot ~3: the crossover scales as 1/W."""
     return ONESHOT_MAX_BYTES * 2 // max(2, world_size)
 
-TRANSPORTS = ("shm", "torch")
-ALGOS = ("ring", "tree", "hierarchical", "native")
 #: Transport label of a multi-host group with shared memory inside each host.
 HOSTS = "shm+torch"
 
@@ -58,20 +58,6 @@ class Choice(NamedTuple):
     algo: str  # "direct/oneshot", "direct/twoshot", "direct", "ring", "tree", "native"
 
 
-def env_transport() -> str | None:
-    value = os.environ.get("GRADRING_TRANSPORT", "").strip().lower()
-    if value and value not in TRANSPORTS:
-        raise ValueError(f"GRADRING_TRANSPORT must be one of {TRANSPORTS}, not {value!r}")
-    return value or None
-
-
-def env_algo() -> str | None:
-    value = os.environ.get("GRADRING_ALGO", "").strip().lower()
-    if value and value not in ALGOS:
-        raise ValueError(f"GRADRING_ALGO must be one of {ALGOS}, not {value!r}")
-    return value or None
-
-
 class Overrides(NamedTuple):
     """The GRADRING_TRANSPORT / GRADRING_ALGO settings in force when a call was issued."""
 
@@ -79,31 +65,9 @@ class Overrides(NamedTuple):
     algo: str | None
 
 
-_last: tuple[tuple[Any, Any], Overrides] | None = None
-
-
-# os.environ's backing dict (bytes keys, kept in sync by os.environ): a lookup
-# there costs ~50 ns against ~1 µs through os.environ's encoding layer.
-_ENV_DATA: dict = getattr(os.environ, "_data", {})
-_KEYS = (os.environ.encodekey("GRADRING_TRANSPORT"), os.environ.encodekey("GRADRING_ALGO")) \
-    if _ENV_DATA else ()
-
-
-def overrides() -> Overrides:
-    """Both overrides, parsed once per distinct environment value (cheap per call)."""
-    global _last
-    if _KEYS:
-        raw = (_ENV_DATA.get(_KEYS[0], b""), _ENV_DATA.get(_KEYS[1], b""))
-    else:
-        raw = (os.environ.get("GRADRING_TRANSPORT", ""), os.environ.get("GRADRING_ALGO", ""))
-    if _last is None or _last[0] != raw:
-        _last = (raw, Overrides(env_transport(), env_algo()))
-    return _last[1]
-
-
-def env_timeout() -> float | None:
-    value = os.environ.get("GRADRING_TIMEOUT", "").strip()
-    return float(value) if value else None
+#: ``overrides()``: both overrides as the environment says at the call (cheap per call:
+#: see [Note: when the environment is read] in ``gradring/config.py``).
+overrides = config.view(("transport", "algo"), lambda c: Overrides(c.transport, c.algo))
 
 
 def choose(kind: Kind, nbytes: int, world_size: int, transport: str,

@@ -19,6 +19,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from gradring.comm.registry import GROUPS
+
 
 def group_store(group: Any) -> Any:
     """A store private to ``group``: torch's own prefixed store of the group, else a
@@ -74,11 +76,8 @@ def exchange_lists(comm: Any, tag: str, mine: list[int],
 
 def _group_failed(group: Any) -> bool:
     """Whether a gradring collective of ``group`` has failed in this process."""
-    from gradring.comm import context  # local: context imports this module
-
     try:
         key = group if group is not None else c10d._get_default_group()
     except Exception:  # noqa: BLE001 - no default group
         return False
-    ctx = context._contexts.get(key)
-    return ctx is not None and (ctx.failures.failed or ctx.failures.broken is not None)
+    return GROUPS.failed(key)

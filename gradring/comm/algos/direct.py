@@ -4,7 +4,7 @@
 Every rank *exposes* one buffer and *exchanges* descriptors (one barrier);
 afterwards it reads and writes peers' buffers in place. No bytes are sent: the
 only traffic is the memory traffic of the reduction itself, which is what
-bounds an intra-host all-reduce (MEASUREMENTS.md).
+bounds an intra-host all-reduce (docs/collectives.md has the figures).
 
 - ``all_reduce_twoshot`` (large messages) = reduce-scatter by direct reads +
   all-gather by direct writes: rank ``r`` reduces chunk ``r`` of every rank's

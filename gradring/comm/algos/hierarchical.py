@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-import gradring.comm.algos as algos
 from gradring.comm import ops, select
+from gradring.comm.algos import ring, tree
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, Transport
 from gradring.comm.transports.hosts import HostTransports
@@ -44,12 +44,16 @@ def _copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None
     ops.copy(dst[hi:], src[hi:])
 
 
-def _inter_all_reduce(t: Transport, info: CollectiveInfo, shard: torch.Tensor, op: Op) -> None:
+#: The all-reduces ``select.choose`` picks over point-to-point, by name. Called directly:
+#: the table in ``algos/__init__`` lists this module, so it cannot be used from here.
+_INTER = {"ring": ring.all_reduce, "tree": tree.all_reduce}
+
+
+def _inter_all_reduce(t: Transport, shard: torch.Tensor, op: Op) -> None:
     """All-reduce ``shard`` across hosts (SUM for AVG: the caller divides by W)."""
     nbytes = shard.numel() * shard.element_size()
     algo = select.choose(Kind.ALL_REDUCE, nbytes, t.world_size, "torch", None).algo
-    info = info._replace(nbytes=nbytes, algo=algo)
-    algos.run(algo, t, algos.Call(info, shard, shard, op))
+    _INTER[algo](t, shard, op)
 
 
 def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: Op) -> None:
@@ -75,7 +79,7 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
         ops.reduce_into(shard, [flat[lo:hi]] + [views[p][lo:hi] for p in others], inter_op)
     except CollectiveError as exc:
         raise h.local_error(exc) from exc
-    _inter_all_reduce(h.inter, info, shard, inter_op)
+    _inter_all_reduce(h.inter, shard, inter_op)
     ops.finish(shard, op, h.world_size)
     try:
         local.arrive()

@@ -3,12 +3,12 @@
 [Note: spin, then block]
 A waiter first spins briefly in Python (a few tens of µs: a peer that is
 running arrives in ~1 µs), then sleeps in ``FUTEX_WAIT`` in short slices so
-that it can check deadlines and peer liveness. MEASUREMENTS.md: pure spinning
-collapses when the peer has been descheduled; blocking in the kernel gives the
-core to it. Writers bump a 32-bit word with ``FUTEX_WAKE_OP`` (``*w += 1``
-and wake all waiters, atomically, in one system call), so several writers may
-share one word (a doorbell) and no wake-up is lost: a waiter passes the value
-it saw, and the kernel refuses to sleep if the word has moved since.
+that it can check deadlines and peer liveness. Pure spinning collapses when
+the peer has been descheduled; blocking in the kernel gives the core to it.
+Writers bump a 32-bit word with ``FUTEX_WAKE_OP`` (``*w += 1`` and wake all
+waiters, atomically, in one system call), so several writers may share one
+word (a doorbell) and no wake-up is lost: a waiter passes the value it saw,
+and the kernel refuses to sleep if the word has moved since.
 
 Shared-memory ordering relies on x86-64 (TSO): plain stores become visible
 in program order, so "write data, then bump the word" needs no fence. The

@@ -8,7 +8,8 @@ Words written by one rank only (barrier, sent, acked) are plain stores;
 words several ranks bump (the doorbell) use the kernel's atomic add, see
 [Note: spin, then block] in ``futex.py``. Data buffers -- staging buffers and
 ``comm.empty`` tensors -- live in further segments that peers map lazily by
-name, see [Note: segment names and leaks] in ``segments.py``.
+name (``memory.py``, an object the transport owns: ``transport.memory``), see
+[Note: segment names and leaks] in ``segments.py``.
 
 A waiting rank reads its peers' status (``status.py``): a dead pid, or a
 peer that shut gradring down or failed, ends the wait at the next 50 ms slice.
@@ -25,17 +26,15 @@ Ranks find each other through the store: ``rendezvous.connect``.
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from gradring import config
 from gradring.comm import desync
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
@@ -45,7 +44,6 @@ from gradring.comm.transports.shm.layout import (
     BARRIER_WORD,
     CHAN_MAPPED,
     DESC,
-    RETIRED_WORD,
     chan_word,
     desc_offset,
 )
@@ -57,14 +55,14 @@ _HAS_BUFFER, _ZERO_COPY, _NO_ROOM = 1, 2, 4
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
-#: sleeping in the kernel; see [Note: spin, then block]. The yield window was
-#: 1 ms: inside DDP a bucket's collective mostly waits for the peer's backward
-#: to reach the same bucket, milliseconds later, and each yield hands the GIL
-#: to the backward's hooks and takes it back. At 50 us the GPT-shaped model's
-#: DDP overhead went from 0.47-0.55x torch's to 0.38-0.44x (CPU time 0.54-0.69x
-#: to 0.29-0.38x), while 4 B to 64 KiB all-reduces stayed 2-10x gloo.
+#: sleeping in the kernel (``GRADRING_SHM_YIELD_US``); see [Note: spin, then
+#: block]. The yield window was 1 ms: inside DDP a bucket's collective mostly
+#: waits for the peer's backward to reach the same bucket, milliseconds later,
+#: and each yield hands the GIL to the backward's hooks and takes it back. A
+#: 50 us window cut that cost and left small all-reduces as fast (the figures
+#: are in docs/collectives.md, "Async engine").
 SPIN_ITERS = 64
-YIELD_S = float(os.environ.get("GRADRING_SHM_YIELD_US", "50")) * 1e-6
+YIELD_S = config.current().shm_yield_us * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
 SLICE_S = 0.05
 
@@ -77,7 +75,7 @@ class _Settled(Exception):  # noqa: N818 - control flow, never escapes this modu
     """Raised by ``_fail`` when, under the group lock, the barrier turned out complete."""
 
 
-class ShmTransport(SegmentBook):
+class ShmTransport:
     """One rank's end of a shared-memory group. Built by ``rendezvous.connect``."""
 
     name = "shm"
@@ -88,49 +86,18 @@ class ShmTransport(SegmentBook):
         # This rank and the group size (group ranks, not global ones).
         self.rank = rank
         self.world_size = world_size
-        # Name prefix of every segment this rank creates, and the job's key that
-        # turns (prefix, segno) into a name (segments.segment_name).
-        self._base = base
-        self._secret = secret
         # This rank's control segment (layout in the module docstring).
         self._ctl = ctl
         # Every rank's control segment, this rank's own included.
         self._ctls = [ctl if p == rank else peer_ctls[p] for p in range(world_size)]
         # Their 32-bit word views, indexed [rank][word] in the hot loops.
         self._words = [c.words for c in self._ctls]  # type: ignore[union-attr]
-        # Name prefixes of the peers' segments, to map their buffers by segno.
-        self._peer_bases = peer_bases
         # Process ids, to tell a dead peer from a slow one.
         self._pids = pids
         # Seconds a collective may wait for its peers.
         self._timeout = timeout
         # Number of barriers this rank has arrived at (mirrors its barrier word).
         self._epoch = 0
-        # Exchanges so far: picks the descriptor slot and staging set.
-        self._exchanges = 0
-        # Next segment number (those below are the control segment or were squatted).
-        self._segnos = itertools.count(first_segno)
-        # Two staging segments, used alternately (see [Note: direct algorithms]).
-        self._staging: list[Segment | None] = [None, None]
-        # Own data memory, sorted by address: (start, end, segno, weakref to mapping).
-        self._regions: list[tuple[int, int, int, Any]] = []
-        # Finalizers of comm.empty segments, to unlink them at close.
-        self._finalizers: list[weakref.finalize] = []
-        # Segment numbers of freed comm.empty mappings, to announce to peers.
-        self._retired: deque[int] = deque()
-        # Count of retirements announced in the control segment so far.
-        self._retired_count = 0
-        # Peers' data segments mapped here: [rank] -> {segno: Segment}.
-        self._peer_segs: list[dict[int, Segment]] = [{} for _ in range(world_size)]
-        # Which segno each peer last used for each staging set, to unmap old ones.
-        self._peer_staging: list[list[int]] = [[0, 0] for _ in range(world_size)]
-        # Retirements seen per peer.
-        self._peer_retired = [0] * world_size
-        # Typed views of buffers, reused while sizes repeat: (rank, segno, offset,
-        # nbytes, dtype) -> tensor. Cleared before any segment is unmapped.
-        self._views: dict[tuple[int, int, int, int, torch.dtype], torch.Tensor] = {}
-        # Where the buffer passed to expose() lives: (segno, offset), until exchange.
-        self._exposed: tuple[int, int] | None = None
         # Collective in flight (for errors) and when it must be done.
         self._info: CollectiveInfo | None = None
         self._deadline = 0.0
@@ -147,14 +114,17 @@ class ShmTransport(SegmentBook):
         # the hashes (and their comparison) only with GRADRING_CHECK (``_full_check``).
         self._fp: tuple[int, ...] = (0,) * 6
         self._full_check = False
-        # Guards allocation state touched from the caller's thread (empty()).
-        self._lock = threading.Lock()
-        # Bytes copied into staging so far (tests check comm.empty avoids it).
-        self.staged_bytes = 0
-        # Bytes of a staging buffer this rank could not reserve for the exchange in
-        # progress (0: none), and bytes of /dev/shm it holds (for the advice).
-        self._no_room = 0
-        self.reserved = segments.page_round(ctl.size) if ctl is not None else 0
+        # The data segments, own and peers' (``memory.py``); the transport's
+        # ``expose``, ``empty`` and ``locate`` are its methods, bound here so the
+        # collective path makes no extra call.
+        self.memory = SegmentBook(
+            rank=rank, world_size=world_size, base=base, secret=secret,
+            peer_bases=peer_bases, words=self._words, first_segno=first_segno,
+            reserved=segments.page_round(ctl.size) if ctl is not None else 0,
+            cannot_map=self._cannot_map, bad_peer=self._fail_peer)
+        self.expose = self.memory.expose
+        self.empty = self.memory.empty
+        self.locate = self.memory.locate
         # Point-to-point messages (ring, tree), through the control segments' slots.
         self._mail = Mailboxes(rank, self._ctls, check_sender=self._check_sender,
                                fail=self._fail, block=self._block)
@@ -205,18 +175,7 @@ class ShmTransport(SegmentBook):
         if self._broken is None:
             self._let_peers_map()
             self._set_state(shm_status.CLOSED)  # peers still waiting for us stop at once
-        for fin in self._finalizers:
-            fin()
-        self._finalizers = []
-        self._views.clear()
-        for seg in self._staging:
-            if seg is not None:
-                seg.close()
-        self._staging = [None, None]
-        for segs in self._peer_segs:
-            for seg in segs.values():
-                seg.close()
-            segs.clear()
+        self.memory.close()
         self._words = []
         self._mail.close()
         for seg in self._ctls:
@@ -224,7 +183,6 @@ class ShmTransport(SegmentBook):
                 seg.close()
         self._ctls = []
         self._ctl = None  # type: ignore[assignment]
-        self._regions = []
         self._broken = self._broken or "closed"
         _live.discard(self)
 
@@ -299,6 +257,11 @@ class ShmTransport(SegmentBook):
         self._broken = msg
         return CollectiveError(msg)
 
+    def _cannot_map(self, p: int, name: str, exc: Exception) -> CollectiveError:
+        """Rank ``p``'s segment ``name`` did not map: fail, naming ``p`` if it is gone."""
+        self._check_alive(f"mapping {name}", [p])
+        return self._fail(f"cannot map its segment {name}: {exc}", [p])
+
     def _fail_peer(self, p: int, what: str) -> CollectiveError:
         """Rank ``p`` published something impossible: fail (for the group), naming it."""
         self._decide(shm_status.LOST_PEER, f"rank {p} published a bad descriptor")
@@ -363,13 +326,7 @@ class ShmTransport(SegmentBook):
         this rank is gone. Safe from a signal handler."""
         if self._ctl is None or os.getpid() != self._pid:
             return
-        for fin in list(self._finalizers):
-            found = fin.peek()
-            if found is not None:
-                segments.unlink_quietly(found[2][0], self._pid)
-        for seg in self._staging:
-            if seg is not None:
-                seg.unlink()
+        self.memory.release_names(self._pid)
         self._ctl.unlink()
         if self._broken is None:
             self._set_state(shm_status.CLOSED)
@@ -486,23 +443,16 @@ class ShmTransport(SegmentBook):
 
     def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
                  zero_copy: bool) -> Exchange:
-        slot = self._exchanges & 1
-        self._exchanges += 1
-        if self._retired:
-            self._announce_retired()
+        mem = self.memory
+        slot, no_room, segno, offset = mem.outgoing(exposed)
         nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
-        flags, segno, offset = 0, 0, 0
+        flags = 0
         self._last_staged = 0
-        if self._no_room:
-            flags, offset, exposed = _NO_ROOM, self._no_room, None
-            self._no_room = 0
+        if no_room:
+            flags, offset, exposed = _NO_ROOM, no_room, None
         elif exposed is not None:
-            loc = self._exposed or self.locate(exposed)
-            assert loc is not None, "exchange() of a buffer expose() did not return"
-            segno, offset = loc
             flags = _HAS_BUFFER | (_ZERO_COPY if zero_copy else 0)
             self._last_staged = 0 if zero_copy else segno
-        self._exposed = None
         desc_off = desc_offset(slot)
         DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), flags, nbytes,
                         dcode, segno, offset, self._fp[4], self._fp[5])
@@ -521,24 +471,14 @@ class ShmTransport(SegmentBook):
             if theirs[:4] != (info.seq, int(info.kind), nbytes, dcode) or \
                     self._full_check and theirs[4:] != self._fp[4:]:
                 self._desync(p, theirs)
-            if self._peer_retired[p] != self._words[p][RETIRED_WORD]:
-                self._collect_retired(p)
             if not pflags & _HAS_BUFFER:
+                mem.collect_retired(p)
                 views.append(None)
                 continue
-            if not pflags & _ZERO_COPY:
-                old = self._peer_staging[p][slot]
-                if old != psegno:  # the peer grew this staging set: drop the old map
-                    self._forget_peer_segment(p, old)
-                    self._peer_staging[p][slot] = psegno
-            else:
+            staged = not pflags & _ZERO_COPY
+            if not staged:
                 any_zero_copy = True
-            seg = self._peer_segment(p, psegno)
-            if poff + pbytes > seg.size:  # offsets are unsigned: only the end can overflow
-                raise self._fail_peer(p, f"its descriptor points past the end of its segment "
-                                         f"{seg.name} (bytes {poff}..{poff + pbytes} of "
-                                         f"{seg.size})")
-            views.append(self._view(p, seg, psegno, poff, pbytes, info.dtype))
+            views.append(mem.peer_view(p, slot, staged, psegno, poff, pbytes, info.dtype))
         self._open = any(v is not None for v in views)
         return Exchange(views, any_zero_copy)
 
