@@ -34,6 +34,7 @@ from typing import Any
 import torch.nn.parallel
 import torch.nn.parallel.distributed
 
+from gradring.announce import logger
 from gradring.captures import find_captures, module_label
 
 __all__ = ["install", "installed", "uninstall"]
@@ -171,6 +172,8 @@ def _rebind_captures(cls: type) -> None:
                 _warn_once(capture.module, f"its global {name!r} could not be rebound")
                 continue
             _rebound.append((capture.module, name))
+            logger.debug("gradring.install(): %s.%s now constructs gradring's DDP",
+                         capture.module.__name__, name)
 
 
 def _warn_once(module: ModuleType, why: str) -> None:
