@@ -39,7 +39,9 @@ __all__ = ["Capture", "find_captures", "module_label"]
 class Capture:
     """One module holding torch's class under ``names``, and the verdict on it."""
 
+    #: The module whose globals hold the class.
     module: ModuleType
+    #: Every global name in it bound to the class (``DistributedDataParallel``, ``DDP``, ...).
     names: tuple[str, ...]
     #: "rebind" (may construct), "leave" (checks only) or "unreadable".
     verdict: str
