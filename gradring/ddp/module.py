@@ -40,6 +40,7 @@ from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import autocap, errors, pytree
 from gradring import compile as compile_split
+from gradring.announce import announce_first_forward
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.ddp import join
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
@@ -316,6 +317,7 @@ class DistributedDataParallel(TorchDDP):
         """Before the module runs: rebuild buckets once, sync buffers, move inputs."""
         if not self._lazy_init_ran:
             self._lazy_init()
+            announce_first_forward(self)  # [Note: which DDP did I get] in announce.py
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._join_config.enable:
             # Tells joined ranks whether this iteration reduces gradients.

@@ -260,6 +260,69 @@ def lightning_lifecycle(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _fabric(impl: str, precision: str) -> Any:
+    from lightning.fabric import Fabric
+
+    import gradring.lightning  # noqa: F401 - registers strategy="gradring" for Fabric too
+
+    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=1, precision=precision,
+                    strategy="ddp" if impl == "torch" else "gradring")
+    fabric.launch()
+    return fabric
+
+
+def _fabric_model(fabric: Any) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    return fabric.setup(net, opt)
+
+
+def _fabric_epochs(fabric: Any, model: Any, opt: Any, epochs: int, accumulate: int
+                   ) -> list[float]:
+    """Plain Fabric loop; the accumulating backwards run under ``no_backward_sync``."""
+    loader = fabric.setup_dataloaders(_loader())
+    losses = []
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(loader):
+            stepping = (i + 1) % accumulate == 0
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                loss = F.mse_loss(model(x), y)
+                fabric.backward(loss / accumulate)
+            if stepping:
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def fabric_case(rank: int, world: int, case: str, root: str) -> dict[str, Any]:
+    """Fabric with ``strategy="ddp"`` and with ``strategy="gradring"``; both results come back."""
+    launched_like_torchrun(rank, world)
+    results: dict[str, Any] = {}
+    for impl in ("torch", "gradring"):
+        fabric = _fabric(impl, "bf16-mixed" if case == "bf16" else "32-true")
+        model, opt = _fabric_model(fabric)
+        out: dict[str, Any] = {"wrapper": type(model._forward_module).__module__}
+        out["losses"] = _fabric_epochs(fabric, model, opt, 2, 2 if case == "accumulate" else 1)
+        if case == "save_load":
+            path = os.path.join(root, f"{impl}.ckpt")
+            fabric.save(path, {"model": model, "optimizer": opt, "tag": impl})
+            fabric.barrier()
+            saved = params_of(model.module)
+            model2, opt2 = _fabric_model(fabric)
+            state = {"model": model2, "optimizer": opt2}
+            rest = fabric.load(path, state)
+            out["loaded_matches"] = exactly_equal(params_of(model2.module), saved)
+            out["rest"] = rest
+            out["losses"] += _fabric_epochs(fabric, model2, opt2, 1, 1)
+            model = model2
+        out["params"] = params_of(model.module)
+        results[impl] = out
+    results["segments_left"] = release()
+    return results
+
+
 # ---------------------------------------------------------------- test side
 
 
@@ -336,3 +399,39 @@ def test_registry_and_subclass() -> None:
     assert fup["init_params"] == {"find_unused_parameters": True}
     s = gradring.lightning.DDPStrategy(static_graph=True, bucket_cap_mb=5, timeout=None)
     assert s._ddp_kwargs == {"static_graph": True, "bucket_cap_mb": 5}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("case", ["accumulate", "save_load", "bf16"])
+def test_fabric_matches_ddp(integ_pool, tmp_path, case: str) -> None:
+    results = integ_pool.run(fabric_case, case, str(tmp_path))
+    for rank, res in enumerate(results):
+        assert res["segments_left"] == [], res["segments_left"]
+        assert res["torch"]["wrapper"] == "torch.nn.parallel.distributed"
+        assert res["gradring"]["wrapper"] == "gradring.ddp"
+        for key in ("losses", "params"):
+            a, b = res["torch"][key], res["gradring"][key]
+            assert exactly_equal(a, b), f"rank {rank}, {key}: {first_difference(a, b)}"
+        if case == "save_load":
+            assert res["gradring"]["loaded_matches"] and res["torch"]["loaded_matches"]
+            assert res["gradring"]["rest"] == {"tag": "gradring"}
+    assert results[0]["gradring"]["losses"] != results[1]["gradring"]["losses"]
+    assert exactly_equal(results[0]["gradring"]["params"], results[1]["gradring"]["params"])
+
+
+def test_fabric_registry_and_subclass() -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    import gradring.lightning
+
+    assert issubclass(gradring.lightning.FabricDDPStrategy, FabricDDP)
+    assert STRATEGY_REGISTRY["gradring"]["strategy"] is gradring.lightning.FabricDDPStrategy
+    fup = STRATEGY_REGISTRY["gradring_find_unused_parameters_true"]
+    assert fup["init_params"] == {"find_unused_parameters": True}
+    # Fabric accepts both forms (it refused the Trainer's class and the name before).
+    for strategy in ("gradring", gradring.lightning.FabricDDPStrategy(static_graph=True)):
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+        assert isinstance(fabric.strategy, gradring.lightning.FabricDDPStrategy)
