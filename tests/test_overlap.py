@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -274,3 +275,23 @@ def test_slow_early_layer_hides_communication(pools) -> None:
         assert r["overlap_ratio"] > max(q["overlap_ratio"] for q in last)
     # That sleep lies inside backward_start..backward_end; the other one outside.
     assert min(r["backward_ms"] for r in first) > max(r["backward_ms"] for r in last)
+
+
+def test_export_makes_its_folder_and_merge_waits_for_late_ranks(tmp_path) -> None:
+    import threading
+
+    run = tmp_path / "run" / "deeper"
+    p0 = export_chrome_trace(_fake_ddp(two_buckets(1), 0), str(run / "rank0.json"))
+    late = str(run / "rank1.json")
+    # Rank 1 writes its trace a little after rank 0 starts merging.
+    writer = threading.Timer(0.3, export_chrome_trace, (_fake_ddp(two_buckets(1), 1), late))
+    writer.start()
+    try:
+        out = merge_traces([p0, late], str(tmp_path / "merged" / "trace.json"))
+    finally:
+        writer.join()
+    merged = json.loads(open(out).read())
+    assert merged["otherData"]["ranks"] == [0, 1]
+    assert not [n for n in os.listdir(run) if n.endswith(".tmp")]
+    with pytest.raises(FileNotFoundError, match="rank7.json"):
+        merge_traces([p0, str(run / "rank7.json")], str(tmp_path / "m2.json"), wait_s=0.2)

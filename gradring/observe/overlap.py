@@ -58,8 +58,11 @@ millisecond), which is enough to line up buckets, not to time one collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -363,17 +366,44 @@ def export_chrome_trace(ddp: Any, path: str, *, rank: int | None = None,
     }
     if hasattr(ddp, "comm") and hasattr(ddp, "module"):  # a gradring DDP, not a stand-in
         doc["otherData"]["gradring_explain"] = rank_record(ddp, curve)
-    with open(path, "w") as f:
-        json.dump(doc, f)
+    _write_whole(path, doc)
     return path
 
 
-def merge_traces(paths: Sequence[str], out: str) -> str:
+def _write_whole(path: str, doc: dict[str, Any]) -> None:
+    """Write JSON so that a reader sees no file or the whole file, never half of
+    one (another rank may be waiting for it in merge_traces); make the folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def merge_traces(paths: Sequence[str], out: str, *, wait_s: float = 120.0) -> str:
     """Merge per-rank traces into one file on a shared time axis ([Note: trace clocks]).
 
     Each input keeps its pid (its rank); times are shifted so that the
-    earliest rank's first event is at 0. Returns ``out``.
+    earliest rank's first event is at 0. Returns ``out``. Ranks write their
+    traces at their own pace: a file not there yet is waited for, up to
+    ``wait_s`` seconds (export_chrome_trace writes each file whole, so one that
+    exists is complete); then the error names the missing files.
     """
+    deadline = time.monotonic() + wait_s
+    missing = [p for p in paths if not os.path.exists(p)]
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.05)
+        missing = [p for p in missing if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"merge_traces: after {wait_s:g}s these traces are still "
+                                f"missing: {', '.join(missing)} (did every rank call "
+                                "export_chrome_trace?)")
     docs = []
     for p in paths:
         with open(p) as f:
@@ -396,6 +426,5 @@ def merge_traces(paths: Sequence[str], out: str) -> str:
                                                  for d in docs if "gradring_explain"
                                                  in d.get("otherData", {})],
                             "alignment": "per-rank wall-clock origin (time.time offset)"}}
-    with open(out, "w") as f:
-        json.dump(merged, f)
+    _write_whole(out, merged)
     return out
