@@ -76,6 +76,14 @@ def test_wait_for_the_slowest_rank_is_split_off_the_exposed_time() -> None:
             "events": [list(e) for e in evs]} for r, evs in enumerate((fast, slow))]
     x = ex.analyse(rec)
     assert x.parts[0]["wait"] == pytest.approx(1.5) and x.parts[1]["wait"] == 0.0
+    # The printed table gives the whole exposed time (overlap_stats' figure) on one
+    # row and its parts indented below it, never a part under the whole's name.
+    rows = {line[:17].strip(): line[17:].split() for line in
+            ex.format_explanation(x).splitlines()[2:11]}
+    total = x.parts[0]["wait"] + x.parts[0]["last_bucket"] + x.parts[0]["exposed"]
+    assert float(rows["exposed comm"][0]) == pytest.approx(total, abs=0.01)
+    assert float(rows["wait (peers)"][0]) == pytest.approx(1.5, abs=0.01)
+    assert {"last bucket", "earlier buckets"} <= set(rows)
 
 
 def _facts(**kw: object) -> dict:

@@ -51,6 +51,14 @@ PARTS = ("forward", "backward", "exposed", "last_bucket", "wait", "optimizer", "
 LABELS = {"forward": "forward", "backward": "backward", "exposed": "exposed comm",
           "last_bucket": "last bucket", "wait": "wait (peers)", "optimizer": "optimizer",
           "other": "other"}
+#: The printed breakdown: the exposed communication is one row (the same figure
+#: as ``overlap_stats()['exposed_ms']`` per step), then the three parts it is
+#: made of, indented; the unindented rows add up to the step.
+EXPOSED_PARTS = ("wait", "last_bucket", "exposed")
+TABLE_ROWS = (("forward", "forward"), ("backward", "backward"),
+              ("exposed_total", "exposed comm"), ("wait", "  wait (peers)"),
+              ("last_bucket", "  last bucket"), ("exposed", "  earlier buckets"),
+              ("optimizer", "optimizer"), ("other", "other"), ("step", "step"))
 #: A finding's predicted saving must reach both of these to be reported ...
 MIN_SAVING_MS = 0.1
 MIN_SAVING_FRACTION = 0.02
@@ -437,15 +445,18 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
 def format_explanation(x: Explanation) -> str:
     ranks = x.ranks
     lines = [f"gradring explain: {len(ranks)} rank(s), medians over {x.steps} step(s)",
-             f"{'ms per step':<14}" + "".join(f"{'rank ' + str(r):>16}" for r in ranks)]
-    for key in (*PARTS, "step"):
-        row = f"{LABELS.get(key, key):<14}"
+             f"{'ms per step':<17}" + "".join(f"{'rank ' + str(r):>16}" for r in ranks)]
+    for key, label in TABLE_ROWS:
+        row = f"{label:<17}"
         for r in ranks:
-            v, s = x.parts[r][key], x.parts[r]["step"]
+            part = x.parts[r]
+            v = sum(part[k] for k in EXPOSED_PARTS) if key == "exposed_total" else part[key]
+            s = part["step"]
             row += f"{v:>9.2f} {v / s:>5.0%}" if key != "step" and s > 0 else f"{v:>9.2f}      "
         lines.append(row)
-    lines.append("(forward includes buffer sync and the graph walk; other: loss, zero_grad, "
-                 "data, copies into .grad)")
+    lines.append("(exposed comm: collectives still running after the backward, as in "
+                 "overlap_stats() and the demo; forward includes buffer sync and the graph "
+                 "walk; other: loss, zero_grad, data, copies into .grad)")
     s = x.straggler
     if s is None:
         lines.append(f"stragglers: none (compute within {STRAGGLER_FRACTION:.0%} across ranks)"
