@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradring import autocap, errors
 from gradring import compile as compile_split
+from gradring import errors
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.ddp_surface import TorchDDP, TorchSurface
 from gradring.graph import GraphMode, iter_tensors
@@ -29,7 +29,7 @@ from gradring.group_comm import GroupComm
 from gradring.join import DDPJoinHook, Joinable, global_flag, last_joiner_rank
 from gradring.observe.trace import profiled
 from gradring.output_boundary import wrap_outputs
-from gradring.reducer import CommHook, Reducer
+from gradring.reducer import CommHook, Reducer, autocap
 
 __all__ = ["DistributedDataParallel"]
 

@@ -238,7 +238,7 @@ class TorchSurface:
         bucket = sig.parameters.get("bucket")
         if bucket is not None and bucket.annotation not in (inspect._empty, dist.GradBucket) \
                 and not isinstance(bucket.annotation, str):
-            from gradring.grad_bucket import GradBucket
+            from gradring.buckets.grad_bucket import GradBucket
 
             if bucket.annotation is not GradBucket:
                 self._log_and_throw(ValueError, "Communication hook: bucket annotation "

@@ -207,11 +207,7 @@ def facts_of(ddp: Any) -> dict[str, Any]:
     """The settings and sizes explain's findings need, from one rank's DDP (plain data)."""
     r = ddp.reducer
     comm = ddp._comm
-    spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in r.buckets]
-    outside = sum(t.numel() * t.element_size() for t in getattr(r, "_recycled", {}).values())
-    for p in r.params:
-        if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
-            outside += p.grad.numel() * p.grad.element_size()
+    outside = r.grad_bytes_outside_buckets()
     buffers = [(n, b.numel() * b.element_size(), int(b._version))
                for n, b in ddp.module.named_buffers()]
     mode = getattr(r.mode, "name", str(r.mode))
@@ -219,7 +215,7 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "rank": comm.rank, "world_size": comm.world_size,
         "device": str(ddp.device),
         "find_unused": bool(ddp.find_unused_parameters) and mode == "FIND_UNUSED",
-        "unused_last": len(getattr(r, "_unused", [])),
+        "unused_last": len(r.unused_in_last_forward()),
         "static_graph": bool(ddp.static_graph),
         "bucket_view": bool(ddp.gradient_as_bucket_view),
         "comm_hook": "" if r.comm_hook is None else
@@ -522,7 +518,7 @@ def format_explanation(x: Explanation) -> str:
 def measure_link(ddp: Any) -> CommCurve:
     """All-reduce time against size on ``ddp``'s group, up to its gradients' size
     (``autocap.measure_allreduce``). Collective: every rank calls it."""
-    from gradring.autocap import curve_sizes, measure_allreduce
+    from gradring.reducer.autocap import curve_sizes, measure_allreduce
 
     total = sum(p.numel() * p.element_size() for p in ddp.reducer.params)
     return measure_allreduce(ddp._comm, curve_sizes(total))
