@@ -17,7 +17,7 @@ and the cap chosen at the rebuild ([Note: automatic bucket cap] in
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,8 @@ class Rebuild:
     def __init__(self, num_params: int, *, auto_cap: bool) -> None:
         # How many parameters a complete order lists.
         self._n = num_params
-        # Order in which gradients arrived, recorded once for the rebuild.
+        # Order in which gradients arrived, recorded once for the rebuild; changed
+        # in place only (recorder() hands out its append).
         self._order: list[int] = []
         # bucket_cap_mb="auto": timings of the recorded backward (see [Note:
         # automatic bucket cap] in autocap.py); None once decided, or without "auto".
@@ -61,11 +62,15 @@ class Rebuild:
         if self._stamps is not None:
             self._stamps.t_end = time.perf_counter()
 
-    def note(self, i: int) -> None:
-        """Parameter ``i``'s gradient arrived (only in the backward that records)."""
+    def recorder(self) -> Callable[[int], None]:
+        """What the recording backward calls with each arriving parameter's
+        index: the order's own append (no Python frame per gradient), or with
+        "auto" one that also stamps the time."""
+        return self._order.append if self._stamps is None else self._note_stamped
+
+    def _note_stamped(self, i: int) -> None:
         self._order.append(i)
-        if self._stamps is not None:
-            self._stamps.mark(i)
+        self._stamps.mark(i)
 
     def order(self) -> list[int]:
         """The arrival order recorded so far."""
@@ -80,7 +85,7 @@ class Rebuild:
         was seen, so this rank rebuilds in step with the others (rank 0's
         order is what counts)."""
         if not self.complete():
-            self._order = list(range(self._n))
+            self._order[:] = range(self._n)  # in place: recorder() hands out its append
 
     # -------------------------------------------------------------- the rebuild
     def caps(self, comm: Any, names: list[str], sizes: list[int], keys: list[Any],
@@ -98,7 +103,7 @@ class Rebuild:
         self.has_rebuilt = True
         self.bucket_sizes = [b.nbytes for b in buckets]
         self.param_indices = [list(b.param_indices) for b in buckets]
-        self._order = []
+        self._order.clear()
 
 
 def overlap_choice(comm: Any, keys: Sequence[tuple[torch.dtype, torch.device]]

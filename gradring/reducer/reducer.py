@@ -37,6 +37,7 @@ stays unfinished, and the next forward raises, naming the parameters.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -174,8 +175,10 @@ class Reducer:
         # Backward passes that ran with sync on (static_graph's iteration counter).
         self.num_backward = 0
         self.num_forward = 0
-        # Whether this backward records the gradients' arrival order (for the rebuild).
+        # Whether this backward records the gradients' arrival order (for the
+        # rebuild), and then what records each arrival (Rebuild.recorder).
         self._record_arrival = False
+        self._note_arrival: Callable[[int], None] | None = None
         # One post-accumulate-grad hook per parameter.
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -431,6 +434,7 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._first_hook_done = False
         self._record_arrival = self._recording_arrival()
+        self._note_arrival = self._rebuild.recorder() if self._record_arrival else None
         self._next_bucket = 0
         for b in self.buckets:
             b.reset()
@@ -451,15 +455,15 @@ class Reducer:
         # The hook lives in the parameter's C++ autograd metadata, where Python's
         # cycle collector cannot see it: a strong reference to the reducer would
         # keep it, its buckets and their shared memory alive as long as the model.
-        ref = weakref.ref(self)
+        # A partial (no Python frame of its own) of the static _on_grad.
+        return functools.partial(Reducer._on_grad, weakref.ref(self), index)
 
-        def hook(_param: torch.Tensor) -> None:
-            reducer = ref()
-            if reducer is not None:
-                reducer._on_grad(index)
-        return hook
-
-    def _on_grad(self, i: int) -> None:
+    @staticmethod
+    def _on_grad(ref: weakref.ref, i: int, _param: torch.Tensor) -> None:
+        """Parameter ``i``'s post-accumulate-grad hook (see [Note: the per-gradient path])."""
+        self = ref()
+        if self is None:
+            return
         state = self.state
         if state is not _REDUCING and state is not _EXPECTING:
             if state is _FINALIZED:
@@ -499,11 +503,13 @@ class Reducer:
         return self._unused if self.mode is GraphMode.FIND_UNUSED else []
 
     # [Note: the per-gradient path]
-    # _mark_ready runs once per parameter per backward, so it does no more than
-    # it must: the iteration's state is one attribute compared by identity, the
+    # _on_grad and _mark_ready run once per parameter per backward, so they do
+    # no more than they must: the hook is a partial of _on_grad (one Python
+    # frame), the iteration's state is one attribute compared by identity, the
     # bucket, slot and put function come from one precomputed route (rebuilt
     # whenever slot kinds are decided), the bucket counts the gradient in with
-    # one call (Bucket.arrive), the arrival flag is decided once per backward,
+    # one call (Bucket.arrive), what records the arrival order (a list's own
+    # append, unless bucket_cap_mb="auto" stamps too) is decided once per backward,
     # grad mode is switched off only when it is on (it is off inside an
     # ordinary backward; on under create_graph), the scale is multiplied as a
     # cached 0-dim tensor (see packing.scale_tensor), and tracing marks
@@ -534,8 +540,9 @@ class Reducer:
             finally:
                 if grad_mode:
                     torch._C._set_grad_enabled(True)
-        if self._record_arrival:
-            self._rebuild.note(i)
+        note = self._note_arrival
+        if note is not None:
+            note(i)
         if full:
             if bucket.deferred:
                 put_deferred(bucket, 1.0 if self.comm_hook is not None else
@@ -654,7 +661,7 @@ class Reducer:
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
         self.trace.mark("backward_end")
-        if self._recording_arrival():
+        if self._record_arrival:  # decided for this backward by prepare_for_backward
             self._rebuild.stamp_end()
         used: list[int] | None = self._static.used()
         if self._used_future is not None:
