@@ -1,4 +1,4 @@
-"""bucket_cap_mb="auto" (gradring/autocap.py).
+"""bucket_cap_mb="auto" (gradring/reducer/autocap.py).
 
 - the decision against the simulator's own extremes: a slow collective next to
   a long, evenly spread backward must pick a cap that splits the model; a

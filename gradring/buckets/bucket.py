@@ -105,6 +105,7 @@ class Bucket:
         self.param_indices = param_indices
         # The parameters themselves, in slot order.
         self.params = params
+        # Elements per slot, and the parameters' shapes (what the slot views take).
         self.numels = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]
         # Element offset of each slot inside the flat buffer.

@@ -103,11 +103,13 @@ class Reducer:
         self.mode = mode
         # gradient_as_bucket_view: .grad is the bucket slot.
         self.grad_as_view = gradient_as_bucket_view
-        # Optional communication hook and its state (set_comm_hook).
+        # Optional communication hook (set_comm_hook) ...
         self.comm_hook: CommHook | None = None
+        # ... and the state it is called with.
         self.comm_hook_state: Any = None
-        # Sizes in bytes and (dtype, device) keys, fixed for the module's life.
+        # Sizes in bytes, fixed for the module's life (the bucket assignment's input).
         self._sizes = [p.numel() * p.element_size() for p in self.params]
+        # (dtype, device) keys: tensors of different keys never share a bucket.
         self._keys = [bucket_key(p) for p in self.params]
         # The recorded arrival order and what the rebuild made (see [Note: the rebuild]).
         self._rebuild = Rebuild(len(self.params), auto_cap=auto_cap)
@@ -118,6 +120,7 @@ class Reducer:
         # backward, and why: rank 0's choice, set with every bucket assignment
         # (see [Note: overlap needs a free core] in overlap_policy.py).
         self.overlap = True
+        # Why (said by explain and overlap_stats).
         self.overlap_why = ""
         # Ranks may pass different bucket caps; torch's DDP then follows rank
         # 0's assignment, and so does this one.
@@ -174,6 +177,7 @@ class Reducer:
         self._delayed = False
         # Backward passes that ran with sync on (static_graph's iteration counter).
         self.num_backward = 0
+        # Forwards that prepared a synchronised backward (set_static_graph's check, error keys).
         self.num_forward = 0
         # Whether this backward records the gradients' arrival order (for the
         # rebuild), and then what records each arrival (Rebuild.recorder).
@@ -461,41 +465,41 @@ class Reducer:
     @staticmethod
     def _on_grad(ref: weakref.ref, i: int, _param: torch.Tensor) -> None:
         """Parameter ``i``'s post-accumulate-grad hook (see [Note: the per-gradient path])."""
-        self = ref()
-        if self is None:
+        reducer = ref()
+        if reducer is None:
             return
-        state = self.state
+        state = reducer.state
         if state is not _REDUCING and state is not _EXPECTING:
             if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
                 # torch, say so once (docs/ddp-differences.md).
-                self.state = _IDLE
-                if not self._warned_second_backward:
-                    self._warned_second_backward = True
+                reducer.state = _IDLE
+                if not reducer._warned_second_backward:
+                    reducer._warned_second_backward = True
                     warnings.warn(errors.backward_twice(), RuntimeWarning, stacklevel=2)
             return  # no_sync, or a backward not preceded by a DDP forward
-        mode = self.mode
+        mode = reducer.mode
         if mode is _STATIC:
-            if self.num_backward == 0:
-                self._static.count(i)  # iteration 1: count only, reduce at the end
+            if reducer.num_backward == 0:
+                reducer._static.count(i)  # iteration 1: count only, reduce at the end
                 return
-            remaining = self._static_remaining
+            remaining = reducer._static_remaining
             left = remaining[i] - 1
             remaining[i] = left
             if left > 0:
                 return
-            if left < 0 and not self._static.was_counted(i):
-                raise self._fail(errors.static_graph_newly_used(i, self.names[i]))
-        if not self._first_hook_done:
-            self._first_hook_done = True
-            self.trace.mark("backward_start")
-            for j in self._unused_for_iteration():
-                self._mark_ready(j)
-        if mode is _FIND_UNUSED and self.params[i].grad is not None:
+            if left < 0 and not reducer._static.was_counted(i):
+                raise reducer._fail(errors.static_graph_newly_used(i, reducer.names[i]))
+        if not reducer._first_hook_done:
+            reducer._first_hook_done = True
+            reducer.trace.mark("backward_start")
+            for j in reducer._unused_for_iteration():
+                reducer._mark_ready(j)
+        if mode is _FIND_UNUSED and reducer.params[i].grad is not None:
             # A hook can fire with no gradient (its output was not used in the
             # loss); such a parameter is not "used" and its .grad stays put.
-            self._local_used[i] = 1
-        self._mark_ready(i)
+            reducer._local_used[i] = 1
+        reducer._mark_ready(i)
 
     def _unused_for_iteration(self) -> list[int]:
         if self.mode is GraphMode.STATIC:
