@@ -480,7 +480,7 @@ class Reducer:
             return  # no_sync, or a backward not preceded by a DDP forward
         mode = reducer.mode
         if mode is _STATIC:
-            if reducer.num_backward == 0:
+            if reducer.num_backward == 0:  # in_static_first_iteration, without the property
                 reducer._static.count(i)  # iteration 1: count only, reduce at the end
                 return
             remaining = reducer._static_remaining
