@@ -88,7 +88,7 @@ def steps(model: Any, params: nn.Module, opt: torch.optim.Optimizer, x: torch.Te
 
 def rank_main(rank: int, world: int, path: str, args: argparse.Namespace, q: Any) -> None:
     torch.set_num_threads(1)
-    from gradring import compile as compile_split
+    from gradring.compile import split as compile_split
 
     compile_split.SPLIT_BY = args.split
     dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank,

@@ -1,7 +1,7 @@
 """A model of one DDP step: when each bucket's all-reduce runs, and what it leaves exposed.
 
 Pure arithmetic over two measurements, shared by ``bucket_cap_mb="auto"``
-(``autocap.py``, online) and the command-line tools (``gradring tune`` and
+(``reducer/autocap.py``, online) and the command-line tools (``gradring tune`` and
 ``gradring plan``, offline). Nothing here measures, talks to a process group
 or parses arguments, so the runtime imports it without loading any tool.
 

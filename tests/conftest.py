@@ -6,7 +6,7 @@ import pytest
 
 # On a CI machine with as many ranks as cores the reducer would reduce every
 # bucket at the end of the backward (see [Note: overlap needs a free core] in
-# gradring/overlap_policy.py). The suite keeps testing the launch at ready
+# gradring/reducer/overlap_policy.py). The suite keeps testing the launch at ready
 # time, the path of machines with cores to spare; test_overlap_policy.py tests
 # the other one. Rank pools and example subprocesses inherit this.
 os.environ.setdefault("GRADRING_OVERLAP", "1")

@@ -1,4 +1,4 @@
-"""bucket_cap_mb="auto" (gradring/autocap.py).
+"""bucket_cap_mb="auto" (gradring/reducer/autocap.py).
 
 - the decision against the simulator's own extremes: a slow collective next to
   a long, evenly spread backward must pick a cap that splits the model; a
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import gradring
-from gradring import autocap, step_model
+from gradring import step_model
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
+from gradring.reducer import autocap
 from tests import oracle
 
 
@@ -64,7 +65,7 @@ def _auto_vs_torch(rank: int, world: int) -> dict:
         x, _ = oracle.make_batch("wide", step, rank, world)
         ddp(x.double()).sum().backward()
         if step == 0:
-            order = list(ddp.reducer._arrival)
+            order = ddp.reducer.arrival_order()
     data = ddp._get_ddp_logging_data()
     r = ddp.reducer
     expect = assign_buckets(r._sizes, [DEFAULT_FIRST_BUCKET_BYTES, r.bucket_cap_bytes],

@@ -68,7 +68,7 @@ def _overlap(rank, world_size):
         ddp(x).sum().backward()
     trace = ddp.reducer.trace
     it = trace.iteration - 1
-    late_bucket = ddp.reducer._locator[2][0]  # late.weight
+    late_bucket = ddp.reducer.bucket_of(2)  # late.weight
     done = trace.first(it, "comm_done", late_bucket)
     end = trace.first(it, "backward_end")
     return {"late_bucket": late_bucket, "nbuckets": len(ddp.reducer.buckets),

@@ -312,7 +312,6 @@ class ContainerNet(nn.Module):
         torch.manual_seed(0)
         self.fc = nn.Linear(5, 3)
         self.side = nn.Linear(5, 3)
-        self.unused = nn.Linear(5, 3)
 
     def forward(self, pair: Pair, batch: Batch, opts: dict) -> tuple[Pair, Batch]:
         a = self.fc(pair.x) * pair.scale

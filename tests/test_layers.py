@@ -55,7 +55,7 @@ def _probe(also: str = "") -> dict:
 
 def test_import_gradring_loads_no_tool_module() -> None:
     found = _probe()
-    assert "gradring.ddp" in found["modules"] and "gradring.autocap" in found["modules"]
+    assert "gradring.ddp" in found["modules"] and "gradring.reducer.autocap" in found["modules"]
     assert "gradring.step_model" in found["modules"]
     tools = [m for m in found["modules"] if m == "gradring.tools" or
              m.startswith("gradring.tools.")]

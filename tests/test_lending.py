@@ -1,4 +1,4 @@
-"""Lent gradients (gradring/lending.py): .grad in bucket memory, without view mode.
+"""Lent gradients (gradring/buckets/lending.py): .grad in bucket memory, without view mode.
 
 Differential against torch's DDP in the same ranks, step by step, and against
 torch's observable .grad semantics in non-view mode:
@@ -42,7 +42,7 @@ def _grads(m) -> list[torch.Tensor | None]:
 def _model() -> torch.nn.Module:
     """The "wide" oracle's shapes with four large hidden layers: in one bucket,
     every rank's own chunk misses at least one of them, which is then lent.
-    (Small slots are packed, never lent: see gradring/packing.py.)"""
+    (Small slots are packed, never lent: see gradring/buckets/packing.py.)"""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = [torch.nn.Linear(8, 256), torch.nn.ReLU()]
     for _ in range(4):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import gradring
-from gradring.overlap_policy import _quota_along, choose
+from gradring.reducer.overlap_policy import _quota_along, choose
 
 
 def _cpu(**kw):

@@ -2,7 +2,7 @@
 
 Torch's DDP all-reduces a sparse gradient as a sparse tensor; gradring sums it
 densely in its bucket slot and hands back a sparse ``.grad`` (see [Note: sparse
-gradients] in gradring/slot_io.py). What a user sees must agree: the layout and
+gradients] in gradring/buckets/slot_io.py). What a user sees must agree: the layout and
 sparse dimensions of ``.grad``, the rows it lists, its values, and the
 parameters after optimizer steps. Tables of three sizes take the three put
 paths: packed (small), held (up to 1 MiB), and put at its own hook (larger).

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import distributed as _torch_distributed
 
-from gradring import autocap, errors, pytree
 from gradring import compile as compile_split
+from gradring import errors, pytree
 from gradring.announce import announce_first_forward
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.ddp import join
@@ -50,7 +50,7 @@ from gradring.fused_optim import FusedOptimizer
 from gradring.graph import GraphMode
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import profiled
-from gradring.reducer import CommHook, Reducer
+from gradring.reducer import CommHook, Reducer, autocap
 
 __all__ = ["DistributedDataParallel", "TorchDDP", "bucket_cap_bytes", "bucket_caps"]
 
@@ -414,7 +414,7 @@ class DistributedDataParallel(TorchDDP):
         bucket = sig.parameters.get("bucket")
         if bucket is not None and bucket.annotation not in (inspect._empty, dist.GradBucket) \
                 and not isinstance(bucket.annotation, str):
-            from gradring.grad_bucket import GradBucket
+            from gradring.buckets.grad_bucket import GradBucket
 
             if bucket.annotation is not GradBucket:
                 self._log_and_throw(ValueError, "Communication hook: bucket annotation "

@@ -26,7 +26,7 @@ Per iteration, with times taken from the reducer's events:
   communication the backward did not hide. When every launch precedes
   backward_end, that part is one interval, up to the last done. When the
   buckets wait for the end of the backward (no core free for the comm
-  thread, see [Note: overlap needs a free core] in ``overlap_policy.py``),
+  thread, see [Note: overlap needs a free core] in ``reducer/overlap_policy.py``),
   it is the sum of their runs, without the write-back between them.
   Communication "before" the backward (launched before backward_start) cannot
   happen in a synchronised iteration and is not counted.
@@ -261,7 +261,7 @@ def ddp_overlap_stats(ddp: Any, last_n: int = 10) -> dict[str, Any]:
     """``summarize`` over a gradring DDP model's trace (what ``ddp.overlap_stats()`` returns),
     with ``launch_when_ready`` and ``launch_why``: whether buckets were launched as
     they became ready or all at the end of the backward, and why (see [Note:
-    overlap needs a free core] in ``gradring/overlap_policy.py``)."""
+    overlap needs a free core] in ``gradring/reducer/overlap_policy.py``)."""
     stats = summarize(iteration_times(list(ddp.reducer.trace.events)), bucket_infos(ddp), last_n)
     stats["launch_when_ready"] = bool(getattr(ddp.reducer, "launches_when_ready", True))
     stats["launch_why"] = str(getattr(ddp.reducer, "overlap_why", ""))

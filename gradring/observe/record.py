@@ -41,11 +41,7 @@ def facts_of(ddp: Any) -> dict[str, Any]:
     """The settings and sizes explain's findings need, from one rank's DDP (plain data)."""
     r = ddp.reducer
     comm = ddp.comm
-    spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in r.buckets]
-    outside = sum(t.numel() * t.element_size() for t in getattr(r, "_recycled", {}).values())
-    for p in r.params:
-        if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
-            outside += p.grad.numel() * p.grad.element_size()
+    outside = r.grad_bytes_outside_buckets()
     buffers = [(n, b.numel() * b.element_size(), int(b._version))
                for n, b in ddp.module.named_buffers()]
     mode = getattr(r.mode, "name", str(r.mode))
@@ -53,7 +49,7 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "rank": comm.rank, "world_size": comm.world_size,
         "device": str(ddp.device),
         "find_unused": bool(ddp.find_unused_parameters) and mode == "FIND_UNUSED",
-        "unused_last": len(getattr(r, "_unused", [])),
+        "unused_last": len(r.unused_in_last_forward()),
         "static_graph": bool(ddp.static_graph),
         "bucket_view": bool(ddp.gradient_as_bucket_view),
         "comm_hook": "" if r.comm_hook is None else

@@ -58,8 +58,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from gradring.autocap import measure_allreduce
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+from gradring.reducer.autocap import measure_allreduce
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,

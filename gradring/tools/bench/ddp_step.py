@@ -208,14 +208,9 @@ def interleaved_round(setups: dict[str, nn.Module], opts: dict[str, torch.optim.
 
 def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
     """(bytes of .grad storage not inside a bucket, plus the spent gradients the
-    reducer keeps for reuse (see gradring/lending.py); bytes of bucket buffers)."""
-    buffers = [b.buffer for b in ddp.reducer.buckets]
-    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
-    outside = sum(t.numel() * t.element_size() for t in ddp.reducer._recycled.values())
-    for p in ddp.module.parameters():
-        if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
-            outside += p.grad.numel() * p.grad.element_size()
-    return outside, sum(hi - lo for lo, hi in spans)
+    reducer keeps for reuse (see gradring/buckets/lending.py); bytes of bucket buffers)."""
+    return (ddp.reducer.grad_bytes_outside_buckets(),
+            sum(b.nbytes for b in ddp.reducer.buckets))
 
 
 def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> None:

@@ -11,7 +11,7 @@ the bucket.
 So a parameter whose slot lies wholly outside the own chunk is *lent* its
 bucket slot: the (scaled) gradient is copied into the slot, as always, by
 its hook or, for a slot that is not too large, when the bucket is ready
-(see [Note: held slots] in ``buckets.py``), and ``.grad`` is set to a view
+(see [Note: held slots] in ``bucket.py``), and ``.grad`` is set to a view
 of the slot. The peer's result lands in
 ``.grad`` with no copy at all. Small slots are never lent: they are packed
 (see [Note: packed slots] in ``packing.py``), copied in and out a run at a
@@ -36,21 +36,34 @@ What a user can observe, and how it stays what torch's DDP gives:
 Lent slots are decided per bucket at install, for homable buckets only (CPU,
 floating point, world > 1, not view mode), and used while no comm hook is set:
 the bucket stores ``SlotKind.LENT`` for them (see [Note: slot kinds] in
-``buckets.py``).
+``bucket.py``).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from gradring.packing import SMALL_SLOT_NUMEL, scale_tensor
+from gradring.buckets.packing import SMALL_SLOT_NUMEL, scale_tensor
 
-if TYPE_CHECKING:
-    from gradring.buckets import Bucket
+
+class LendingBucket(Protocol):
+    """What lending reads of its bucket (:class:`~gradring.buckets.bucket.Bucket`),
+    and the one thing it asks of it: a fresh buffer."""
+
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    params: list[torch.Tensor]
+    offsets: list[int]
+    numels: list[int]
+    own: tuple[int, int]
+    homable: bool
+
+    def reallocate(self) -> None: ...
+
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -68,7 +81,7 @@ def _probe_fresh() -> tuple[tuple[int, int], tuple[int, int]]:
     """Python and storage references of a gradient autograd has just stored, as
     :func:`fresh` sees them through one call: from its own parameter's
     post-accumulate hook, and from a later parameter's hook (where a bucket's
-    held slots are put in, see [Note: held slots] in ``buckets.py``)."""
+    held slots are put in, see [Note: held slots] in ``bucket.py``)."""
     own: list[tuple[int, int]] = []
     later: list[tuple[int, int]] = []
     first: list[torch.Tensor] = []
@@ -119,7 +132,7 @@ def fresh(grad: torch.Tensor, later: bool = False) -> bool:
     return _use_count(grad.untyped_storage()._cdata) <= expected[1]  # type: ignore[misc]
 
 
-def lendable_slots(bucket: Bucket) -> frozenset[int]:
+def lendable_slots(bucket: LendingBucket) -> frozenset[int]:
     """Slots of contiguous parameters wholly outside the bucket's own chunk,
     except small ones (those are packed, see packing.SMALL_SLOT_NUMEL)."""
     if not (SUPPORTED and bucket.homable):
@@ -133,13 +146,13 @@ def lendable_slots(bucket: Bucket) -> frozenset[int]:
 class LentSlots:
     """A bucket's lending state: which slots may be lent, and the views handed out.
 
-    Owned by its :class:`~gradring.buckets.Bucket`; the reducer asks it to lend,
-    hand out and claim, and never touches its fields.
+    Owned by its :class:`~gradring.buckets.bucket.Bucket`; the puts ask it to
+    lend, hand out and claim, and never touch its fields.
     """
 
-    __slots__ = ("bucket", "slots", "handed", "base_refs", "ever")
+    __slots__ = ("bucket", "slots", "handed", "base_refs", "ever", "_recycled")
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: LendingBucket) -> None:
         # The bucket whose memory is lent (its buffer may be replaced by claim()).
         self.bucket = bucket
         # Slots whose parameter may hold its .grad in bucket memory.
@@ -150,6 +163,15 @@ class LentSlots:
         self.base_refs = 0
         # Whether any view was ever handed out (claim() has nothing to do before).
         self.ever = False
+        # [Note: recycled gradients]
+        # Per lent slot, the private gradient its parameter last gave up for the
+        # lent view, freed only when the next one replaces it. Freeing each in
+        # the middle of backward let glibc hand heap pages back to the kernel and
+        # fault them in again: 2-4 thousand page faults per step were measured.
+        # Memory stays what torch's non-view mode uses (one .grad-sized tensor
+        # plus the bucket per parameter). Kept across reset_memory(): a new
+        # buffer does not change what the parameters gave up.
+        self._recycled: dict[int, torch.Tensor] = {}
         self.reset_memory()
 
     def reset_memory(self) -> None:
@@ -163,10 +185,16 @@ class LentSlots:
         self.base_refs = storage_refs(bucket.buffer) if self.slots else 0
 
     def lend(self, slot: int, grad: torch.Tensor, scale: float) -> torch.Tensor:
-        """Copy ``grad`` (scaled) into ``slot`` and return the view to become ``.grad``."""
+        """Copy ``grad`` (scaled) into ``slot`` and return the view to become
+        ``.grad``; ``grad`` is kept for reuse (see [Note: recycled gradients])."""
         view = self.hand_out(slot)
         torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
+        self._recycled[slot] = grad
         return view
+
+    def recycled_bytes(self) -> int:
+        """Bytes of the given-up gradients kept for reuse (see [Note: recycled gradients])."""
+        return sum(t.numel() * t.element_size() for t in self._recycled.values())
 
     def hand_out(self, slot: int) -> torch.Tensor:
         """A fresh view of ``slot`` to become ``.grad`` (fresh, so that a kept one is seen)."""

@@ -1,138 +1,20 @@
-"""Gradient buckets: the pure assignment function and the flat-buffer Bucket.
-
-[Note: bucket assignment]
-Parameters are packed into buckets by walking them in a given order and
-sealing the open bucket of a (dtype, device) key once its byte size *reaches*
-the current cap, so a bucket may overshoot the cap by one tensor. Each key
-walks its own list of caps; the last cap repeats. The result is ordered by
-where each bucket's first tensor sits in the walk. DDP calls this twice:
-
-- at construction, over definition order, and then reverses the list so the
-  last-defined layers (whose gradients arrive first) land in bucket 0;
-- at the rebuild, over the order in which gradients actually arrived during a
-  backward, with caps [1 MiB, bucket_cap, ...]; no reversal is needed there.
-"""
+"""The flat-buffer Bucket: its slots, their kinds, and its transitions within one backward."""
 
 from __future__ import annotations
 
 import enum
-import sys
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gradring.lending import LentSlots
-from gradring.packing import SMALL_SLOT_NUMEL, Run, packed_runs
+from gradring.buckets.lending import LentSlots
+from gradring.buckets.packing import SMALL_SLOT_NUMEL, Run, packed_runs
 
-#: First bucket's cap after a rebuild: small, so the first all-reduce starts early.
-DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 #: HOMED and LENT slots of at most this many elements (1 MiB of fp32) are held
 #: until their bucket is ready (see [Note: held slots]); larger ones are put
 #: in by their hook.
 HELD_SLOT_NUMEL = 262144
-#: bucket_cap_mb's default.
-DEFAULT_BUCKET_CAP_MB = 25
-MIB = 1024 * 1024
-
-
-def assign_buckets(
-    sizes: Sequence[int],
-    caps: Sequence[int],
-    *,
-    keys: Sequence[Hashable] | None = None,
-    order: Sequence[int] | None = None,
-) -> list[list[int]]:
-    """Group tensor indices into buckets by byte size (see [Note: bucket assignment]).
-
-    ``sizes[i]`` is tensor i's size in bytes, ``keys[i]`` its (dtype, device)
-    key (tensors with different keys never share a bucket), ``order`` the walk
-    order (default: index order). ``caps`` must be non-empty; the last repeats.
-
-    >>> assign_buckets([400, 800, 400, 200], [400])
-    [[0], [1], [2], [3]]
-    """
-    if not caps:
-        raise ValueError("assign_buckets needs at least one cap")
-    if any(c <= 0 for c in caps):
-        raise ValueError(f"bucket caps must be positive, got {list(caps)}")
-    n = len(sizes)
-    walk = list(range(n)) if order is None else list(order)
-    if sorted(walk) != list(range(n)):
-        raise ValueError(f"order must be a permutation of range({n}), got {walk}")
-    keys = [None] * n if keys is None else list(keys)
-    if len(keys) != n:
-        raise ValueError(f"got {n} sizes but {len(keys)} keys")
-
-    sealed: list[list[int]] = []
-    open_: dict[Hashable, list[int]] = {}
-    filled: dict[Hashable, int] = {}
-    cap_index: dict[Hashable, int] = {}
-    for i in walk:
-        k = keys[i]
-        open_.setdefault(k, []).append(i)
-        filled[k] = filled.get(k, 0) + sizes[i]
-        ci = cap_index.get(k, 0)
-        if filled[k] >= caps[min(ci, len(caps) - 1)]:
-            sealed.append(open_.pop(k))
-            filled[k] = 0
-            cap_index[k] = ci + 1
-    sealed.extend(b for b in open_.values() if b)
-    position = {idx: pos for pos, idx in enumerate(walk)}
-    sealed.sort(key=lambda b: position[b[0]])
-    return sealed
-
-
-@dataclass(frozen=True)
-class BucketCaps:
-    """The byte caps DDP's constructor arguments imply, for both assignments.
-
-    As in torch 2.13: ``bucket_cap_mb`` left at None means a 25 MiB cap with a
-    1 MiB first bucket (so the first all-reduce starts early); an explicit
-    ``bucket_cap_mb`` is also the first bucket's cap; ``bucket_cap_mb_list``
-    gives every bucket its own cap (the last repeats), at construction and at
-    the rebuild alike.
-    """
-
-    cap: int  # bucket_cap_mb in bytes (the largest of bucket_cap_mb_list)
-    first: int  # the first bucket's cap after the rebuild
-    per_bucket: tuple[int, ...] = ()  # bucket_cap_mb_list in bytes
-
-    @classmethod
-    def from_args(cls, bucket_cap_mb: float | None,
-                  bucket_cap_mb_list: Sequence[float] | None = None) -> BucketCaps:
-        if bucket_cap_mb_list:
-            per = tuple(int(mb * MIB) for mb in bucket_cap_mb_list)
-            if any(c <= 0 for c in per):
-                raise ValueError(f"bucket_cap_mb_list must hold positive sizes, got "
-                                 f"{list(bucket_cap_mb_list)}")
-            return cls(max(per), max(per), per)
-        if bucket_cap_mb is None:
-            return cls(DEFAULT_BUCKET_CAP_MB * MIB, DEFAULT_FIRST_BUCKET_BYTES)
-        cap = int(bucket_cap_mb * MIB)
-        return cls(cap, cap)
-
-    def initial(self, *, find_unused: bool) -> list[int]:
-        """Caps of the construction-time assignment (definition order, then reversed)."""
-        if self.per_bucket:
-            return list(self.per_bucket)
-        if not find_unused:
-            return [sys.maxsize]  # one bucket until the rebuild has seen a backward
-        return [self.first, self.cap] if self.first < self.cap else [self.cap]
-
-    def rebuild(self, cap: int | None = None) -> list[int]:
-        """Caps of the rebuild; ``cap`` replaces the cap (bucket_cap_mb="auto")."""
-        if self.per_bucket:
-            return list(self.per_bucket)
-        if cap is not None:
-            return [min(DEFAULT_FIRST_BUCKET_BYTES, cap), cap]
-        return [self.first, self.cap] if self.first < self.cap else [self.cap]
-
-
-def bucket_key(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
-    """The key that decides which tensors may share a flat buffer."""
-    return (t.dtype, t.device)
 
 
 class SlotKind(enum.Enum):
@@ -223,6 +105,7 @@ class Bucket:
         self.param_indices = param_indices
         # The parameters themselves, in slot order.
         self.params = params
+        # Elements per slot, and the parameters' shapes (what the slot views take).
         self.numels = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]
         # Element offset of each slot inside the flat buffer.
@@ -234,6 +117,14 @@ class Bucket:
         # Allocates the flat buffer (comm.empty: shared memory on one host).
         self._allocate = allocate
         self.buffer, self.views = self._make_buffer()
+        # [Note: a bucket's transitions]
+        # Within one backward a bucket goes FILLING -> READY -> LAUNCHED and back
+        # to FILLING at reset(). Only its own methods change the fields below:
+        # arrive() counts a gradient in, mark_ready(), launch() or
+        # leave_to_finalize(), start_inline() when the finalize reduces it,
+        # complete() once its results are written, reset() for the next
+        # backward; write_back(), home() and loosen() record how this backward's
+        # slots went in. The others read them.
         # Gradients still missing in this backward, out of ``size``.
         self.size = len(params)
         self.pending = self.size
@@ -242,7 +133,7 @@ class Bucket:
         # Future of the in-flight collective; resolves to the reduced flat tensor.
         self.future: Any = None
         # Left to be reduced by the finalize on its own thread: the last bucket,
-        # or every bucket without overlap (see [Note: the last bucket] in reducer.py).
+        # or every bucket without overlap (see [Note: the last bucket] in reducer/reducer.py).
         self.inline = False
         # The part of the buffer this rank reduces itself (homes.own_range), set by
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
@@ -254,7 +145,13 @@ class Bucket:
         self.homed_slots: set[int] = set()
         # This backward's slots whose result the reducer copies back into .grad
         # at the end (copied in, or no gradient); the others already hold it.
+        # The list is cleared in place, never replaced, so that write_back stays
+        # its bound append.
         self.to_write: list[int] = []
+        # Records a slot in to_write: the list's own append, so that a put
+        # costs no Python call more per gradient (see [Note: the per-gradient
+        # path] in reducer/reducer.py).
+        self.write_back: Callable[[int], None] = self.to_write.append
         # Lending state: which slots may hold .grad in this buffer, and the
         # views handed out (see [Note: lent gradients] in lending.py).
         self.lending = LentSlots(self)
@@ -276,6 +173,56 @@ class Bucket:
         self.packed_flat = False
         # This backward's runs (by position in ``runs``) that went slot by slot.
         self.loose: set[int] = set()
+
+    # ------------------------------------------------- one backward's transitions
+    def arrive(self) -> bool:
+        """One more of this backward's gradients is in (its put follows); True
+        when it was the last. Before the backward's first write into the
+        buffer, lending claims it (see [Note: lent gradients])."""
+        pending = self.pending
+        if pending == self.size:
+            self.lending.claim()
+        self.pending = pending = pending - 1
+        return pending == 0
+
+    def mark_ready(self) -> None:
+        """Every gradient is in: launchable once the lower buckets launched."""
+        self.state = BucketState.READY
+
+    def launch(self, future: Any) -> None:
+        """Its collective (or comm hook) was issued and resolves through ``future``."""
+        self.state = BucketState.LAUNCHED
+        self.future = future
+
+    def leave_to_finalize(self) -> None:
+        """Counted as launched, but the finalize reduces it on its own thread
+        (see [Note: the last bucket] in reducer/reducer.py)."""
+        self.state = BucketState.LAUNCHED
+        self.inline = True
+
+    def start_inline(self) -> None:
+        """The finalize (or a drain) now reduces the bucket left to it."""
+        self.inline = False
+
+    def home(self, start: int, flat: torch.Tensor, slot: int) -> None:
+        """Slot ``slot``'s gradient stays in ``.grad`` (``flat``, at element
+        ``start``): the collective reads and writes it there."""
+        self.homes.append((start, flat))
+        self.homed_slots.add(slot)
+
+    def homed_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """This backward's homed gradients, by offset, for the homed all-reduce."""
+        return sorted(self.homes, key=_offset)
+
+    def loosen(self, run: int) -> None:
+        """Packed run ``run`` went slot by slot in this backward (so will its write-back)."""
+        self.loose.add(run)
+
+    def complete(self) -> None:
+        """The results are written: drop this backward's references to old gradients."""
+        self.homes.clear()
+        self.homed_slots.clear()
+        self.to_write.clear()
 
     def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
               hooked: bool) -> None:
@@ -333,11 +280,16 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
     def reset(self) -> None:
+        """Back to FILLING, for the next backward."""
         self.pending = self.size
         self.state = BucketState.FILLING
         self.future = None
         self.inline = False
-        self.homes = []
-        self.homed_slots = set()
-        self.to_write = []
-        self.loose = set()
+        self.homes.clear()
+        self.homed_slots.clear()
+        self.to_write.clear()
+        self.loose.clear()
+
+
+def _offset(piece: tuple[int, torch.Tensor]) -> int:
+    return piece[0]

@@ -1,4 +1,4 @@
-"""torch.compile and gradring's DDP: compiled graphs split at gradring's buckets.
+"""Compiled graphs split at gradring's buckets.
 
 [Note: compile and the buckets]
 AOTAutograd turns the backward of a compiled graph into one function that the
@@ -45,31 +45,26 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.parallel import distributed as _torch_distributed
 
-from gradring.graph import GraphMode
+from gradring.compile.never_traced import NEVER_TRACED
+from gradring.reducer import Reducer
 
 if TYPE_CHECKING:
     from torch import fx
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+#: torch's class, captured at import time (``gradring.install()`` may later
+#: rebind the public names): Dynamo's DDP support sets ``_active_ddp_module`` on it.
+_TORCH_DDP = _torch_distributed.DistributedDataParallel
+
+# Per DDP module, the splits made for it, oldest first (see splits()); an
+# entry goes with its module.
+_SPLITS: weakref.WeakKeyDictionary[Any, list[Split]] = weakref.WeakKeyDictionary()
 
 log = logging.getLogger(__name__)
-
-#: gradring's per-step machinery: Dynamo neither traces into these modules
-#: (a call into them from traced code runs eagerly) nor compiles their frames.
-#: This is what keeps the gradient hooks eager when compiled autograd traces
-#: the backward (see [Note: compiled autograd] in reducer_offpath.py).
-_NEVER_TRACED = (
-    "gradring.reducer", "gradring.reducer_offpath", "gradring.comm", "gradring.lending",
-    "gradring.buckets",
-    "gradring.observe", "gradring.group_comm", "gradring.grad_bucket", "gradring.hooks",
-    "gradring.fused_optim", "gradring.join", "gradring.autocap", "gradring.graph",
-    "gradring.ddp", "gradring.ddp_surface", "gradring.compile", "gradring.output_boundary",
-    "gradring.errors", "gradring._store",
-)
 
 #: "buckets": split a gradring DDP's graphs at its own buckets (BucketSplit);
 #: "torch": let torch's DDPOptimizer split them by ``bucket_bytes_cap`` and its
@@ -97,25 +92,6 @@ class Split:
     retired: bool = False
 
 
-def never_traced(*, recursive: bool) -> Callable[[_F], _F]:
-    """Decorator: Dynamo never inlines the function nor compiles its frame; with
-    ``recursive``, no frame it calls either. Unlike ``torch._dynamo.disable`` it
-    adds no wrapper (nothing to pay per call in eager mode) and does not import
-    Dynamo: it marks the code object through torch's C frame evaluator."""
-
-    def mark(fn: _F) -> _F:
-        fn._torchdynamo_disable = True  # type: ignore[attr-defined]  # no inlining
-        try:
-            ev = torch._C._dynamo.eval_frame
-            nested = ev._FrameAction.SKIP if recursive else ev._FrameAction.DEFAULT
-            ev.set_code_exec_strategy(fn.__code__,
-                                      ev._FrameExecStrategy(ev._FrameAction.SKIP, nested))
-        except AttributeError:  # a torch without Dynamo's frame evaluator
-            pass
-        return fn
-    return mark
-
-
 def install() -> None:
     """Let Dynamo's DDP support split graphs at gradring's buckets (idempotent).
 
@@ -134,7 +110,7 @@ def install() -> None:
         except ImportError:  # a torch without Dynamo: nothing to split
             _installed = True
             return
-        for name in _NEVER_TRACED:
+        for name in NEVER_TRACED:
             trace_rules.add(name)
         original = getattr(dynamo_ddp, "DDPOptimizer", None)
         if original is None or getattr(original, "_gradring_factory", False):
@@ -143,10 +119,9 @@ def install() -> None:
 
         def factory(bucket_bytes_cap: int, backend_compile_fn: Callable[..., Any],
                     first_bucket_cap: int | None = None) -> Any:
-            from gradring.ddp import DistributedDataParallel, TorchDDP
-
-            active = TorchDDP._active_ddp_module
-            if isinstance(active, DistributedDataParallel) and SPLIT_BY == "buckets":
+            active = _TORCH_DDP._active_ddp_module
+            # A gradring DDP is the one whose reducer is gradring's.
+            if isinstance(getattr(active, "reducer", None), Reducer) and SPLIT_BY == "buckets":
                 return BucketSplit(active, backend_compile_fn)
             return original(bucket_bytes_cap=bucket_bytes_cap,
                             backend_compile_fn=backend_compile_fn,
@@ -205,8 +180,8 @@ class BucketSplit:
         own (see [Note: compile and the buckets]).
         """
         reducer = self.ddp.reducer
-        if reducer.has_rebuilt or reducer.mode is GraphMode.FIND_UNUSED:
-            return {i: b for i, (b, _s) in enumerate(reducer._locator)}, False
+        if reducer.order_is_final:
+            return {i: reducer.bucket_of(i) for i in range(len(reducer.params))}, False
         return {i: k for k, group in enumerate(order) for i in group}, True
 
     def partition(self, gm: fx.GraphModule) -> tuple[dict[fx.Node, int], Split]:
@@ -218,7 +193,7 @@ class BucketSplit:
         for node in reversed(gm.graph.nodes):
             new = []
             for p in node_params.get(node, ()):
-                i = reducer._index_of.get(id(p))
+                i = reducer.index_of(p)
                 if i is not None and i not in seen:
                     seen.add(i)
                     new.append(i)
@@ -241,8 +216,7 @@ class BucketSplit:
         for node in reversed(gm.graph.nodes):
             if node.op in ("placeholder", "output"):
                 continue
-            mine = [reducer._index_of[id(p)] for p in node_params[node]
-                     if id(p) in reducer._index_of]
+            mine = [i for i in map(reducer.index_of, node_params[node]) if i is not None]
             if mine and completed and _has_external_user(pieces[-1], members):
                 pieces.append([])
                 buckets.append(set())
@@ -274,7 +248,7 @@ class BucketSplit:
                    **compiler_configs: Any) -> Any:
         where, split = self.partition(gm)
         split.code = _compiling_code()
-        self.ddp.__dict__.setdefault("_compile_splits", []).append(split)
+        _SPLITS.setdefault(self.ddp, []).append(split)
         log.info("gradring: split a compiled graph into %d pieces at buckets %s%s",
                  len(split.piece_buckets), split.piece_buckets,
                  " (predicted rebuild)" if split.predicted else "")
@@ -318,7 +292,7 @@ def after_rebuild(ddp: Any) -> int:
     pieces, so the next call compiles once more, split at the new buckets.
     Returns how many code objects were dropped."""
     dropped = 0
-    for split in ddp.__dict__.get("_compile_splits", ()):
+    for split in _SPLITS.get(ddp, ()):
         if not split.predicted or split.retired:
             continue
         split.retired = True
@@ -333,4 +307,4 @@ def after_rebuild(ddp: Any) -> int:
 
 def splits(ddp: Any) -> list[Split]:
     """The graph splits Dynamo made for ``ddp`` so far, oldest first."""
-    return list(ddp.__dict__.get("_compile_splits", ()))
+    return list(_SPLITS.get(ddp, ()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradring.buckets import Bucket
+from gradring.buckets.bucket import Bucket
 
 
 class GradBucket:

@@ -44,12 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from gradring.buckets import Bucket
 
 #: Slots of at most this many elements are packed (see [Note: packed slots]):
 #: below it a gradient's per-call cost outweighs the bytes it moves.
@@ -112,12 +108,13 @@ def packed_runs(packed: Sequence[bool], offsets: Sequence[int], numels: Sequence
     return tuple(runs)
 
 
-def copy_in_all(bucket: Bucket, scale: float) -> bool:
-    """Copy every packed gradient of ``bucket`` into its slot and scale them
-    all, in two calls whatever the number of runs; False (nothing to rely on
-    written) when some gradient does not fit a batched call."""
-    views = bucket.packed_views
-    grads = [p.grad for p in bucket.packed_params]
+def copy_in_all(views: list[torch.Tensor], params: Sequence[torch.Tensor],
+                scale: float) -> bool:
+    """Copy every packed gradient of a bucket (``params``, in slot order) into
+    its slot (``views``) and scale them all, in two calls whatever the number
+    of runs; False (nothing to rely on written) when some gradient does not
+    fit a batched call."""
+    grads = [p.grad for p in params]
     try:
         torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
     except (TypeError, RuntimeError):  # None, sparse, ...: the caller goes run by run
@@ -127,28 +124,29 @@ def copy_in_all(bucket: Bucket, scale: float) -> bool:
     return True
 
 
-def copy_out_all(bucket: Bucket) -> bool:
-    """Write every packed slot's reduced value into its parameter's ``.grad``
-    in one call; False (nothing to rely on written) when some ``.grad`` is
-    missing or odd."""
-    grads = [p.grad for p in bucket.packed_params]
+def copy_out_all(params: Sequence[torch.Tensor], views: list[torch.Tensor]) -> bool:
+    """Write every packed slot's reduced value (``views``) into its
+    parameter's ``.grad`` in one call; False (nothing to rely on written)
+    when some ``.grad`` is missing or odd."""
+    grads = [p.grad for p in params]
     try:
-        torch._foreach_copy_(grads, bucket.packed_views)  # type: ignore[arg-type]
+        torch._foreach_copy_(grads, views)  # type: ignore[arg-type]
     except (TypeError, RuntimeError):
         return False
     return True
 
 
-def copy_in(bucket: Bucket, run: Run, scale: float) -> bool:
-    """Copy the run's gradients into the bucket and scale them; False (and
-    nothing to rely on written) when some gradient does not fit a batched call."""
+def copy_in(buffer: torch.Tensor, views: list[torch.Tensor], run: Run, scale: float) -> bool:
+    """Copy the run's gradients into a bucket's flat ``buffer`` (through its
+    slot ``views``) and scale them; False (and nothing to rely on written)
+    when some gradient does not fit a batched call."""
     grads = [p.grad for p in run.params]
-    span = bucket.buffer.narrow(0, run.start, run.numel)
+    span = buffer.narrow(0, run.start, run.numel)
     try:
         if run.flat:
             torch.cat(grads, out=span)  # type: ignore[arg-type]
         else:
-            torch._foreach_copy_(bucket.views[run.lo:run.hi], grads)  # type: ignore[arg-type]
+            torch._foreach_copy_(views[run.lo:run.hi], grads)  # type: ignore[arg-type]
     except (TypeError, RuntimeError):  # None, sparse, ...: the caller goes slot by slot
         return False
     if scale != 1.0:
@@ -156,12 +154,13 @@ def copy_in(bucket: Bucket, run: Run, scale: float) -> bool:
     return True
 
 
-def copy_out(bucket: Bucket, run: Run) -> bool:
-    """Write the run's reduced values into its parameters' ``.grad``; False
-    (nothing to rely on written) when some ``.grad`` is missing or odd."""
+def copy_out(views: list[torch.Tensor], run: Run) -> bool:
+    """Write the run's reduced values (from a bucket's slot ``views``) into
+    its parameters' ``.grad``; False (nothing to rely on written) when some
+    ``.grad`` is missing or odd."""
     grads = [p.grad for p in run.params]
     try:
-        torch._foreach_copy_(grads, bucket.views[run.lo:run.hi])  # type: ignore[arg-type]
+        torch._foreach_copy_(grads, views[run.lo:run.hi])  # type: ignore[arg-type]
     except (TypeError, RuntimeError):
         return False
     return True

@@ -7,14 +7,14 @@
 2. Each parameter's post-accumulate-grad hook calls ``_on_grad``, and the
    bucket's pending count drops. Where the gradient goes is what its slot's
    kind says (decided once per bucket, see [Note: slot kinds] in
-   ``buckets.py``; the puts are in ``slot_io.py``), scaled by 1/world_size:
+   ``buckets/bucket.py``; the puts are in ``buckets/slot_io.py``), scaled by 1/world_size:
    left in ``.grad`` with only the part the peers read copied into the
    bucket (HOMED), copied into the slot with ``.grad`` pointed at it (LENT),
    plainly copied (COPIED), or copied a bucket's small slots at a time
-   (PACKED, [Note: packed slots] in ``packing.py``). COPIED slots and large
+   (PACKED, [Note: packed slots] in ``buckets/packing.py``). COPIED slots and large
    HOMED and LENT ones are put in by the hook itself; the others are
    deferred: when the bucket's last gradient arrives, they are put in
-   together ([Note: held slots] in ``buckets.py``). The first hook of a
+   together ([Note: held slots] in ``buckets/bucket.py``). The first hook of a
    backward also marks the unused parameters ready (their slots are zeroed).
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
@@ -37,7 +37,7 @@ stays unfinished, and the next forward raises, naming the parameters.
 
 from __future__ import annotations
 
-import time
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -46,25 +46,32 @@ from typing import Any
 import torch
 
 from gradring import errors
-from gradring.buckets import (
-    Bucket,
-    BucketCaps,
-    BucketState,
-    SlotKind,
-    assign_buckets,
-    bucket_key,
-)
-from gradring.grad_bucket import GradBucket
+from gradring.buckets import Bucket, BucketCaps, BucketState, assign_buckets, bucket_key
+from gradring.buckets.grad_bucket import GradBucket
+from gradring.buckets.slot_io import PUT_AT_HOOK, put_deferred, write_grads
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import Trace, profiled
-from gradring.reducer_offpath import ReducerOffPath, _queue_engine_callback
-from gradring.slot_io import SlotIO
+from gradring.reducer.engine_callback import queue_engine_callback
+from gradring.reducer.owners import OWNERS
+from gradring.reducer.rebuild import Rebuild, overlap_choice, rank0_groups
+from gradring.reducer.state import IterationState
+from gradring.reducer.static_graph import StaticGraph
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
+# Compared by identity on the per-gradient path: module constants, one global
+# load each, instead of an attribute of the enum class.
+_IDLE = IterationState.IDLE
+_EXPECTING = IterationState.EXPECTING
+_REDUCING = IterationState.REDUCING
+_FINALIZED = IterationState.FINALIZED
+_STATIC = GraphMode.STATIC
+_FIND_UNUSED = GraphMode.FIND_UNUSED
+_READY = BucketState.READY
 
-class Reducer(ReducerOffPath, SlotIO):
+
+class Reducer:
     """Owns the buckets and drives their reduction during backward."""
 
     def __init__(
@@ -83,7 +90,7 @@ class Reducer(ReducerOffPath, SlotIO):
         self.params = list(params)
         # Their qualified names, for errors that name names.
         self.names = list(names)
-        # id(param) -> index, for the graph walk.
+        # id(param) -> index, for the graph walk and index_of().
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         # Collectives over the DDP process group.
         self.comm = comm
@@ -94,58 +101,47 @@ class Reducer(ReducerOffPath, SlotIO):
         # How parameters' participation is learnt (see GraphMode); the one
         # place static_graph is stored.
         self.mode = mode
+        # gradient_as_bucket_view: .grad is the bucket slot.
         self.grad_as_view = gradient_as_bucket_view
-        # Optional communication hook and its state (set_comm_hook).
+        # Optional communication hook (set_comm_hook) ...
         self.comm_hook: CommHook | None = None
+        # ... and the state it is called with.
         self.comm_hook_state: Any = None
-        # Sizes in bytes and (dtype, device) keys, fixed for the module's life.
+        # Sizes in bytes, fixed for the module's life (the bucket assignment's input).
         self._sizes = [p.numel() * p.element_size() for p in self.params]
+        # (dtype, device) keys: tensors of different keys never share a bucket.
         self._keys = [bucket_key(p) for p in self.params]
+        # The recorded arrival order and what the rebuild made (see [Note: the rebuild]).
+        self._rebuild = Rebuild(len(self.params), auto_cap=auto_cap)
+        # What static_graph's first iteration learnt (see [Note: static_graph's
+        # first iteration]); unused in the other modes.
+        self._static = StaticGraph(len(self.params))
+        # Whether ready buckets launch at once or wait for the end of the
+        # backward, and why: rank 0's choice, set with every bucket assignment
+        # (see [Note: overlap needs a free core] in overlap_policy.py).
+        self.overlap = True
+        # Why (said by explain and overlap_stats).
+        self.overlap_why = ""
         # Ranks may pass different bucket caps; torch's DDP then follows rank
-        # 0's assignment, and so does this one. It also sets self.overlap and
-        # self.overlap_why: whether ready buckets launch at once or wait for the
-        # end of the backward, and why (rank 0's choice, see [Note: overlap
-        # needs a free core] in overlap_policy.py).
+        # 0's assignment, and so does this one.
         groups = self._rank0_groups(assign_buckets(self._sizes, initial_caps, keys=self._keys),
                                     list(range(len(self.params))))
         groups.reverse()
+        # The installed buckets, in launch order.
         self.buckets: list[Bucket] = []
-        # Per lent parameter, the private gradient it last gave up (see [Note: lent
-        # gradients]), freed only when the next one replaces it. Freeing each in
-        # the middle of backward let glibc hand heap pages back to the kernel and
-        # fault them in again: 2-4 thousand page faults per step were measured.
-        # Memory stays what torch's non-view mode uses (one .grad-sized tensor
-        # plus the bucket per parameter).
-        self._recycled: dict[int, torch.Tensor] = {}
         # param index -> (bucket index, slot index)
         self._locator: list[tuple[int, int]] = []
-        # Per slot kind, how a gradient goes in when its hook runs (see [Note:
-        # slot kinds]); deferred kinds (None) are put in when the bucket is ready.
-        self._put_in = {SlotKind.VIEW: None, SlotKind.PACKED: None,
-                        SlotKind.LENT: self._put_lent, SlotKind.HOMED: self._put_homed,
-                        SlotKind.COPIED: self._put_copied}
-        # param index -> (its bucket, its slot, the _put_* method of the slot's
+        # param index -> (its bucket, its slot, the put function of the slot's
         # kind or None), looked up once per gradient (see [Note: the per-gradient path]).
         self._route: list[tuple[Bucket, int, Callable[..., None] | None]] = []
         # True once another live reducer acts on these parameters too (nested
         # DDP): both then copy gradients, never keep or lend .grad.
         self._shared = False
+        # Next bucket index to launch.
+        self._next_bucket = 0
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
-        self.rebuilt_bucket_sizes: list[int] = []
-        self.rebuilt_param_indices: list[list[int]] = []
-        self.has_rebuilt = False
-        # Order in which gradients arrived, recorded once for the rebuild.
-        self._arrival: list[int] = []
-        # bucket_cap_mb="auto": timings of the recorded backward, then the decision
-        # (see [Note: automatic bucket cap] in autocap.py).
-        self.auto_stamps: Any = None
-        self.auto_cap: Any = None
-        if auto_cap:
-            from gradring import autocap  # only for bucket_cap_mb="auto"
-
-            self.auto_stamps = autocap.Stamps(len(self.params))
         # Optional per-bucket callback run after a bucket is reduced (fused optimizer).
         self.post_reduce: Callable[[Bucket], None] | None = None
         # The text of the last error the reducer raised (DDP's logging data shows it).
@@ -157,16 +153,10 @@ class Reducer(ReducerOffPath, SlotIO):
         # Division factor for the default path; Join may change it per iteration.
         self.divide_factor = comm.world_size
         # --- per-iteration state ---
-        # Hooks count only between prepare_for_backward and finalize.
-        self.expect_hooks = False
-        # True once a backward marked anything ready and until finalize ran.
-        self.require_finalize = False
-        # True between finalize and the next forward: a new backward is a user error.
-        self._finalized_since_forward = False
+        # Where this iteration is (see [Note: the iteration's states]).
+        self.state = _IDLE
         # Whether each parameter was marked ready in this backward.
         self._ready = [False] * len(self.params)
-        # Next bucket index to launch.
-        self._next_bucket = 0
         # The first hook of a backward marks unused parameters ready.
         self._first_hook_done = False
         # FIND_UNUSED: parameters the forward did not reach.
@@ -174,25 +164,26 @@ class Reducer(ReducerOffPath, SlotIO):
         # FIND_UNUSED: 1 where this rank produced a gradient (a bytearray: setting
         # an item of a tensor in every hook cost microseconds).
         self._local_used = bytearray(len(self.params))
+        # The in-flight all-reduce of a usage map (find_unused, or static_graph's
+        # first iteration), waited for by the finalize.
         self._used_future: Any = None
+        # Whether "find_unused_parameters found nothing unused" was said (once).
         self._warned_nothing_unused = False
         # Whether a second backward after one forward was reported (once).
         self._warned_second_backward = False
-        # STATIC: hook firings per parameter counted in iteration 1.
-        self._static_counts = [0] * len(self.params)
+        # STATIC: hook firings each parameter still expects in this backward.
         self._static_remaining = [0] * len(self.params)
-        self._static_unused: list[int] = []
-        # STATIC: 0 for parameters no rank used in iteration 1 (their .grad stays put).
-        self._static_used: list[int] | None = None
         # True while delay_all_reduce marks everything ready (it finalizes itself).
         self._delayed = False
-        # STATIC: the delayed all-reduce is queued once per first backward.
-        self._delay_queued = False
         # Backward passes that ran with sync on (static_graph's iteration counter).
         self.num_backward = 0
+        # Forwards that prepared a synchronised backward (set_static_graph's check, error keys).
         self.num_forward = 0
-        # Whether this backward records the gradients' arrival order (for the rebuild).
+        # Whether this backward records the gradients' arrival order (for the
+        # rebuild), and then what records each arrival (Rebuild.recorder).
         self._record_arrival = False
+        self._note_arrival: Callable[[int], None] | None = None
+        # One post-accumulate-grad hook per parameter.
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -235,6 +226,77 @@ class Reducer(ReducerOffPath, SlotIO):
         """Run ``fn(bucket)`` right after each bucket's result is written (fused optimizer)."""
         self.post_reduce = fn
 
+    # ------------------------------------------------------------ what it knows
+    @property
+    def order_is_final(self) -> bool:
+        """Whether the bucket order is settled: rebuilt once, or never to be
+        rebuilt (find_unused_parameters); see [Note: the rebuild]."""
+        return self._rebuild.has_rebuilt or self.mode is GraphMode.FIND_UNUSED
+
+    @property
+    def in_static_first_iteration(self) -> bool:
+        """static_graph, before its first backward ended (see [Note:
+        static_graph's first iteration])."""
+        return self.mode is GraphMode.STATIC and self.num_backward == 0
+
+    def static_first_backward(self) -> bool:
+        """The same as ``in_static_first_iteration`` (the DDP side's name)."""
+        return self.in_static_first_iteration
+
+    @property
+    def require_finalize(self) -> bool:
+        """Whether a backward marked gradients ready and its finalize has not run."""
+        return self.state is IterationState.REDUCING
+
+    @property
+    def expect_hooks(self) -> bool:
+        """Whether gradient hooks count now (between a synchronised forward and finalize)."""
+        return self.state is IterationState.EXPECTING or self.state is IterationState.REDUCING
+
+    @property
+    def has_rebuilt(self) -> bool:
+        return self._rebuild.has_rebuilt
+
+    @property
+    def rebuilt_bucket_sizes(self) -> list[int]:
+        return self._rebuild.bucket_sizes
+
+    @property
+    def rebuilt_param_indices(self) -> list[list[int]]:
+        return self._rebuild.param_indices
+
+    @property
+    def auto_cap(self) -> Any:
+        """bucket_cap_mb="auto": the decision and its predictions (None before the rebuild)."""
+        return self._rebuild.auto_cap
+
+    def bucket_of(self, param_index: int) -> int:
+        """The index of the bucket parameter ``param_index`` is in."""
+        return self._locator[param_index][0]
+
+    def index_of(self, param: torch.Tensor) -> int | None:
+        """``param``'s index among this reducer's parameters, or None if not one of them."""
+        return self._index_of.get(id(param))
+
+    def arrival_order(self) -> list[int]:
+        """The gradient arrival order recorded so far for the rebuild."""
+        return self._rebuild.order()
+
+    def unused_in_last_forward(self) -> list[int]:
+        """find_unused_parameters: the parameters the last forward did not reach."""
+        return list(self._unused)
+
+    def grad_bytes_outside_buckets(self) -> int:
+        """Bytes of gradient memory that is not bucket memory: every ``.grad``
+        outside the buckets' buffers, plus the given-up gradients kept for reuse
+        (see [Note: recycled gradients] in buckets/lending.py)."""
+        spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in self.buckets]
+        outside = sum(b.lending.recycled_bytes() for b in self.buckets)
+        for p in self.params:
+            if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
+                outside += p.grad.numel() * p.grad.element_size()
+        return outside
+
     # ------------------------------------------------------------------ buckets
     def _install(self, groups: list[list[int]]) -> None:
         comm = self.comm
@@ -253,7 +315,6 @@ class Reducer(ReducerOffPath, SlotIO):
             buckets.append(bucket)
         self.buckets, self._locator = buckets, locator
         self._build_routes()
-        self._recycled.clear()
         if self.grad_as_view:
             # Keep accumulated values (e.g. from no_sync) and point .grad at the
             # new views; a sparse .grad is never a view (as in torch's DDP).
@@ -267,27 +328,99 @@ class Reducer(ReducerOffPath, SlotIO):
         self._next_bucket = 0
 
     def _build_routes(self) -> None:
-        """Each parameter's bucket, slot and put method, from the stored slot kinds
-        (none for a held slot, see [Note: held slots] in buckets.py)."""
+        """Each parameter's bucket, slot and put function, from the stored slot kinds
+        (none for a held slot, see [Note: held slots] in buckets/bucket.py)."""
         route = []
         held = {(b.index, s) for b in self.buckets for s in b.held}
         for b, s in self._locator:
             bucket = self.buckets[b]
-            put = None if (b, s) in held else self._put_in[bucket.kinds[s]]
+            put = None if (b, s) in held else PUT_AT_HOOK[bucket.kinds[s]]
             route.append((bucket, s, put))
         self._route = route
 
+    def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
+        """Rank 0's assignment on every rank; rank 0's overlap choice becomes ours."""
+        groups, choice = rank0_groups(self.comm, groups, order,
+                                      overlap_choice(self.comm, self._keys))
+        self.overlap, self.overlap_why = choice
+        return groups
+
     def _recording_arrival(self) -> bool:
-        if self.has_rebuilt or self.mode is GraphMode.FIND_UNUSED:
-            return False
         # static_graph's first backward marks everything ready at once, in index
         # order; the real arrival order is only seen in the second backward.
-        return not (self.mode is GraphMode.STATIC and self.num_backward == 0)
+        return not (self.order_is_final or self.in_static_first_iteration)
+
+    def rebuild_if_needed(self) -> bool:
+        """At the start of a forward: rebuild buckets in gradient-arrival order,
+        once (see [Note: the rebuild])."""
+        rebuild = self._rebuild
+        if self.order_is_final or not rebuild.complete():
+            return False
+        order = rebuild.order()
+        caps, cap = rebuild.caps(self.comm, self.names, self._sizes, self._keys, self.caps)
+        if cap is not None:
+            self.bucket_cap_bytes = cap
+        # Every rank must bucket identically: rank 0's order and caps win.
+        groups = self._rank0_groups(
+            assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
+        self._install(groups)
+        rebuild.done(self.buckets)
+        return True
+
+    # ---------------------------------------------------------------- ownership
+    def _claim(self, *, again: bool = False) -> None:
+        """Become the owner of this reducer's parameters (see [Note: owners]).
+        ``again``: an older reducer takes them back, so two act on them."""
+        self._superseded = False
+        OWNERS.claim(self, self.params, again=again)
+
+    @property
+    def superseded(self) -> bool:
+        """Whether a newer reducer took these parameters over (see [Note: owners])."""
+        return self._superseded
+
+    def share(self) -> None:
+        """Another reducer reduces these gradients too: copy them, never keep
+        them in place in .grad (homed) or lend bucket memory."""
+        if self._shared:
+            return
+        self._shared = True
+        hooked = self.comm_hook is not None
+        for bucket in self.buckets:
+            bucket.place(bucket.own, homable=False, view_mode=self.grad_as_view, hooked=hooked)
+        self._build_routes()
+
+    def step_aside(self) -> None:
+        """A newer reducer owns the parameters now: this one's hooks go quiet
+        (it forgets a half-done backward) until its own next forward."""
+        self._superseded = True
+        self._end_iteration(finalized=False)
+        self._drain_launched()
+        for b in self.buckets:
+            b.reset()
 
     # ---------------------------------------------------------------- iteration
+    def _end_iteration(self, *, finalized: bool) -> None:
+        """Every way out of an iteration (see [Note: the iteration's states]):
+        the finalize ran (FINALIZED), or the iteration is abandoned (IDLE)."""
+        self.state = _FINALIZED if finalized else _IDLE
+
     def note_unsynced_forward(self) -> None:
         """A forward under no_sync() or no_grad: its backward (if any) only accumulates."""
-        self._finalized_since_forward = False
+        if self.state is _FINALIZED:
+            self.state = _IDLE
+
+    def check_prior_finished(self) -> None:
+        """Any forward with grad enabled, under no_sync() too: the previous
+        synchronised backward must have finished its reduction (torch checks
+        this in every such forward)."""
+        if self.state is _REDUCING:
+            self._raise_unfinished()
+        # A backward after this forward is not "a second backward after one
+        # forward", even when it runs before prepare_for_backward (Lightning's
+        # manual optimization under no_sync): its hooks are then ignored.
+        if self.state is _FINALIZED:
+            self.state = _IDLE
 
     def prepare_for_forward(self) -> None:
         """Called by a forward that will be followed by a synchronised backward."""
@@ -295,19 +428,17 @@ class Reducer(ReducerOffPath, SlotIO):
         if self._superseded:
             self._claim(again=True)  # an old wrapper trains again: its hooks count again
         self.num_forward += 1
-        if self.auto_stamps is not None and not self._arrival:
-            self.auto_stamps.t_forward = time.perf_counter()  # the backward to record is next
+        self._rebuild.stamp_forward()
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | None) -> None:
         """Reset per-iteration state after a forward; find unused parameters if asked."""
-        self.expect_hooks = True
-        self._finalized_since_forward = False
-        if self.auto_stamps is not None and not self._arrival:
-            self.auto_stamps.t_backward = time.perf_counter()
+        if self.state is not _REDUCING:  # a reduction still owed stays owed
+            self.state = _EXPECTING
+        self._rebuild.stamp_backward()
         self._ready = [False] * len(self.params)
         self._first_hook_done = False
-        self._delay_queued = False
         self._record_arrival = self._recording_arrival()
+        self._note_arrival = self._rebuild.recorder() if self._record_arrival else None
         self._next_bucket = 0
         for b in self.buckets:
             b.reset()
@@ -315,7 +446,7 @@ class Reducer(ReducerOffPath, SlotIO):
             # Shared memory was given up since (every rank at once): overlap again.
             self.overlap, self.overlap_why = True, "shared memory was given up"
         if self.mode is GraphMode.STATIC:
-            self._static_remaining = list(self._static_counts)
+            self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
             self._local_used = bytearray(len(self.params))
             reached = reachable_params(outputs or [], self._index_of)
@@ -328,70 +459,76 @@ class Reducer(ReducerOffPath, SlotIO):
         # The hook lives in the parameter's C++ autograd metadata, where Python's
         # cycle collector cannot see it: a strong reference to the reducer would
         # keep it, its buckets and their shared memory alive as long as the model.
-        ref = weakref.ref(self)
+        # A partial (no Python frame of its own) of the static _on_grad.
+        return functools.partial(Reducer._on_grad, weakref.ref(self), index)
 
-        def hook(_param: torch.Tensor) -> None:
-            reducer = ref()
-            if reducer is not None:
-                reducer._on_grad(index)
-        return hook
-
-    def _on_grad(self, i: int) -> None:
-        if not self.expect_hooks:
-            if self._finalized_since_forward:
+    @staticmethod
+    def _on_grad(ref: weakref.ref, i: int, _param: torch.Tensor) -> None:
+        """Parameter ``i``'s post-accumulate-grad hook (see [Note: the per-gradient path])."""
+        reducer = ref()
+        if reducer is None:
+            return
+        state = reducer.state
+        if state is not _REDUCING and state is not _EXPECTING:
+            if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
                 # torch, say so once (docs/ddp-differences.md).
-                self._finalized_since_forward = False
-                if not self._warned_second_backward:
-                    self._warned_second_backward = True
+                reducer.state = _IDLE
+                if not reducer._warned_second_backward:
+                    reducer._warned_second_backward = True
                     warnings.warn(errors.backward_twice(), RuntimeWarning, stacklevel=2)
             return  # no_sync, or a backward not preceded by a DDP forward
-        mode = self.mode
-        if mode is GraphMode.STATIC:
-            if self.num_backward == 0:
-                self._static_counts[i] += 1  # iteration 1: count only, reduce at the end
+        mode = reducer.mode
+        if mode is _STATIC:
+            if reducer.num_backward == 0:  # in_static_first_iteration, without the property
+                reducer._static.count(i)  # iteration 1: count only, reduce at the end
                 return
-            if self._static_counts[i] == 0:
-                raise self._fail(errors.static_graph_newly_used(i, self.names[i]))
-            self._static_remaining[i] -= 1
-            if self._static_remaining[i] > 0:
+            remaining = reducer._static_remaining
+            left = remaining[i] - 1
+            remaining[i] = left
+            if left > 0:
                 return
-        if not self._first_hook_done:
-            self._first_hook_done = True
-            self.trace.mark("backward_start")
-            for j in self._unused_for_iteration():
-                self._mark_ready(j)
-        if mode is GraphMode.FIND_UNUSED and self.params[i].grad is not None:
+            if left < 0 and not reducer._static.was_counted(i):
+                raise reducer._fail(errors.static_graph_newly_used(i, reducer.names[i]))
+        if not reducer._first_hook_done:
+            reducer._first_hook_done = True
+            reducer.trace.mark("backward_start")
+            for j in reducer._unused_for_iteration():
+                reducer._mark_ready(j)
+        if mode is _FIND_UNUSED and reducer.params[i].grad is not None:
             # A hook can fire with no gradient (its output was not used in the
             # loss); such a parameter is not "used" and its .grad stays put.
-            self._local_used[i] = 1
-        self._mark_ready(i)
+            reducer._local_used[i] = 1
+        reducer._mark_ready(i)
 
     def _unused_for_iteration(self) -> list[int]:
         if self.mode is GraphMode.STATIC:
-            return self._static_unused
+            return self._static.unused()
         return self._unused if self.mode is GraphMode.FIND_UNUSED else []
 
     # [Note: the per-gradient path]
-    # _mark_ready runs once per parameter per backward, so it does no more than
-    # it must: the bucket, slot and put method come from one precomputed route
-    # (rebuilt whenever slot kinds are decided), the arrival flag is decided
-    # once per backward, grad mode is switched off only when it is on (it is
-    # off inside an ordinary backward; on under create_graph), the scale is
-    # multiplied as a cached 0-dim tensor (see packing.scale_tensor), and
-    # tracing marks buckets, never parameters. A deferred slot (VIEW, PACKED,
-    # or a held HOMED or LENT one) has no put method: its hook only counts, and
-    # _put_deferred does the tensor work for the whole bucket once its last
+    # _on_grad and _mark_ready run once per parameter per backward, so they do
+    # no more than they must: the hook is a partial of _on_grad (one Python
+    # frame), the iteration's state is one attribute compared by identity, the
+    # bucket, slot and put function come from one precomputed route (rebuilt
+    # whenever slot kinds are decided), the bucket counts the gradient in with
+    # one call (Bucket.arrive), what records the arrival order (a list's own
+    # append, unless bucket_cap_mb="auto" stamps too) is decided once per backward,
+    # grad mode is switched off only when it is on (it is off inside an
+    # ordinary backward; on under create_graph), the scale is multiplied as a
+    # cached 0-dim tensor (see packing.scale_tensor), and tracing marks
+    # buckets, never parameters. A deferred slot (VIEW, PACKED, or a held
+    # HOMED or LENT one) has no put function: its hook only counts, and
+    # put_deferred does the tensor work for the whole bucket once its last
     # gradient has arrived.
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
             raise self._fail(errors.marked_twice(i, self.names[i]))
         ready[i] = True
-        self.require_finalize = True
+        self.state = _REDUCING
         bucket, s, put = self._route[i]
-        if bucket.pending == bucket.size:
-            bucket.lending.claim()  # the backward's first write into this bucket
+        full = bucket.arrive()
         if put is not None:
             scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
             grad_mode = torch.is_grad_enabled()
@@ -400,22 +537,21 @@ class Reducer(ReducerOffPath, SlotIO):
             try:
                 if self.params[i].grad is None:
                     bucket.views[s].zero_()
-                    bucket.to_write.append(s)
+                    bucket.write_back(s)
                 else:
                     # No local reference to the gradient here: lending counts them.
-                    put(bucket, s, i, scale)
+                    put(bucket, s, scale)
             finally:
                 if grad_mode:
                     torch._C._set_grad_enabled(True)
-        if self._record_arrival:
-            self._arrival.append(i)
-            if self.auto_stamps is not None:
-                self.auto_stamps.mark(i)
-        bucket.pending -= 1
-        if bucket.pending == 0:
+        note = self._note_arrival
+        if note is not None:
+            note(i)
+        if full:
             if bucket.deferred:
-                self._put_deferred(bucket, i)
-            bucket.state = BucketState.READY
+                put_deferred(bucket, 1.0 if self.comm_hook is not None else
+                             1.0 / self.divide_factor, self.grad_as_view, s)
+            bucket.mark_ready()
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
 
@@ -434,13 +570,11 @@ class Reducer(ReducerOffPath, SlotIO):
     def _launch_ready(self) -> None:
         buckets = self.buckets
         last = len(buckets) - 1
-        while self._next_bucket <= last and \
-                buckets[self._next_bucket].state is BucketState.READY:
+        while self._next_bucket <= last and buckets[self._next_bucket].state is _READY:
             bucket = buckets[self._next_bucket]
             # The last bucket, or every bucket without a free core for the comm thread.
             if (self._next_bucket == last or not self.overlap) and self._finalize_may_reduce():
-                bucket.state = BucketState.LAUNCHED
-                bucket.inline = True  # the finalize reduces it (see [Note: the last bucket])
+                bucket.leave_to_finalize()  # see [Note: the last bucket]
             else:
                 self._launch(bucket)
             self._next_bucket += 1
@@ -450,10 +584,9 @@ class Reducer(ReducerOffPath, SlotIO):
                 self._used_future = self.comm.all_reduce(used.to(torch.int32),
                                                          label="DDP unused-parameter map")
             if not self._delayed:
-                _queue_engine_callback(self._finalize)
+                queue_engine_callback(self._finalize)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.state = BucketState.LAUNCHED
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
         label = f"DDP bucket {index}"
@@ -461,16 +594,17 @@ class Reducer(ReducerOffPath, SlotIO):
         on_done = lambda _f: trace.mark("comm_done", index, it)  # noqa: E731
         with profiled(f"gradring::bucket_all_reduce#{index}"):
             if bucket.homes:
-                bucket.future = self.comm.all_reduce_homed(
-                    bucket.buffer, sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor,
+                future = self.comm.all_reduce_homed(
+                    bucket.buffer, bucket.homed_pieces(), 1.0 / self.divide_factor,
                     label=label, on_done=on_done)
             elif self.comm_hook is None:
-                bucket.future = self.comm.all_reduce(bucket.buffer, label=label, on_done=on_done)
+                future = self.comm.all_reduce(bucket.buffer, label=label, on_done=on_done)
             else:
                 gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
                 with self.comm.labelled(label):
-                    bucket.future = self.comm_hook(self.comm_hook_state, gb)
-                bucket.future.add_done_callback(on_done)
+                    future = self.comm_hook(self.comm_hook_state, gb)
+                future.add_done_callback(on_done)
+        bucket.launch(future)
 
     # [Note: the last bucket]
     # The last bucket becomes ready with the backward's last gradient, and the
@@ -490,14 +624,14 @@ class Reducer(ReducerOffPath, SlotIO):
     # bucket takes this path, in bucket order; all ranks follow rank 0's choice.
     def _reduce_now(self, bucket: Bucket) -> torch.Tensor:
         """Reduce the bucket left to the finalize (see [Note: the last bucket])."""
-        bucket.inline = False
+        bucket.start_inline()
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
         label = f"DDP bucket {index}"
         try:
             if bucket.homes:
                 self.comm.all_reduce_homed(
-                    bucket.buffer, sorted(bucket.homes, key=_offset), 1.0 / self.divide_factor,
+                    bucket.buffer, bucket.homed_pieces(), 1.0 / self.divide_factor,
                     label=label, async_op=False)
             else:
                 self.comm.all_reduce(bucket.buffer, label=label, async_op=False)
@@ -506,19 +640,41 @@ class Reducer(ReducerOffPath, SlotIO):
         trace.mark("comm_done", index)
         return bucket.buffer
 
+    def _wait_bucket(self, bucket: Bucket) -> Any:
+        """Wait for a bucket's collective; a failure names the bucket and its parameters."""
+        try:
+            return bucket.future.wait()
+        except Exception as exc:
+            raise self._bucket_failed(bucket, exc) from exc
+
+    def _drain_launched(self) -> None:
+        """Finish every collective this backward launched, ignoring failures, so
+        that none is left dangling for the peers (an abandoned or unfinished
+        reduction). A bucket left to the finalize (the last one, or every one
+        without overlap: see [Note: the last bucket]) is still issued: the
+        peers issue it too."""
+        for b in self.buckets:
+            try:
+                if b.inline:
+                    self._reduce_now(b)
+                elif b.future is not None:
+                    b.future.wait()
+            except Exception:  # noqa: BLE001 - the caller reports what matters
+                pass
+
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
         self.trace.mark("backward_end")
-        if self.auto_stamps is not None and self._recording_arrival():
-            self.auto_stamps.t_end = time.perf_counter()
-        used: list[int] | None = self._static_used
+        if self._record_arrival:  # decided for this backward by prepare_for_backward
+            self._rebuild.stamp_end()
+        used: list[int] | None = self._static.used()
         if self._used_future is not None:
             # Launched after every bucket, so waiting here waits for all of them.
             used_t = self._used_future.wait()
             used = (used_t[0] if isinstance(used_t, (list, tuple)) else used_t).tolist()
             self._used_future = None
             if self.mode is GraphMode.STATIC and len(used) == 2 * len(self.params):
-                self._static_used, used = used[:len(self.params)], used[len(self.params):]
+                used = self._static.keep_used(used)
         try:
             with torch.no_grad():
                 for bucket in self.buckets:
@@ -534,9 +690,8 @@ class Reducer(ReducerOffPath, SlotIO):
                     with profiled(f"gradring::bucket_write_grads#{bucket.index}"):
                         if value is not bucket.buffer:
                             bucket.buffer.copy_(value.reshape(-1))
-                        self._write_grads(bucket, used)
-                        bucket.homes, bucket.homed_slots = [], set()  # no refs to old grads
-                        bucket.to_write = []
+                        write_grads(bucket, used)
+                        bucket.complete()  # no refs to old grads
                     if self.post_reduce is not None:
                         self.post_reduce(bucket)
                     self.trace.mark("written", bucket.index)
@@ -545,18 +700,101 @@ class Reducer(ReducerOffPath, SlotIO):
                 fut.wait()
         finally:
             self.trace.iteration += 1
-            self.expect_hooks = False
-            self.require_finalize = False
-            self._finalized_since_forward = True
+            self._end_iteration(finalized=True)
             self.num_backward += 1
 
+    # ------------------------------------------------------------- static_graph
+    def delay_all_reduce(self) -> None:
+        """static_graph, iteration 1: everything was counted; now reduce all
+        buckets at once (see [Note: static_graph's first iteration])."""
+        used = self._static.first_iteration_maps(self.params)
+        self._delayed = True
+        try:
+            for i in range(len(self.params)):
+                self._mark_ready(i)
+        finally:
+            self._delayed = False
+        # Learn once which parameters no rank uses; their .grad is never written.
+        self._used_future = self.comm.all_reduce(used, label="DDP unused-parameter map")
+        self._finalize()
+
+    def on_boundary_backward(self) -> None:
+        """The output boundary's backward ran: in static_graph's first
+        iteration, queue the delayed all-reduce for the end of this backward."""
+        if self.in_static_first_iteration and self._static.queue_delay_once():
+            queue_engine_callback(self.delay_all_reduce, needs_backward_end=True)
+
+    # --------------------------------------------------------------------- Join
+    def shadow_backward(self) -> None:
+        """Join: issue this backward's collectives with zero gradients (see [Note: shadowing])."""
+        kept = []
+        for bucket in self.buckets:
+            bucket.lending.claim()  # an old .grad kept elsewhere keeps its values
+            # The zeros and the peers' sums are not this rank's gradients: where
+            # .grad lives in the bucket (view mode, lent), it is put back after.
+            holds_grads = self.grad_as_view or bucket.lending.any_in_use()
+            kept.append(bucket.buffer.clone() if holds_grads else None)
+            bucket.buffer.zero_()
+            self._launch(bucket)
+        for bucket, saved in zip(self.buckets, kept):
+            bucket.future.wait()
+            if saved is not None:
+                bucket.buffer.copy_(saved)
+            bucket.reset()
+        if self.mode is GraphMode.FIND_UNUSED:
+            zeros = torch.zeros(len(self.params), dtype=torch.int32)
+            self.comm.all_reduce(zeros, label="DDP unused-parameter map").wait()
+        if self._recording_arrival():
+            self._rebuild.stand_in()  # rebuild in step with the others
+        self.num_backward += 1
+
     # -------------------------------------------------------------------- errors
+    def _bucket_failed(self, bucket: Bucket, exc: Exception) -> RuntimeError:
+        """The error for a failed bucket collective, naming the bucket and its parameters."""
+        self._end_iteration(finalized=False)
+        where = errors.bucket_context(bucket.index, bucket.nbytes, bucket.param_indices,
+                                      self.names, self.num_backward + 1)
+        return self._fail(f"{exc}\n{where}")
+
+    def _raise_unfinished(self) -> None:
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        per_rank = {self.comm.rank: missing}
+        per_rank.update(self._peer_missing(missing))
+        self._drain_launched()
+        self._end_iteration(finalized=False)
+        raise self._fail(
+            errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
+                                        world_size=self.comm.world_size)
+        )
+
+    def _fail(self, message: str) -> RuntimeError:
+        """The error to raise, recorded for DDP's logging data."""
+        self.error = message
+        return RuntimeError(message)
+
+    def _peer_missing(self, missing: list[int]) -> dict[int, list[int]]:
+        """Swap the missing-gradient lists with the other ranks through the store.
+
+        The store, not a collective: ranks in this state may disagree about
+        which collectives they issued, and a collective here could pair with
+        the wrong one. Ranks that do not answer quickly are simply left out.
+        """
+        return self.comm.exchange_lists(f"unused/{self.num_forward}", missing)
+
+    # torch's Reducer names, called on ``ddp.reducer`` by Lightning's manual
+    # optimization (a backward that runs inside the wrapped module's forward).
+    def _rebuild_buckets(self) -> bool:
+        """torch's ``_rebuild_buckets``: check the prior reduction finished, then
+        rebuild the buckets if this is the time; True if they were rebuilt."""
+        self.check_prior_finished()
+        return self.rebuild_if_needed()
+
+    def _delay_all_reduce(self) -> None:
+        """torch's ``_delay_all_reduce``: static_graph's first iteration, reduce all now."""
+        self.delay_all_reduce()
+
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
-
-
-def _offset(piece: tuple[int, torch.Tensor]) -> int:
-    return piece[0]
 
 
 def _remove_handles(handles: list[Any]) -> None:

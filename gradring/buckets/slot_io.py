@@ -1,0 +1,235 @@
+"""How gradients go into bucket slots and their results back into ``.grad``.
+
+One function per slot kind (see [Note: slot kinds] in ``bucket.py``): the
+per-hook puts of HOMED, LENT and COPIED slots, the deferred put of a ready
+bucket's VIEW and PACKED slots (see [Note: packed slots] in ``packing.py``),
+and the write-back at the end of the backward. Plain functions of a bucket
+and a slot: the parameter is the bucket's, the scale the caller's; what a
+put leaves to be done later it records through the bucket's own methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gradring.buckets.bucket import Bucket, SlotKind
+from gradring.buckets.lending import fresh
+from gradring.buckets.packing import copy_in, copy_in_all, copy_out, copy_out_all, scale_tensor
+
+
+def put_deferred(bucket: Bucket, scale: float, view_mode: bool, last: int) -> None:
+    """The bucket's last gradient (slot ``last``'s) arrived: put in its VIEW
+    slots, or its held and PACKED slots (see [Note: held slots])."""
+    grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
+    if grad_mode:
+        torch._C._set_grad_enabled(False)
+    try:
+        if view_mode:
+            _put_views(bucket, scale)
+            return
+        if bucket.held:
+            _put_held(bucket, scale, last)
+        if not bucket.runs:
+            return
+        if not grad_mode and not bucket.packed_flat and \
+                copy_in_all(bucket.packed_views, bucket.packed_params, scale):
+            return
+        buffer, views = bucket.buffer, bucket.views
+        for r, run in enumerate(bucket.runs):
+            # create_graph: slot by slot, so that .grad is written with autograd on.
+            if grad_mode or not copy_in(buffer, views, run, scale):
+                bucket.loosen(r)
+                for s in range(run.lo, run.hi):
+                    _put_one(bucket, s, scale)
+    finally:
+        if grad_mode:
+            torch._C._set_grad_enabled(True)
+
+
+def _put_held(bucket: Bucket, scale: float, last: int) -> None:
+    kinds, params = bucket.kinds, bucket.params
+    for s in bucket.held:
+        if params[s].grad is None:
+            bucket.views[s].zero_()
+            bucket.write_back(s)
+        elif kinds[s] is SlotKind.LENT:
+            put_lent(bucket, s, scale, s != last)
+        else:
+            put_homed(bucket, s, scale)
+
+
+def _put_one(bucket: Bucket, s: int, scale: float) -> None:
+    if bucket.params[s].grad is None:
+        bucket.views[s].zero_()
+        bucket.write_back(s)
+    else:
+        put_copied(bucket, s, scale)
+
+
+def _put_views(bucket: Bucket, scale: float) -> None:
+    """gradient_as_bucket_view: a .grad that is not its slot yet (a new one,
+    after ``zero_grad(set_to_none=True)``) is multiplied into the slot and
+    pointed at it; slots autograd summed into in place are scaled where
+    they are (the whole buffer in one multiply when that is every slot).
+    Each element is multiplied by the same 0-dim scale once either way, so
+    the bits are those of a copy and then a multiply, without the copy's
+    second pass over the new gradients."""
+    views = bucket.views
+    st = scale_tensor(scale, bucket.buffer.dtype) if scale != 1.0 else None
+    summed = []  # slots that already were their .grad
+    for s, p in enumerate(bucket.params):
+        grad, view = p.grad, views[s]
+        if grad is None:
+            view.zero_()
+            bucket.write_back(s)
+        elif grad.layout is not torch.strided:
+            put_copied(bucket, s, scale)
+        elif grad.data_ptr() == view.data_ptr():
+            summed.append(view)
+        else:
+            if st is not None and grad.dtype == view.dtype:
+                torch.mul(grad, st, out=view)
+            else:
+                view.copy_(grad)
+                if st is not None:
+                    view.mul_(st)
+            p.grad = view
+    if st is not None and summed:
+        if len(summed) == len(views):
+            bucket.buffer.mul_(st)
+        else:
+            torch._foreach_mul_(summed, st)
+
+
+# How a gradient goes into its slot, one function per kind (called by the
+# hook, or for a held slot when its bucket is ready); each falls back to
+# the next simpler kind when the gradient does not fit its own. Each reads
+# .grad itself and holds it in exactly one local, because lending.fresh()
+# compares reference counts against a probe made the same way.
+def put_lent(bucket: Bucket, s: int, scale: float, later: bool = False) -> None:
+    param = bucket.params[s]
+    grad = param.grad
+    view = bucket.views[s]
+    strided = grad.layout is torch.strided  # else sparse: put_homed copies it
+    if strided and grad.data_ptr() == view.data_ptr():
+        if scale != 1.0:
+            view.mul_(scale_tensor(scale, view.dtype))
+    elif strided and not grad.requires_grad and fresh(grad, later):
+        param.grad = bucket.lending.lend(s, grad, scale)
+    else:
+        del grad
+        put_homed(bucket, s, scale)
+
+
+def put_homed(bucket: Bucket, s: int, scale: float) -> None:
+    """Copy in (scaled) only what the peers read, the part outside this rank's
+    own chunk; the collective reads the rest from ``.grad`` and writes the
+    whole result back into it."""
+    grad = bucket.params[s].grad
+    view = bucket.views[s]
+    # A gradient that requires grad (backward(create_graph=True)) is
+    # copied: the collective's thread would record autograd history on it.
+    if not (grad.layout is torch.strided and grad.is_contiguous()
+            and not grad.requires_grad
+            and grad.dtype == view.dtype and grad.device == view.device
+            and grad.numel() == view.numel()):
+        put_copied(bucket, s, scale)
+        return
+    flat = grad.view(-1)
+    start, n = bucket.offsets[s], bucket.numels[s]
+    lo, hi = bucket.own
+    for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
+        if a < b:
+            torch.mul(flat[a - start:b - start], scale_tensor(scale, flat.dtype),
+                      out=bucket.buffer[a:b])
+    bucket.home(start, flat, s)
+
+
+# [Note: sparse gradients]
+# nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give sparse
+# COO gradients. Torch's DDP reduces each as a sparse tensor in a bucket of
+# its own. Here every parameter already has a dense slot, so a sparse
+# gradient is made dense into its slot (scaled like any other) and summed
+# with its bucket; at the end of the backward .grad becomes a coalesced
+# sparse tensor again, with the gradient's sparse dimensions and the rows
+# whose sum is not zero. Every rank takes part in the same bucket
+# collective whatever layout its gradient has, so nothing can pair up
+# wrongly or wait forever. The price is a dense pass over the whole
+# table every step, and a row that ranks touched but whose sum is exactly
+# zero is left out of the indices (torch's keeps it, with zeros). A comm
+# hook sees the dense values in the bucket.
+def put_copied(bucket: Bucket, s: int, scale: float) -> None:
+    grad = bucket.params[s].grad
+    view = bucket.views[s]
+    if grad.layout is not torch.strided:
+        # A sparse gradient (nn.Embedding(sparse=True)) is summed densely
+        # in its slot; see [Note: sparse gradients].
+        view.copy_(grad.to_dense())
+        if scale != 1.0:
+            view.mul_(scale_tensor(scale, view.dtype))
+    elif scale != 1.0:
+        torch.mul(grad, scale_tensor(scale, grad.dtype), out=view)
+    else:
+        view.copy_(grad)
+    bucket.write_back(s)  # the result goes back into .grad at finalize
+
+
+def write_grads(bucket: Bucket, used: list[int] | None) -> None:
+    """Write the bucket's reduced values where ``.grad`` needs them; ``used``
+    (per global parameter index) leaves alone the parameters no rank used."""
+    # Only the slots whose put left the result to be written back (copied in,
+    # or no gradient), and the packed runs: homed, lent and view slots
+    # already hold it in .grad.
+    homed = bucket.homed_slots
+    for slot in bucket.to_write:
+        if slot not in homed:  # else the collective wrote the result into .grad
+            _write_slot(bucket, slot, used)
+    runs, loose, views = bucket.runs, bucket.loose, bucket.views
+    if runs and not loose and (used is None or all(
+            used[i] for run in runs for i in run.indices)) and \
+            copy_out_all(bucket.packed_params, bucket.packed_views):
+        return
+    for r, run in enumerate(runs):
+        if r in loose:
+            continue  # its slots went one by one, into to_write
+        if (used is None or all(used[i] for i in run.indices)) and copy_out(views, run):
+            continue
+        for slot in range(run.lo, run.hi):
+            _write_slot(bucket, slot, used)
+
+
+def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
+    if used is not None and used[bucket.param_indices[slot]] == 0:
+        return  # unused on every rank: leave .grad untouched
+    p = bucket.params[slot]
+    view = bucket.views[slot]
+    grad = p.grad
+    if grad is not None and grad.layout is not torch.strided:
+        p.grad = view.to_sparse(grad.sparse_dim())  # see [Note: sparse gradients]
+        return
+    if grad is not None and grad.data_ptr() == view.data_ptr():
+        return  # .grad is the slot itself (view mode, or lent)
+    kind = bucket.kinds[slot]
+    if kind is SlotKind.VIEW:
+        p.grad = view
+    elif grad is None:
+        p.grad = bucket.lending.hand_out(slot) if kind is SlotKind.LENT \
+            else view.clone()
+    elif grad.requires_grad:
+        # backward(create_graph=True): torch's DDP writes the result
+        # with autograd recording, so .grad keeps requiring grad (its
+        # history is the copy; the all-reduce is not differentiated).
+        with torch.enable_grad():
+            grad.copy_(view)
+    else:
+        grad.copy_(view)
+
+
+#: Per slot kind, what its hook puts in with (see [Note: slot kinds]); None
+#: for the kinds that are always deferred (see [Note: held slots]).
+PUT_AT_HOOK: dict[SlotKind, Callable[[Bucket, int, float], None] | None] = {
+    SlotKind.VIEW: None, SlotKind.PACKED: None, SlotKind.LENT: put_lent,
+    SlotKind.HOMED: put_homed, SlotKind.COPIED: put_copied,
+}

@@ -1,0 +1,19 @@
+"""torch.compile and gradring's DDP.
+
+``split.py``: compiled graphs split at gradring's buckets ([Note: compile and
+the buckets]); ``never_traced.py``: what Dynamo never traces ([Note: never
+traced]). The names of the former ``gradring.compile`` module are re-exported here.
+"""
+
+from gradring.compile.never_traced import NEVER_TRACED, never_traced
+from gradring.compile.split import (
+    SPLIT_BY,
+    BucketSplit,
+    Split,
+    after_rebuild,
+    install,
+    splits,
+)
+
+__all__ = ["NEVER_TRACED", "SPLIT_BY", "BucketSplit", "Split", "after_rebuild", "install",
+           "never_traced", "splits"]
