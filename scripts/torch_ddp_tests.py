@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""Run torch's own DDP tests against gradring (and against torch's DDP as the reference).
+
+    python scripts/torch_ddp_tests.py                      # gradring, the selection below
+    python scripts/torch_ddp_tests.py --both               # torch's DDP first, then gradring
+    python scripts/torch_ddp_tests.py --impl torch -k uneven --jobs 1
+    python scripts/torch_ddp_tests.py --list               # what is selected, run or skipped, why
+
+The tests are ``DistributedTest._DistTestBase`` from torch's installed
+``torch/testing/_internal/distributed/distributed_test.py``, run the way upstream's
+``test/distributed/test_distributed_spawn.py`` runs them: ``BACKEND=gloo``,
+``WORLD_SIZE=2``, one fresh pair of spawned rank processes per test, a temporary
+``TEMP_DIR`` and a file:// rendezvous made by the harness's own ``setUp``. Needs the
+``expecttest`` package (torch's test helpers import it): ``pip install expecttest``.
+See docs/torch-tests.md.
+
+[Note: which of torch's tests are DDP tests]
+A test method of ``_DistTestBase`` is selected when its name contains ``ddp`` or
+``DistributedDataParallel`` (any case), or when its body names
+``DistributedDataParallel`` (or ``DDP``) itself or through a ``self._helper(...)`` it
+calls, followed transitively through the class's own helpers. That picks up the DDP
+tests whose names do not say so (test_grads_same_across_ranks_with_no_sync,
+test_invalid_static_graph, test_skip_all_reduce_unused_parameters,
+test_compute_bucket_assignment_by_size_sparse_error_with_logger, the no_sync /
+post-localSGD / static-graph ones) without a hand-kept list that goes stale when torch
+is upgraded. ``--list`` prints, per test, which half of the rule selected it.
+
+[Note: the skip table]
+scripts/torch_ddp_tests.txt names the selected tests that are not run, one per line
+with its reason, and every reason holds against torch's own DDP on this CPU-only gloo
+setup ("needs CUDA": torch's run skips it for want of GPUs; "torch's DDP fails it on
+CPU too": the reference fails, so it says nothing about gradring). So every test that
+is run passes under torch's DDP, which is what lets a gradring-only run (the default,
+the one that must fit in ten minutes) call each of its failures a regression against
+the reference without running the reference. ``--impl torch`` checks that claim
+(a failure there means the table is stale); ``--run-skipped`` runs the listed tests
+too, e.g. after a torch upgrade or on a machine with GPUs.
+
+[Note: why there is no CPU shim for the GPU tests]
+Most GPU-gated DDP tests do not just place tensors on ``cuda:rank``: they pass
+``device_ids=[rank]`` (which torch's DDP rejects for a CPU module), build
+``torch.cuda.Stream``s and events, use ``torch.cuda.amp``/``GradScaler``, compare
+``.device`` against ``cuda:rank``, read ``torch.cuda.memory_*`` or gate on
+``torch.cuda.device_count()`` inside the test body. Faking all of that would change
+what the tests check and would make the reference (torch's DDP) run an altered test,
+so they are skipped as "needs CUDA" instead; ``--run-skipped`` on a GPU machine runs
+them for real.
+
+[Note: how the swap reaches every DDP the tests build]
+``--impl gradring`` calls ``gradring.install()`` (which rebinds
+``torch.nn.parallel.DistributedDataParallel`` and
+``torch.nn.parallel.distributed.DistributedDataParallel``; the tests reach the class
+through ``nn.parallel.`` and ``torch.nn.parallel.``) and then rebinds every module
+global under ``torch.testing._internal`` that still holds torch's class (e.g. the
+``DistributedDataParallel`` that distributed_test imported by name). isinstance checks
+elsewhere in torch keep torch's class, which gradring's subclasses. The swap is done
+at import of this file, so it happens in the spawned rank processes too (spawn
+re-imports this file as ``__mp_main__``); the implementation is passed to them in the
+environment (``GRADRING_TORCH_TESTS_IMPL``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP_TABLE = Path(__file__).with_suffix(".txt")
+IMPL_ENV = "GRADRING_TORCH_TESTS_IMPL"
+START_ENV = "GRADRING_TORCH_TESTS_START"
+IMPLS = ("torch", "gradring")
+
+# The environment upstream's spawn test requires, set before torch's test module is
+# imported (it reads BACKEND and WORLD_SIZE at import). setUp replaces TEMP_DIR and
+# INIT_METHOD with fresh per-test ones; these only satisfy the import.
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())
+os.environ.setdefault("INIT_METHOD", "env://")
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+try:
+    import torch
+    from torch.testing._internal.distributed import distributed_test
+    from torch.testing._internal.distributed.distributed_test import (
+        DistributedTest,
+        TestDistBackend,
+    )
+except ModuleNotFoundError as _missing:  # torch's test helpers need expecttest
+    if __name__ == "__main__":
+        sys.exit(f"torch_ddp_tests: cannot import torch's distributed tests ({_missing}); "
+                 "install the missing package, e.g. `pip install expecttest`")
+    raise
+
+_TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
+
+
+def swap_in_gradring() -> list[str]:
+    """Make every place the tests take the DDP class from give gradring's.
+
+    See [Note: how the swap reaches every DDP the tests build]. Returns the rebound
+    names, for the log."""
+    import gradring
+
+    gradring.install()
+    rebound = [f"{home}.DistributedDataParallel"
+               for home in ("torch.nn.parallel", "torch.nn.parallel.distributed")]
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("torch.testing._internal"):
+            continue
+        for name, value in list(vars(mod).items()):
+            if value is _TORCH_DDP:
+                setattr(mod, name, gradring.DistributedDataParallel)
+                rebound.append(f"{mod_name}.{name}")
+    return rebound
+
+
+SWAPPED: list[str] = swap_in_gradring() if os.environ.get(IMPL_ENV) == "gradring" else []
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    """Upstream's test_distributed_spawn class: each test spawns WORLD_SIZE ranks."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        if os.environ.get(START_ENV, "fork") == "spawn":
+            self._spawn_processes()
+        else:  # [Note: fork, not spawn]
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+
+# ---------------------------------------------------------------- selection
+
+
+def _method_source(name: str) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(getattr(DistributedTest._DistTestBase, name)))
+    except (OSError, TypeError):
+        return ""
+
+
+def _names_ddp(name: str, seen: set[str]) -> bool:
+    """Whether a method of _DistTestBase names the DDP class, itself or via its helpers."""
+    if name in seen:
+        return False
+    seen.add(name)
+    source = _method_source(name)
+    if re.search(r"DistributedDataParallel|\bDDP\b", source):
+        return True
+    base = DistributedTest._DistTestBase
+    return any(callable(getattr(base, helper, None)) and _names_ddp(helper, seen)
+               for helper in sorted(set(re.findall(r"self\.(_\w+)\(", source))))
+
+
+def select_tests() -> dict[str, str]:
+    """The DDP tests, each with why it is selected; see [Note: which of torch's tests are
+    DDP tests]."""
+    chosen: dict[str, str] = {}
+    for name in sorted(dir(DistributedTest._DistTestBase)):
+        if not name.startswith("test_"):
+            continue
+        if re.search(r"ddp|distributeddataparallel", name, re.IGNORECASE):
+            chosen[name] = "name"
+        elif _names_ddp(name, set()):
+            chosen[name] = "body uses DDP"
+    return chosen
+
+
+def read_skip_table(path: Path = SKIP_TABLE) -> dict[str, str]:
+    """test name -> reason it is not run; see [Note: the skip table]."""
+    table: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip() if raw.lstrip().startswith("#") else raw.strip()
+        if not line:
+            continue
+        name, _, reason = line.partition(" ")
+        table[name] = reason.strip() or "(no reason given)"
+    return table
+
+
+# ---------------------------------------------------------------- worker side
+
+
+class _Recorder(unittest.TestResult):
+    """Writes one JSON line per finished test to the driver's result pipe."""
+
+    def __init__(self, out: object) -> None:
+        super().__init__()
+        self._out = out  # the pipe to the driver; one line per test
+        self._started = 0.0  # when the current test began, for its duration
+
+    def startTest(self, test: unittest.TestCase) -> None:
+        super().startTest(test)
+        self._started = time.monotonic()
+
+    def _emit(self, test: unittest.TestCase, status: str, detail: str) -> None:
+        record = {"test": test.id().rsplit(".", 1)[-1], "status": status, "detail": detail,
+                  "seconds": round(time.monotonic() - self._started, 1)}
+        self._out.write(json.dumps(record) + "\n")  # type: ignore[attr-defined]
+        self._out.flush()  # type: ignore[attr-defined]
+
+    def addSuccess(self, test: unittest.TestCase) -> None:
+        self._emit(test, "passed", "")
+
+    def addSkip(self, test: unittest.TestCase, reason: str) -> None:
+        self._emit(test, "skipped", reason)
+
+    def addFailure(self, test: unittest.TestCase, err: tuple) -> None:
+        self._emit(test, "failed", self._exc_info_to_string(err, test))
+
+    def addError(self, test: unittest.TestCase, err: tuple) -> None:
+        self._emit(test, "failed", self._exc_info_to_string(err, test))
+
+    def addExpectedFailure(self, test: unittest.TestCase, err: tuple) -> None:
+        self._emit(test, "passed", "expected failure")
+
+    def addUnexpectedSuccess(self, test: unittest.TestCase) -> None:
+        self._emit(test, "failed", "unexpected success")
+
+
+def worker(result_fd: int) -> None:
+    """Run the tests named on stdin, one per line, reporting each on ``result_fd``."""
+    print(f"worker {os.getpid()}: impl={os.environ.get(IMPL_ENV)} swapped={SWAPPED}", flush=True)
+    with os.fdopen(result_fd, "w") as out:
+        recorder = _Recorder(out)
+        TestDistBackendWithSpawn.setUpClass()
+        for line in sys.stdin:
+            name = line.strip()
+            if not name:
+                continue
+            print(f"===== {name}", flush=True)
+            TestDistBackendWithSpawn(name).run(recorder)
+        TestDistBackendWithSpawn.tearDownClass()
+
+
+# ---------------------------------------------------------------- driver side
+
+
+@dataclass
+class Outcome:
+    status: str  # passed / failed / skipped / not run
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def one_line(detail: str) -> str:
+    """The exception line of a (child's) traceback, or the detail's first line."""
+    lines = detail.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("To execute this test"):
+            lines = lines[:i]
+    exc_lines = []
+    after_frame = False
+    for line in lines:
+        if line.startswith('  File "'):
+            after_frame = True
+            continue
+        if after_frame and line and not line.startswith(" ") and not line.startswith("\t"):
+            exc_lines.append(line)
+            after_frame = False
+    # Prefer the last exception raised in a rank (the harness's own wrapper comes first).
+    picks = [x for x in exc_lines if not x.startswith("RuntimeError: Process ")]
+    text = (picks or exc_lines or [x for x in lines if x.strip()] or [""])[-1]
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+@dataclass
+class _Slot:
+    proc: subprocess.Popen
+    reader: object
+    current: str | None = None
+    since: float = 0.0
+    buffer: str = ""
+    log: Path = field(default_factory=Path)
+
+
+def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int,
+             log_dir: Path, verbose: bool) -> dict[str, Outcome]:
+    """Run ``tests`` under ``impl`` on ``jobs`` worker processes fed one test at a time."""
+    env = dict(os.environ, **{IMPL_ENV: impl, "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout),
+                              "PYTHONPATH": os.pathsep.join(
+                                  [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                      os.pathsep) if p])})
+    pending = list(tests)
+    results: dict[str, Outcome] = {}
+    sel = selectors.DefaultSelector()
+    slots: list[_Slot] = []
+    started = itertools.count()  # numbers the workers' log files
+    # The harness kills a hung test after test_timeout; this is the backstop for a worker
+    # that hangs outside it (a rank stuck in teardown, a deadlocked spawn).
+    watchdog = test_timeout + 90
+
+    def start() -> _Slot:
+        rfd, wfd = os.pipe()
+        log = log_dir / f"{impl}-worker{next(started)}.log"
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(wfd)], stdin=subprocess.PIPE,
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, pass_fds=(wfd,),
+            start_new_session=True, text=True, cwd=REPO)
+        os.close(wfd)
+        reader = os.fdopen(rfd, "r")
+        slot = _Slot(proc=proc, reader=reader, log=log)
+        sel.register(reader, selectors.EVENT_READ, slot)
+        return slot
+
+    def feed(slot: _Slot) -> None:
+        if pending:
+            slot.current = pending.pop(0)
+            slot.since = time.monotonic()
+            slot.proc.stdin.write(slot.current + "\n")
+            slot.proc.stdin.flush()
+        else:
+            slot.current = None
+            slot.proc.stdin.close()
+
+    def retire(slot: _Slot, kill: bool) -> None:
+        sel.unregister(slot.reader)
+        slot.reader.close()
+        if kill:
+            try:
+                os.killpg(slot.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        slot.proc.wait()
+        slots.remove(slot)
+
+    def record(name: str, outcome: Outcome) -> None:
+        results[name] = outcome
+        mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(outcome.status, "----")
+        why = one_line(outcome.detail) if outcome.status == "failed" else outcome.detail
+        print(f"  [{impl}] {mark} {name} ({outcome.seconds:.0f}s){'  ' + why if why else ''}",
+              flush=True)
+        if verbose and outcome.status == "failed":
+            print(outcome.detail, flush=True)
+
+    for _ in range(min(jobs, len(pending))):
+        slot = start()
+        slots.append(slot)
+        feed(slot)
+    while slots:
+        for key, _ in sel.select(timeout=5):
+            slot = key.data
+            chunk = os.read(slot.reader.fileno(), 1 << 16).decode()
+            if not chunk:  # worker exited
+                if slot.current is not None:
+                    record(slot.current, Outcome("failed", f"worker died (exit {slot.proc.poll()})"
+                                                 f"; see {slot.log}",
+                                                 time.monotonic() - slot.since))
+                    retire(slot, kill=True)
+                    if pending:
+                        new = start()
+                        slots.append(new)
+                        feed(new)
+                else:
+                    retire(slot, kill=False)
+                continue
+            slot.buffer += chunk
+            while "\n" in slot.buffer:
+                line, slot.buffer = slot.buffer.split("\n", 1)
+                rec = json.loads(line)
+                record(rec["test"], Outcome(rec["status"], rec["detail"], rec["seconds"]))
+                feed(slot)
+        now = time.monotonic()
+        for slot in list(slots):
+            if slot.current is not None and now - slot.since > watchdog:
+                record(slot.current, Outcome("failed", f"no result after {watchdog}s; worker "
+                                             f"killed; see {slot.log}", now - slot.since))
+                retire(slot, kill=True)
+                if pending:
+                    new = start()
+                    slots.append(new)
+                    feed(new)
+    for name in tests:
+        results.setdefault(name, Outcome("not run"))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--impl", choices=IMPLS, default="gradring",
+                       help="whose DistributedDataParallel the tests build (default gradring)")
+    which.add_argument("--both", action="store_true",
+                       help="run torch's DDP (the reference) and then gradring's")
+    parser.add_argument("-k", dest="patterns", action="append", default=[],
+                        help="only tests whose name contains this (repeatable: any matches)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="tests run at once, each with its own 2 ranks (default 2)")
+    parser.add_argument("--test-timeout", type=int, default=180,
+                        help="seconds before the harness kills a test's ranks (default 180)")
+    parser.add_argument("--run-skipped", action="store_true",
+                        help="also run the tests the skip table names")
+    parser.add_argument("--report-only", action="store_true",
+                        help="exit 0 even when a test fails under gradring only")
+    parser.add_argument("--list", action="store_true",
+                        help="print the selection, what runs and why, and exit")
+    parser.add_argument("--verbose", action="store_true", help="print full tracebacks")
+    parser.add_argument("--json", type=Path, help="write every outcome here as JSON")
+    parser.add_argument("--log-dir", type=Path,
+                        help="keep the workers' logs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+
+    selected = select_tests()
+    skip_table = read_skip_table()
+    for name in sorted(set(skip_table) - set(selected)):
+        print(f"note: skip table names {name}, which torch's tests no longer select",
+              file=sys.stderr)
+    if args.patterns:
+        selected = {n: why for n, why in selected.items()
+                    if any(p in n for p in args.patterns)}
+    to_run = [n for n in selected if args.run_skipped or n not in skip_table]
+
+    if args.list:
+        for name, why in selected.items():
+            state = f"skip: {skip_table[name]}" if name in skip_table else "run"
+            print(f"{name:75} selected by {why:14} {state}")
+        print(f"{len(selected)} selected, {len(to_run)} to run")
+        return 0
+
+    impls = list(IMPLS) if args.both else [args.impl]
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="torch_ddp_tests-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"torch {torch.__version__}, gloo, world 2: {len(selected)} DDP tests selected, "
+          f"{len(to_run)} run, {len(selected) - len(to_run)} in the skip table; "
+          f"impl {' and '.join(impls)}; jobs {args.jobs}; logs in {log_dir}", flush=True)
+    outcomes: dict[str, dict[str, Outcome]] = {}
+    took: dict[str, float] = {}
+    for impl in impls:
+        t0 = time.monotonic()
+        outcomes[impl] = run_impl(impl, to_run, args.jobs, args.test_timeout, log_dir,
+                                  args.verbose)
+        took[impl] = time.monotonic() - t0
+
+    print("\nPer test:" + "".join(f" {impl:>10}" for impl in impls))
+    for name in selected:
+        if name not in to_run:
+            print(f"  {name:75} {'skipped':>10}  (table) {skip_table[name]}")
+            continue
+        cells = [outcomes[impl][name] for impl in impls]
+        notes = [f"{impl}: {one_line(o.detail) if o.status == 'failed' else o.detail}"
+                 for impl, o in zip(impls, cells) if o.detail]
+        print(f"  {name:75}" + "".join(f" {o.status:>10}" for o in cells)
+              + (f"  {' | '.join(notes)}" if notes else ""))
+
+    for impl in impls:
+        counts: dict[str, int] = {}
+        for o in outcomes[impl].values():
+            counts[o.status] = counts.get(o.status, 0) + 1
+        print(f"{impl}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+              + f" in {took[impl]:.0f}s")
+
+    # The list that matters: passes under torch's DDP, fails under gradring's. Without a
+    # torch run, every test that runs is one torch's DDP passes ([Note: the skip table]).
+    regressions: list[str] = []
+    if "gradring" in outcomes:
+        for name in to_run:
+            ref_ok = "torch" not in outcomes or outcomes["torch"][name].status == "passed"
+            if ref_ok and outcomes["gradring"][name].status in ("failed", "not run"):
+                regressions.append(name)
+    stale = [n for n in to_run if n not in skip_table and "torch" in outcomes
+             and outcomes["torch"][n].status == "failed"]
+    if stale:
+        print(f"\nFail under torch's DDP too (the skip table should list them): {len(stale)}")
+        for name in stale:
+            print(f"  {name}: {one_line(outcomes['torch'][name].detail)}")
+    print(f"\nPass under torch's DDP, fail under gradring's: {len(regressions)}")
+    for name in regressions:
+        print(f"  {name}: {one_line(outcomes['gradring'][name].detail)}")
+    if args.json:
+        args.json.write_text(json.dumps(
+            {impl: {n: vars(o) for n, o in res.items()} for impl, res in outcomes.items()},
+            indent=1))
+    print(f"time: {sum(took.values()):.0f}s")
+    return 1 if regressions and not args.report_only else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]))
+    else:
+        sys.exit(main())
