@@ -81,6 +81,7 @@ REPO = Path(__file__).resolve().parent.parent
 SKIP_TABLE = Path(__file__).with_suffix(".txt")
 IMPL_ENV = "GRADRING_TORCH_TESTS_IMPL"
 START_ENV = "GRADRING_TORCH_TESTS_START"
+SHIM_ENV = "GRADRING_TORCH_TESTS_CPU_SHIM"
 IMPLS = ("torch", "gradring")
 
 # The environment upstream's spawn test requires, set before torch's test module is
@@ -95,6 +96,7 @@ if str(REPO) not in sys.path:
 
 try:
     import torch
+    from torch.testing._internal import common_distributed
     from torch.testing._internal.distributed import distributed_test
     from torch.testing._internal.distributed.distributed_test import (
         DistributedTest,
@@ -105,6 +107,8 @@ except ModuleNotFoundError as _missing:  # torch's test helpers need expecttest
         sys.exit(f"torch_ddp_tests: cannot import torch's distributed tests ({_missing}); "
                  "install the missing package, e.g. `pip install expecttest`")
     raise
+
+from torch_ddp_cpu_shim import CpuDeviceMode, cpu_placed_ddp, fake_torch_for_tests  # noqa: E402
 
 _TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 
@@ -119,9 +123,7 @@ def swap_in_gradring() -> list[str]:
     gradring.install()
     rebound = [f"{home}.DistributedDataParallel"
                for home in ("torch.nn.parallel", "torch.nn.parallel.distributed")]
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith("torch.testing._internal"):
-            continue
+    for mod_name, mod in _test_modules():
         for name, value in list(vars(mod).items()):
             if value is _TORCH_DDP:
                 setattr(mod, name, gradring.DistributedDataParallel)
@@ -129,7 +131,30 @@ def swap_in_gradring() -> list[str]:
     return rebound
 
 
+def _test_modules() -> list[tuple[str, object]]:
+    return [(name, mod) for name, mod in list(sys.modules.items())
+            if mod is not None and name.startswith("torch.testing._internal")]
+
+
+def apply_cpu_shim() -> None:
+    """Let GPU-gated tests that only place tensors on a GPU run on the CPU; see
+    [Note: the CPU shim] in scripts/torch_ddp_cpu_shim.py."""
+    current = torch.nn.parallel.DistributedDataParallel  # torch's, or gradring's once swapped
+    shimmed = cpu_placed_ddp(current)
+    torch.nn.parallel.DistributedDataParallel = shimmed
+    for _, mod in _test_modules():
+        for name, value in list(vars(mod).items()):
+            if value is current or value is _TORCH_DDP:
+                setattr(mod, name, shimmed)
+    fake = fake_torch_for_tests(int(os.environ["WORLD_SIZE"]))
+    distributed_test.torch = fake
+    common_distributed.torch = fake
+
+
 SWAPPED: list[str] = swap_in_gradring() if os.environ.get(IMPL_ENV) == "gradring" else []
+CPU_SHIM = os.environ.get(SHIM_ENV) == "1"
+if CPU_SHIM:
+    apply_cpu_shim()
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
@@ -142,6 +167,13 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         else:  # [Note: fork, not spawn]
             self._start_processes(torch.multiprocessing.get_context("fork").Process)
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+    def run_test(self, test_name: str, parent_pipe: object) -> None:
+        """In a rank: the test itself, under the CPU shim's device mode when it is on."""
+        if not CPU_SHIM:
+            return super().run_test(test_name, parent_pipe)
+        with CpuDeviceMode():
+            return super().run_test(test_name, parent_pipe)
 
 
 # ---------------------------------------------------------------- selection
@@ -289,10 +321,12 @@ class _Slot:
     log: Path = field(default_factory=Path)
 
 
-def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int,
-             log_dir: Path, verbose: bool) -> dict[str, Outcome]:
+def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int, cpu_shim: bool,
+             start_method: str, log_dir: Path, verbose: bool) -> dict[str, Outcome]:
     """Run ``tests`` under ``impl`` on ``jobs`` worker processes fed one test at a time."""
-    env = dict(os.environ, **{IMPL_ENV: impl, "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout),
+    env = dict(os.environ, **{IMPL_ENV: impl, SHIM_ENV: "1" if cpu_shim else "0",
+                              START_ENV: start_method,
+                              "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout),
                               "PYTHONPATH": os.pathsep.join(
                                   [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                                       os.pathsep) if p])})
@@ -301,9 +335,11 @@ def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int,
     sel = selectors.DefaultSelector()
     slots: list[_Slot] = []
     started = itertools.count()  # numbers the workers' log files
-    # The harness kills a hung test after test_timeout; this is the backstop for a worker
-    # that hangs outside it (a rank stuck in teardown, a deadlocked spawn).
-    watchdog = test_timeout + 90
+    # The harness kills a hung test after test_timeout (or torch's own longer limit for a
+    # few tests); this is the backstop for a worker that hangs outside it (a rank stuck in
+    # teardown, a deadlocked start).
+    def watchdog(name: str) -> int:
+        return max(test_timeout, common_distributed.TIMEOUT_OVERRIDE.get(name, 0)) + 90
 
     def start() -> _Slot:
         rfd, wfd = os.pipe()
@@ -377,8 +413,9 @@ def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int,
                 feed(slot)
         now = time.monotonic()
         for slot in list(slots):
-            if slot.current is not None and now - slot.since > watchdog:
-                record(slot.current, Outcome("failed", f"no result after {watchdog}s; worker "
+            if slot.current is not None and now - slot.since > watchdog(slot.current):
+                record(slot.current, Outcome("failed", f"no result after "
+                                             f"{watchdog(slot.current)}s; worker "
                                              f"killed; see {slot.log}", now - slot.since))
                 retire(slot, kill=True)
                 if pending:
@@ -403,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="tests run at once, each with its own 2 ranks (default 2)")
     parser.add_argument("--test-timeout", type=int, default=180,
                         help="seconds before the harness kills a test's ranks (default 180)")
+    parser.add_argument("--no-cpu-shim", dest="cpu_shim", action="store_false",
+                        help="do not fake GPUs for tests that only place tensors on them")
+    parser.add_argument("--start-method", choices=("fork", "spawn"), default="fork",
+                        help="how each test starts its ranks (default fork; upstream: spawn)")
     parser.add_argument("--run-skipped", action="store_true",
                         help="also run the tests the skip table names")
     parser.add_argument("--report-only", action="store_true",
@@ -437,13 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"torch {torch.__version__}, gloo, world 2: {len(selected)} DDP tests selected, "
           f"{len(to_run)} run, {len(selected) - len(to_run)} in the skip table; "
-          f"impl {' and '.join(impls)}; jobs {args.jobs}; logs in {log_dir}", flush=True)
+          f"impl {' and '.join(impls)}; jobs {args.jobs}; "
+          f"CPU shim {'on' if args.cpu_shim else 'off'}; logs in {log_dir}", flush=True)
     outcomes: dict[str, dict[str, Outcome]] = {}
     took: dict[str, float] = {}
     for impl in impls:
         t0 = time.monotonic()
-        outcomes[impl] = run_impl(impl, to_run, args.jobs, args.test_timeout, log_dir,
-                                  args.verbose)
+        outcomes[impl] = run_impl(impl, to_run, args.jobs, args.test_timeout, args.cpu_shim,
+                                  args.start_method, log_dir, args.verbose)
         took[impl] = time.monotonic() - t0
 
     print("\nPer test:" + "".join(f" {impl:>10}" for impl in impls))
