@@ -82,6 +82,7 @@ SKIP_TABLE = Path(__file__).with_suffix(".txt")
 IMPL_ENV = "GRADRING_TORCH_TESTS_IMPL"
 START_ENV = "GRADRING_TORCH_TESTS_START"
 SHIM_ENV = "GRADRING_TORCH_TESTS_CPU_SHIM"
+UNSKIP_ENV = "GRADRING_TORCH_TESTS_UNSKIP"
 IMPLS = ("torch", "gradring")
 
 # The environment upstream's spawn test requires, set before torch's test module is
@@ -94,19 +95,52 @@ os.environ.setdefault("INIT_METHOD", "env://")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+
+
+class _LiftTorchSkips:
+    """While torch's test module is imported, let the named tests through torch's static
+    ``unittest.skip``/``skipIf`` decorators; see [Note: lifting torch's own skips]."""
+
+    def __init__(self, names: set[str]) -> None:
+        self._names = names  # the test functions whose static skips are ignored
+        self._saved = unittest.skip  # the decorator factory to put back afterwards
+
+    def __enter__(self) -> None:
+        original, names = self._saved, self._names
+
+        def skip(reason: str):  # noqa: ANN202 - mirrors unittest.skip
+            decorate = original(reason)
+            return lambda item: item if getattr(item, "__name__", None) in names else decorate(
+                item)
+
+        unittest.skip = unittest.case.skip = skip
+
+    def __exit__(self, *exc: object) -> None:
+        unittest.skip = unittest.case.skip = self._saved
+
+
+_LIFTED = set(filter(None, os.environ.get(UNSKIP_ENV, "").split(",")))
 try:
-    import torch
-    from torch.testing._internal import common_distributed
-    from torch.testing._internal.distributed import distributed_test
-    from torch.testing._internal.distributed.distributed_test import (
-        DistributedTest,
-        TestDistBackend,
-    )
+    with _LiftTorchSkips(_LIFTED):
+        import torch
+        from torch.testing._internal import common_distributed
+        from torch.testing._internal.distributed import distributed_test
+        from torch.testing._internal.distributed.distributed_test import (
+            DistributedTest,
+            TestDistBackend,
+        )
 except ModuleNotFoundError as _missing:  # torch's test helpers need expecttest
     if __name__ == "__main__":
         sys.exit(f"torch_ddp_tests: cannot import torch's distributed tests ({_missing}); "
                  "install the missing package, e.g. `pip install expecttest`")
     raise
+
+for _name in _LIFTED:  # skip_but_pass_in_sandcastle only flags the function: unflag it
+    _fn = getattr(DistributedTest._DistTestBase, _name, None)
+    while _fn is not None:
+        if getattr(_fn, "__unittest_skip__", False):
+            _fn.__unittest_skip__ = False
+        _fn = getattr(_fn, "__wrapped__", None)
 
 from torch_ddp_cpu_shim import CpuDeviceMode, cpu_placed_ddp, fake_torch_for_tests  # noqa: E402
 
@@ -149,6 +183,7 @@ def apply_cpu_shim() -> None:
     fake = fake_torch_for_tests(int(os.environ["WORLD_SIZE"]))
     distributed_test.torch = fake
     common_distributed.torch = fake
+    common_distributed.TEST_CUDA = True  # what skip_if_no_gpu reads instead of torch.cuda
 
 
 SWAPPED: list[str] = swap_in_gradring() if os.environ.get(IMPL_ENV) == "gradring" else []
@@ -213,16 +248,19 @@ def select_tests() -> dict[str, str]:
     return chosen
 
 
-def read_skip_table(path: Path = SKIP_TABLE) -> dict[str, str]:
-    """test name -> reason it is not run; see [Note: the skip table]."""
-    table: dict[str, str] = {}
+def read_skip_table(path: Path = SKIP_TABLE) -> tuple[dict[str, str], dict[str, str]]:
+    """(tests not run, tests run with torch's static skip lifted), each name -> reason; see
+    [Note: the skip table] and [Note: lifting torch's own skips]."""
+    skipped: dict[str, str] = {}
+    lifted: dict[str, str] = {}
     for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip() if raw.lstrip().startswith("#") else raw.strip()
-        if not line:
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
         name, _, reason = line.partition(" ")
-        table[name] = reason.strip() or "(no reason given)"
-    return table
+        table = lifted if name.startswith("+") else skipped
+        table[name.lstrip("+")] = reason.strip() or "(no reason given)"
+    return skipped, lifted
 
 
 # ---------------------------------------------------------------- worker side
@@ -322,9 +360,11 @@ class _Slot:
 
 
 def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int, cpu_shim: bool,
-             start_method: str, log_dir: Path, verbose: bool) -> dict[str, Outcome]:
+             start_method: str, unskip: list[str], log_dir: Path,
+             verbose: bool) -> dict[str, Outcome]:
     """Run ``tests`` under ``impl`` on ``jobs`` worker processes fed one test at a time."""
     env = dict(os.environ, **{IMPL_ENV: impl, SHIM_ENV: "1" if cpu_shim else "0",
+                              UNSKIP_ENV: ",".join(unskip),
                               START_ENV: start_method,
                               "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout),
                               "PYTHONPATH": os.pathsep.join(
@@ -444,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not fake GPUs for tests that only place tensors on them")
     parser.add_argument("--start-method", choices=("fork", "spawn"), default="fork",
                         help="how each test starts its ranks (default fork; upstream: spawn)")
+    parser.add_argument("--unskip", action="append", default=[], metavar="TEST",
+                        help="run TEST even though torch's own decorators skip it (repeatable)")
     parser.add_argument("--run-skipped", action="store_true",
                         help="also run the tests the skip table names")
     parser.add_argument("--report-only", action="store_true",
@@ -457,18 +499,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     selected = select_tests()
-    skip_table = read_skip_table()
-    for name in sorted(set(skip_table) - set(selected)):
+    skip_table, lifted = read_skip_table()
+    for name in sorted((set(skip_table) | set(lifted)) - set(selected)):
         print(f"note: skip table names {name}, which torch's tests no longer select",
               file=sys.stderr)
     if args.patterns:
         selected = {n: why for n, why in selected.items()
                     if any(p in n for p in args.patterns)}
     to_run = [n for n in selected if args.run_skipped or n not in skip_table]
+    unskip = sorted(n for n in set(lifted) | set(args.unskip) if n in to_run)
 
     if args.list:
         for name, why in selected.items():
-            state = f"skip: {skip_table[name]}" if name in skip_table else "run"
+            state = (f"skip: {skip_table[name]}" if name in skip_table
+                     else f"run, torch's skip lifted: {lifted[name]}" if name in lifted
+                     else "run")
             print(f"{name:75} selected by {why:14} {state}")
         print(f"{len(selected)} selected, {len(to_run)} to run")
         return 0
@@ -485,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     for impl in impls:
         t0 = time.monotonic()
         outcomes[impl] = run_impl(impl, to_run, args.jobs, args.test_timeout, args.cpu_shim,
-                                  args.start_method, log_dir, args.verbose)
+                                  args.start_method, unskip, log_dir, args.verbose)
         took[impl] = time.monotonic() - t0
 
     print("\nPer test:" + "".join(f" {impl:>10}" for impl in impls))
