@@ -14,6 +14,7 @@ place: ``.cuda(rank)``, ``torch.ones(..., device=rank)``, ``torch.cuda.set_devic
   name ``torch`` is rebound, so torch itself and the DDP under test still see the real
   ``torch.cuda`` (CPU-only, not available). Anything else asked of the fake raises
   ``AttributeError("cpu shim: torch.cuda.X is not faked")``: such a test really needs a GPU.
+  ``common_distributed.TEST_CUDA`` is set too, since ``skip_if_no_gpu`` reads it.
 * a ``TorchFunctionMode`` in each rank turns every CUDA device argument (``device=``,
   ``.cuda(...)``, ``.to(...)``; an int, ``"cuda[:N]"`` or ``torch.device("cuda", N)``)
   into the CPU, so ``.cuda()`` on a CPU tensor returns the tensor itself, as ``.to()`` does

@@ -5,12 +5,16 @@
     python scripts/torch_ddp_tests.py --both               # torch's DDP first, then gradring
     python scripts/torch_ddp_tests.py --impl torch -k uneven --jobs 1
     python scripts/torch_ddp_tests.py --list               # what is selected, run or skipped, why
+    python scripts/torch_ddp_tests.py --impl torch --run-skipped   # re-check the skip table
 
 The tests are ``DistributedTest._DistTestBase`` from torch's installed
 ``torch/testing/_internal/distributed/distributed_test.py``, run the way upstream's
 ``test/distributed/test_distributed_spawn.py`` runs them: ``BACKEND=gloo``,
-``WORLD_SIZE=2``, one fresh pair of spawned rank processes per test, a temporary
-``TEMP_DIR`` and a file:// rendezvous made by the harness's own ``setUp``. Needs the
+``WORLD_SIZE=2``, a fresh pair of rank processes per test (forked: [Note: fork, not
+spawn]), a temporary ``TEMP_DIR`` and a file:// rendezvous made by the harness's own
+``setUp``; tests that want GPUs only to place tensors run on the CPU under the shim of
+scripts/torch_ddp_cpu_shim.py ([Note: the CPU shim]; ``--no-cpu-shim`` turns it off,
+for both implementations alike). Needs the
 ``expecttest`` package (torch's test helpers import it): ``pip install expecttest``.
 See docs/torch-tests.md.
 
@@ -28,23 +32,28 @@ is upgraded. ``--list`` prints, per test, which half of the rule selected it.
 [Note: the skip table]
 scripts/torch_ddp_tests.txt names the selected tests that are not run, one per line
 with its reason, and every reason holds against torch's own DDP on this CPU-only gloo
-setup ("needs CUDA": torch's run skips it for want of GPUs; "torch's DDP fails it on
-CPU too": the reference fails, so it says nothing about gradring). So every test that
+setup under the CPU shim ("needs CUDA": torch skips it, or fails it because it needs a
+real GPU; "NCCL only"; torch's own decorators skip it; too slow on CPU). So every test that
 is run passes under torch's DDP, which is what lets a gradring-only run (the default,
 the one that must fit in ten minutes) call each of its failures a regression against
 the reference without running the reference. ``--impl torch`` checks that claim
 (a failure there means the table is stale); ``--run-skipped`` runs the listed tests
 too, e.g. after a torch upgrade or on a machine with GPUs.
 
-[Note: why there is no CPU shim for the GPU tests]
-Most GPU-gated DDP tests do not just place tensors on ``cuda:rank``: they pass
-``device_ids=[rank]`` (which torch's DDP rejects for a CPU module), build
-``torch.cuda.Stream``s and events, use ``torch.cuda.amp``/``GradScaler``, compare
-``.device`` against ``cuda:rank``, read ``torch.cuda.memory_*`` or gate on
-``torch.cuda.device_count()`` inside the test body. Faking all of that would change
-what the tests check and would make the reference (torch's DDP) run an altered test,
-so they are skipped as "needs CUDA" instead; ``--run-skipped`` on a GPU machine runs
-them for real.
+[Note: lifting torch's own skips]
+A few DDP tests carry a static ``unittest.skipIf(IS_LINUX, "<upstream issue>")`` (or
+``skip_but_pass_in_sandcastle``) that skips them on every Linux machine, although torch's
+DDP passes them here. The skip table names them with a leading ``+``, and ``--unskip
+TEST`` names more: while torch's test module is imported, ``unittest.skip`` lets these
+functions through undecorated, and the flag that ``skip_but_pass_in_sandcastle`` sets is
+cleared afterwards. Runtime skips (``skip_if_lt_x_gpu``'s exit codes) are not touched.
+
+[Note: fork, not spawn]
+Upstream spawns each test's ranks; a spawned rank re-imports torch, its test module and
+gradring, which costs 10-30 s per test on a loaded two-core machine and puts a full run
+far over ten minutes. By default the ranks are forked from the worker that already
+imported everything (no process group, no thread pool exists there yet, so the fork is
+clean); ``--start-method spawn`` restores upstream's way.
 
 [Note: how the swap reaches every DDP the tests build]
 ``--impl gradring`` calls ``gradring.install()`` (which rebinds
@@ -328,25 +337,33 @@ class Outcome:
     seconds: float = 0.0
 
 
-def one_line(detail: str) -> str:
-    """The exception line of a (child's) traceback, or the detail's first line."""
+def one_line(detail: str, width: int = 320) -> str:
+    """A failure in one line: where in torch's test it happened and the exception raised
+    there, from the first failing rank's traceback (or from the detail itself)."""
     lines = detail.splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("To execute this test"):
-            lines = lines[:i]
-    exc_lines = []
-    after_frame = False
-    for line in lines:
+    start = next((i for i, x in enumerate(lines) if x.startswith("Process ")), -1) + 1
+    lines = lines[start:]
+    end = next((i for i, x in enumerate(lines)
+                if x.startswith(("To execute this test", "Process "))), len(lines))
+    lines = lines[:end]
+    where, exc_at = "", None
+    for i, line in enumerate(lines):
+        frame = re.match(r'  File ".*/(distributed_test\.py)", line (\d+), in (\w+)', line)
+        if frame:
+            where = f"{frame.group(1)}:{frame.group(2)} {frame.group(3)}: "
         if line.startswith('  File "'):
-            after_frame = True
-            continue
-        if after_frame and line and not line.startswith(" ") and not line.startswith("\t"):
-            exc_lines.append(line)
-            after_frame = False
-    # Prefer the last exception raised in a rank (the harness's own wrapper comes first).
-    picks = [x for x in exc_lines if not x.startswith("RuntimeError: Process ")]
-    text = (picks or exc_lines or [x for x in lines if x.strip()] or [""])[-1]
-    return text if len(text) <= 240 else text[:237] + "..."
+            exc_at = None
+        elif exc_at is None and line and not line[0].isspace() and i > 0:
+            exc_at = i
+    if exc_at is None:
+        text = " ".join(x.strip() for x in lines if x.strip()) or detail.strip()
+    else:
+        text = " / ".join(x.strip() for x in lines[exc_at:] if x.strip())
+    text = where + text
+    if len(text) > width:
+        half = (width - 5) // 2
+        text = text[:half] + " ... " + text[-half:]
+    return text
 
 
 @dataclass
