@@ -332,9 +332,11 @@ def worker(result_fd: int) -> None:
 
 @dataclass
 class Outcome:
+    """One test under one implementation."""
+
     status: str  # passed / failed / skipped / not run
-    detail: str = ""
-    seconds: float = 0.0
+    detail: str = ""  # the skip reason, or the harness's error with the ranks' tracebacks
+    seconds: float = 0.0  # wall time of the test, ranks' start and teardown included
 
 
 def one_line(detail: str, width: int = 320) -> str:
@@ -368,52 +370,70 @@ def one_line(detail: str, width: int = 320) -> str:
 
 @dataclass
 class _Slot:
-    proc: subprocess.Popen
-    reader: object
-    current: str | None = None
-    since: float = 0.0
-    buffer: str = ""
-    log: Path = field(default_factory=Path)
+    """A worker process and what the driver knows of it."""
+
+    proc: subprocess.Popen  # the worker; its own session, so its ranks die with it
+    reader: object  # the read end of its result pipe
+    current: str | None = None  # the test it is running, None once its input is closed
+    since: float = 0.0  # when that test was handed to it, for the watchdog
+    buffer: str = ""  # a result line read only in part
+    log: Path = field(default_factory=Path)  # where its and its ranks' output goes
 
 
-def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int, cpu_shim: bool,
-             start_method: str, unskip: list[str], log_dir: Path,
-             verbose: bool) -> dict[str, Outcome]:
-    """Run ``tests`` under ``impl`` on ``jobs`` worker processes fed one test at a time."""
-    env = dict(os.environ, **{IMPL_ENV: impl, SHIM_ENV: "1" if cpu_shim else "0",
-                              UNSKIP_ENV: ",".join(unskip),
-                              START_ENV: start_method,
-                              "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout),
-                              "PYTHONPATH": os.pathsep.join(
-                                  [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-                                      os.pathsep) if p])})
-    pending = list(tests)
-    results: dict[str, Outcome] = {}
-    sel = selectors.DefaultSelector()
-    slots: list[_Slot] = []
-    started = itertools.count()  # numbers the workers' log files
-    # The harness kills a hung test after test_timeout (or torch's own longer limit for a
-    # few tests); this is the backstop for a worker that hangs outside it (a rank stuck in
-    # teardown, a deadlocked start).
-    def watchdog(name: str) -> int:
-        return max(test_timeout, common_distributed.TIMEOUT_OVERRIDE.get(name, 0)) + 90
+class WorkerPool:
+    """Runs tests under one implementation on ``jobs`` worker processes, handing each
+    worker its next test when it reports the last one, so slow tests do not hold up a
+    fixed shard."""
 
-    def start() -> _Slot:
+    def __init__(self, impl: str, jobs: int, test_timeout: int, env: dict[str, str],
+                 log_dir: Path, verbose: bool) -> None:
+        self._impl = impl  # whose DDP the workers swap in, for the lines printed
+        self._jobs = jobs  # workers at once
+        self._test_timeout = test_timeout  # the harness's limit, the watchdog's base
+        self._env = env  # the workers' environment: impl, shim, lifted skips, timeout
+        self._log_dir = log_dir  # where each worker's output goes
+        self._verbose = verbose  # print full tracebacks of failures as they come
+        self._pending: list[str] = []  # tests not yet handed out
+        self._results: dict[str, Outcome] = {}  # what came back
+        self._slots: list[_Slot] = []  # the live workers
+        self._selector = selectors.DefaultSelector()  # waits on the workers' result pipes
+        self._started = itertools.count()  # numbers the workers' log files
+
+    def run(self, tests: list[str]) -> dict[str, Outcome]:
+        self._pending = list(tests)
+        try:
+            for _ in range(min(self._jobs, len(self._pending))):
+                self._feed(self._start())
+            while self._slots:
+                self._step()
+        finally:  # ^C or an error here: the workers live in their own sessions, end them
+            for slot in list(self._slots):
+                self._retire(slot, kill=True)
+        return {name: self._results.get(name, Outcome("not run")) for name in tests}
+
+    def _watchdog(self, name: str) -> int:
+        # The harness kills a hung test after the timeout (or torch's own longer limit for
+        # a few tests); this is the backstop for a worker that hangs outside it (a rank
+        # stuck in teardown, a deadlocked start).
+        return max(self._test_timeout, common_distributed.TIMEOUT_OVERRIDE.get(name, 0)) + 90
+
+    def _start(self) -> _Slot:
         rfd, wfd = os.pipe()
-        log = log_dir / f"{impl}-worker{next(started)}.log"
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(wfd)], stdin=subprocess.PIPE,
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, pass_fds=(wfd,),
-            start_new_session=True, text=True, cwd=REPO)
+        log = self._log_dir / f"{self._impl}-worker{next(self._started)}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(wfd)], stdin=subprocess.PIPE,
+                stdout=out, stderr=subprocess.STDOUT, env=self._env, pass_fds=(wfd,),
+                start_new_session=True, text=True, cwd=REPO)
         os.close(wfd)
-        reader = os.fdopen(rfd, "r")
-        slot = _Slot(proc=proc, reader=reader, log=log)
-        sel.register(reader, selectors.EVENT_READ, slot)
+        slot = _Slot(proc=proc, reader=os.fdopen(rfd, "r"), log=log)
+        self._selector.register(slot.reader, selectors.EVENT_READ, slot)
+        self._slots.append(slot)
         return slot
 
-    def feed(slot: _Slot) -> None:
-        if pending:
-            slot.current = pending.pop(0)
+    def _feed(self, slot: _Slot) -> None:
+        if self._pending:
+            slot.current = self._pending.pop(0)
             slot.since = time.monotonic()
             slot.proc.stdin.write(slot.current + "\n")
             slot.proc.stdin.flush()
@@ -421,8 +441,8 @@ def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int, cpu_shim
             slot.current = None
             slot.proc.stdin.close()
 
-    def retire(slot: _Slot, kill: bool) -> None:
-        sel.unregister(slot.reader)
+    def _retire(self, slot: _Slot, kill: bool) -> None:
+        self._selector.unregister(slot.reader)
         slot.reader.close()
         if kill:
             try:
@@ -430,58 +450,55 @@ def run_impl(impl: str, tests: list[str], jobs: int, test_timeout: int, cpu_shim
             except ProcessLookupError:
                 pass
         slot.proc.wait()
-        slots.remove(slot)
+        self._slots.remove(slot)
 
-    def record(name: str, outcome: Outcome) -> None:
-        results[name] = outcome
+    def _lose(self, slot: _Slot, why: str) -> None:
+        """The worker died or hung in a test: record it failed, replace the worker."""
+        self._record(slot.current, Outcome("failed", f"{why}; see {slot.log}",
+                                           time.monotonic() - slot.since))
+        self._retire(slot, kill=True)
+        if self._pending:
+            self._feed(self._start())
+
+    def _record(self, name: str, outcome: Outcome) -> None:
+        self._results[name] = outcome
         mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(outcome.status, "----")
         why = one_line(outcome.detail) if outcome.status == "failed" else outcome.detail
-        print(f"  [{impl}] {mark} {name} ({outcome.seconds:.0f}s){'  ' + why if why else ''}",
-              flush=True)
-        if verbose and outcome.status == "failed":
+        print(f"  [{self._impl}] {mark} {name} ({outcome.seconds:.0f}s)"
+              f"{'  ' + why if why else ''}", flush=True)
+        if self._verbose and outcome.status == "failed":
             print(outcome.detail, flush=True)
 
-    for _ in range(min(jobs, len(pending))):
-        slot = start()
-        slots.append(slot)
-        feed(slot)
-    while slots:
-        for key, _ in sel.select(timeout=5):
+    def _step(self) -> None:
+        for key, _ in self._selector.select(timeout=5):
             slot = key.data
             chunk = os.read(slot.reader.fileno(), 1 << 16).decode()
-            if not chunk:  # worker exited
+            if not chunk:  # the worker exited
                 if slot.current is not None:
-                    record(slot.current, Outcome("failed", f"worker died (exit {slot.proc.poll()})"
-                                                 f"; see {slot.log}",
-                                                 time.monotonic() - slot.since))
-                    retire(slot, kill=True)
-                    if pending:
-                        new = start()
-                        slots.append(new)
-                        feed(new)
+                    self._lose(slot, f"worker died (exit {slot.proc.poll()})")
                 else:
-                    retire(slot, kill=False)
+                    self._retire(slot, kill=False)
                 continue
             slot.buffer += chunk
             while "\n" in slot.buffer:
                 line, slot.buffer = slot.buffer.split("\n", 1)
                 rec = json.loads(line)
-                record(rec["test"], Outcome(rec["status"], rec["detail"], rec["seconds"]))
-                feed(slot)
+                self._record(rec["test"], Outcome(rec["status"], rec["detail"], rec["seconds"]))
+                self._feed(slot)
         now = time.monotonic()
-        for slot in list(slots):
-            if slot.current is not None and now - slot.since > watchdog(slot.current):
-                record(slot.current, Outcome("failed", f"no result after "
-                                             f"{watchdog(slot.current)}s; worker "
-                                             f"killed; see {slot.log}", now - slot.since))
-                retire(slot, kill=True)
-                if pending:
-                    new = start()
-                    slots.append(new)
-                    feed(new)
-    for name in tests:
-        results.setdefault(name, Outcome("not run"))
-    return results
+        for slot in list(self._slots):
+            if slot.current is not None and now - slot.since > self._watchdog(slot.current):
+                self._lose(slot, f"no result after {self._watchdog(slot.current)}s; worker killed")
+
+
+def worker_env(impl: str, cpu_shim: bool, start_method: str, unskip: list[str],
+               test_timeout: int) -> dict[str, str]:
+    """The environment that tells a worker (and its ranks) how to set the tests up."""
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, **{IMPL_ENV: impl, SHIM_ENV: "1" if cpu_shim else "0",
+                               UNSKIP_ENV: ",".join(unskip), START_ENV: start_method,
+                               "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout),
+                               "PYTHONPATH": os.pathsep.join(path)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -546,8 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     took: dict[str, float] = {}
     for impl in impls:
         t0 = time.monotonic()
-        outcomes[impl] = run_impl(impl, to_run, args.jobs, args.test_timeout, args.cpu_shim,
-                                  args.start_method, unskip, log_dir, args.verbose)
+        env = worker_env(impl, args.cpu_shim, args.start_method, unskip, args.test_timeout)
+        pool = WorkerPool(impl, args.jobs, args.test_timeout, env, log_dir, args.verbose)
+        outcomes[impl] = pool.run(to_run)
         took[impl] = time.monotonic() - t0
 
     print("\nPer test:" + "".join(f" {impl:>10}" for impl in impls))
