@@ -475,7 +475,11 @@ class WorkerPool:
             chunk = os.read(slot.reader.fileno(), 1 << 16).decode()
             if not chunk:  # the worker exited
                 if slot.current is not None:
-                    self._lose(slot, f"worker died (exit {slot.proc.poll()})")
+                    try:
+                        code = slot.proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    self._lose(slot, f"worker died (exit {code})")
                 else:
                     self._retire(slot, kill=False)
                 continue
