@@ -161,9 +161,22 @@ class Reducer:
         self._first_hook_done = False
         # FIND_UNUSED: parameters the forward did not reach.
         self._unused: list[int] = []
-        # FIND_UNUSED: 1 where this rank produced a gradient (a bytearray: setting
-        # an item of a tensor in every hook cost microseconds).
+        # FIND_UNUSED: 1 where this rank produced a gradient since the usage map
+        # was last sent, no_sync backwards included (see [Note: used since the
+        # last reduction]; a bytearray: setting an item of a tensor in every hook
+        # cost microseconds).
         self._local_used = bytearray(len(self.params))
+
+        # [Note: used since the last reduction]
+        # Under no_sync, gradients accumulate in .grad and nothing is reduced; the
+        # synchronised backward that follows reduces the whole accumulated .grad.
+        # So "used" means "had a gradient on this rank in any backward since the
+        # usage map was last all-reduced", as in torch: the map is filled by every
+        # hook, no_sync's included, and started afresh only once it is sent. A
+        # parameter that this forward did not reach but an earlier no_sync step
+        # did is marked ready with its accumulated .grad (see _mark_ready), and a
+        # parameter used on any rank gets the reduced gradient on every rank,
+        # even where its .grad was None (tests/test_no_sync_unused.py).
         # The in-flight all-reduce of a usage map (find_unused, or static_graph's
         # first iteration), waited for by the finalize.
         self._used_future: Any = None
@@ -448,7 +461,6 @@ class Reducer:
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
-            self._local_used = bytearray(len(self.params))
             reached = reachable_params(outputs or [], self._index_of)
             self._unused = [i for i in range(len(self.params)) if i not in reached]
             if not self._unused and not self._warned_nothing_unused:
@@ -470,6 +482,11 @@ class Reducer:
             return
         state = reducer.state
         if state is not _REDUCING and state is not _EXPECTING:
+            if reducer.mode is _FIND_UNUSED and reducer.params[i].grad is not None:
+                # no_sync: the gradient stays local, but the parameter counts as
+                # used at the next reduction (see [Note: used since the last
+                # reduction]).
+                reducer._local_used[i] = 1
             if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
                 # torch, say so once (docs/ddp-differences.md).
@@ -583,6 +600,7 @@ class Reducer:
                 used = torch.frombuffer(self._local_used, dtype=torch.uint8)
                 self._used_future = self.comm.all_reduce(used.to(torch.int32),
                                                          label="DDP unused-parameter map")
+                self._local_used = bytearray(len(self.params))  # sent: start afresh
             if not self._delayed:
                 queue_engine_callback(self._finalize)
 
