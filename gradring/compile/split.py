@@ -35,6 +35,27 @@ in true backward order for the rebuild to record. Right after the rebuild,
 ``after_rebuild`` drops the code compiled that way (``torch._dynamo.reset_code``)
 and the next call compiles once more at the rebuilt buckets: the one
 recompile. ``splits(ddp)`` lists every split made.
+
+[Note: the arrival order under compile]
+A piece can only end between nodes, and one node's backward hands out all of
+its parameters' gradients at once (a linear node: weight and bias). A bucket
+boundary that the rebuild puts between two parameters of one node can thus
+not be a cut: both buckets complete in the same piece. The rebuild puts a
+boundary right after the parameter that fills the bucket, so it falls
+between nodes when each node's largest parameter arrives last, as eager
+autograd delivers a linear layer (bias, then weight). The compiled backward
+of a piece returns its gradients in the order of the piece's inputs, and
+autograd runs the parameters' accumulation nodes in that order (they all
+have the top priority; with at most two of them torch's ready queue pops
+them first-in first-out). So the provisional pieces, whose backward is the
+one the rebuild records, take their inputs in this order: the other inputs
+first, then the parameters, smallest first (``_smallest_parameters_first``).
+The rebuilt buckets then end at node boundaries and are those of eager mode,
+one piece per bucket (6 x ``Linear(1024)``, ``bucket_cap_mb=5``: three
+buckets of 8396800 bytes and three pieces; weight first, they were 4 buckets
+for 3 pieces, the 4096-byte bias of the first layer a bucket of its own that
+completed in the piece of the one before). The pieces made after the rebuild
+keep torch's input order: nothing records their order.
 """
 
 from __future__ import annotations
@@ -252,7 +273,7 @@ class BucketSplit:
         log.info("gradring: split a compiled graph into %d pieces at buckets %s%s",
                  len(split.piece_buckets), split.piece_buckets,
                  " (predicted rebuild)" if split.predicted else "")
-        if len(split.piece_buckets) == 1:
+        if len(split.piece_buckets) == 1 and not (split.predicted and split.piece_buckets[0]):
             return self.backend_compile_fn(gm, example_inputs, **compiler_configs)
         from torch._dynamo.backends import distributed as dynamo_ddp
         from torch._dynamo.utils import detect_fake_mode
@@ -261,6 +282,8 @@ class BucketSplit:
         split_gm = split_module(gm, None, lambda n: where[n])  # type: ignore[arg-type]
         dynamo_ddp.propagate_dynamo_source(gm, split_gm)
         dynamo_ddp.propagate_metadata(gm, split_gm)
+        if split.predicted:  # the backward the rebuild records
+            _smallest_parameters_first(split_gm)
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
@@ -270,6 +293,35 @@ class BucketSplit:
             compiler.run(*example_inputs)
         split_gm.recompile()
         return split_gm
+
+
+def _param_bytes(node: fx.Node) -> int:
+    """The size in bytes of the parameter a placeholder stands for; -1 for any other input."""
+    example = getattr(node.meta.get("grapharg"), "example", None)
+    if not isinstance(example, torch.nn.Parameter):
+        return -1
+    return example.numel() * example.element_size()
+
+
+def _smallest_parameters_first(split_gm: fx.GraphModule) -> None:
+    """Reorder every piece's inputs: other inputs first, then its parameters,
+    smallest first (see [Note: the arrival order under compile])."""
+    for call in split_gm.graph.nodes:
+        if call.op != "call_module" or call.kwargs:
+            continue
+        piece = split_gm.get_submodule(str(call.target))
+        inputs = [n for n in piece.graph.nodes if n.op == "placeholder"]
+        if len(inputs) != len(call.args):
+            continue
+        sizes = [_param_bytes(a) if isinstance(a, torch.fx.Node) else -1 for a in call.args]
+        order = sorted(range(len(inputs)), key=sizes.__getitem__)  # stable
+        if order == list(range(len(inputs))):
+            continue
+        anchor = next(n for n in piece.graph.nodes if n.op != "placeholder")
+        for j in order:
+            anchor.prepend(inputs[j])
+        call.args = tuple(call.args[j] for j in order)
+        piece.recompile()
 
 
 def _has_external_user(nodes: list[fx.Node], members: set[fx.Node]) -> bool:
