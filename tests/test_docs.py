@@ -8,7 +8,8 @@ files (a trace written in Python, then ``gradring explain`` on it).
 - A python block that calls ``init_process_group`` is a whole script: it runs
   under ``torchrun --standalone --nproc-per-node=2``.
 - Any other python block is a fragment: it runs on both ranks of a world-2 gloo
-  group, after ``PRELUDE`` below, which defines the names the docs use for
+  group, in one namespace per file (a later block sees an earlier one's names),
+  after ``PRELUDE`` below, which defines the names the docs use for
   "your" things (``model``, ``ddp``, ``x``, ``y``, ``data``, ``loss_fn``,
   ``opt``, ``steps``, ``train_step``, ``rank``, ``world``, ``MyModel``).
 - A bash block runs line by line (``\\`` continues a line) with ``.venv/bin/``
@@ -145,13 +146,21 @@ def _run_script(block: Block, cwd: Path) -> None:
                                   f"{proc.stderr[-3000:]}")
 
 
+#: On a pooled rank: one namespace per docs file, so that a file's later blocks
+#: see what its earlier ones imported and built, as a reader following the page would.
+_NAMESPACES: dict[str, dict] = {}
+
+
 def exec_fragment(rank: int, world_size: int, code: str, cwd: str) -> None:
-    """On a pooled rank: the prelude, then the block, in the file's folder."""
+    """On a pooled rank: the prelude (once per file), then the block, in the file's folder."""
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        ns: dict = {"__name__": "__doc_block__"}
-        exec(compile(PRELUDE, "<prelude>", "exec"), ns)
+        ns = _NAMESPACES.get(cwd)
+        if ns is None:
+            _NAMESPACES.clear()  # one file at a time: drop the previous file's models
+            ns = _NAMESPACES[cwd] = {"__name__": "__doc_block__"}
+            exec(compile(PRELUDE, "<prelude>", "exec"), ns)
         exec(compile(code, "<doc block>", "exec"), ns)
     finally:
         os.chdir(here)
