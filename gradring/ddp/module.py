@@ -140,7 +140,6 @@ class DistributedDataParallel(TorchDDP):
         unsupported = {
             "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
             "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
-            "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
             "batched_grad_copy": bool(batched_grad_copy),
         }
         for name, given in unsupported.items():
@@ -191,6 +190,7 @@ class DistributedDataParallel(TorchDDP):
         # torch's flags of the same names.
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         # Set by no_sync(): when False, backward only accumulates locally.
         self.require_backward_grad_sync = True
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
@@ -237,6 +237,7 @@ class DistributedDataParallel(TorchDDP):
             # Under mixed precision .grad is never a bucket view ([Note: mixed precision]).
             gradient_as_bucket_view=self.gradient_as_bucket_view and self.mixed_precision is None,
             auto_cap=self._auto_cap,
+            skip_unused_buckets=bool(self.skip_all_reduce_unused_params),
         )
 
     def _setup_mixed_precision(self) -> MixedPrecision | None:
@@ -646,6 +647,7 @@ class DistributedDataParallel(TorchDDP):
             "comm_hook": "" if r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
             "backend_name": dist.get_backend(self.process_group),
             "iteration": r.num_backward,
+            "num_buckets_reduced": r.num_buckets_reduced,
             "has_error": int(self._error is not None or r.error is not None),
         }
         error = self._error or r.error
