@@ -97,11 +97,11 @@ CONFIGS = {
 
 
 def _train(rank: int, world: int, name: str, view: bool, set_to_none: bool,
-           accumulate: int) -> list:
+           accumulate: int, extra: dict) -> list:
     cfg = _MixedPrecision(**CONFIGS[name])
     model = Net()
     ddp = gradring.DistributedDataParallel(model, mixed_precision=cfg,
-                                           gradient_as_bucket_view=view)
+                                           gradient_as_bucket_view=view, **extra)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     got, dtypes = [], set()
     for s in range(STEPS):
@@ -120,16 +120,20 @@ def _train(rank: int, world: int, name: str, view: bool, set_to_none: bool,
     return [diffs, sorted(dtypes), str(model.shift.dtype)]
 
 
-@pytest.mark.parametrize("name,view,set_to_none,accumulate", [
-    ("bf16", False, True, 1),
-    ("fp16", True, False, 1),
-    ("bf16_reduce_fp32", False, False, 1),
-    ("fp16_reduce_default", True, True, 1),
-    ("bf16", False, True, 2),
+@pytest.mark.filterwarnings("ignore:.*find_unused_parameters")
+@pytest.mark.parametrize("name,view,set_to_none,accumulate,extra", [
+    ("bf16", False, True, 1, {}),
+    ("fp16", True, False, 1, {}),
+    ("bf16_reduce_fp32", False, False, 1, {}),
+    ("fp16_reduce_default", True, True, 1, {}),
+    ("bf16", False, True, 2, {}),
+    ("bf16", False, True, 1, {"static_graph": True}),
+    ("fp16", False, False, 1, {"find_unused_parameters": True}),
 ])
-def test_matches_torch_semantics_bit_for_bit(pools, name, view, set_to_none, accumulate):
+def test_matches_torch_semantics_bit_for_bit(pools, name, view, set_to_none, accumulate,
+                                             extra):
     for diffs, dtypes, buffer_dtype in pools.run(WORLD, _train, name, view, set_to_none,
-                                                 accumulate):
+                                                 accumulate, extra):
         assert diffs == [], diffs
         # What the user sees after a synchronised backward: float32 parameters and grads.
         assert {d for _, d, _ in dtypes} == {"torch.float32"}, dtypes
