@@ -307,7 +307,7 @@ def _bad_args(rank, world_size):
         "mixed": lambda: gradring.DistributedDataParallel(
             nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2, device="meta")})),
         "unsupported": lambda: gradring.DistributedDataParallel(
-            nn.Linear(2, 2), skip_all_reduce_unused_params=True),
+            nn.Linear(2, 2), batched_grad_copy=True),
         "cap": lambda: gradring.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1),
     }
     for name, fn in cases.items():
@@ -326,7 +326,7 @@ def test_bad_arguments(pools):
                                  "element.")
     assert out["mixed"].startswith("ValueError") and "meta" in out["mixed"]
     assert out["unsupported"].startswith("NotImplementedError")
-    assert "skip_all_reduce_unused_params" in out["unsupported"]
+    assert "batched_grad_copy" in out["unsupported"]
     assert out["cap"].startswith("ValueError")
 
 

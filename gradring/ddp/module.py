@@ -45,6 +45,7 @@ from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.ddp import join
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
 from gradring.ddp.consumers import ConsumerSlot
+from gradring.ddp.mixed_precision import MixedPrecision
 from gradring.ddp.output_boundary import wrap_outputs
 from gradring.fused_optim import FusedOptimizer
 from gradring.graph import GraphMode
@@ -139,8 +140,6 @@ class DistributedDataParallel(TorchDDP):
         unsupported = {
             "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
             "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
-            "mixed_precision": mixed_precision is not None,
-            "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
             "batched_grad_copy": bool(batched_grad_copy),
         }
         for name, given in unsupported.items():
@@ -191,6 +190,7 @@ class DistributedDataParallel(TorchDDP):
         # torch's flags of the same names.
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         # Set by no_sync(): when False, backward only accumulates locally.
         self.require_backward_grad_sync = True
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
@@ -211,6 +211,8 @@ class DistributedDataParallel(TorchDDP):
             self._sync_params_and_buffers(0, buffers=init_sync_buffers)
         # What the reducer is built with again after unpickling.
         self._static_at_init = static_graph
+        # torch's _MixedPrecision as given (None: everything in the parameters' dtype).
+        self.mixed_precision = mixed_precision
         # gradring's reducer: buckets, gradient hooks, the all-reduces.
         self.reducer = self._build_reducer(static_graph=static_graph)
         if self._auto_cap and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
@@ -219,6 +221,8 @@ class DistributedDataParallel(TorchDDP):
         self.divide_by_initial_world_size = True
         # The comm hook, fused optimizer or in-backward optimizers (one of them).
         self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
+        # The precision switches ([Note: mixed precision] in mixed_precision.py), or None.
+        self._mixed = self._setup_mixed_precision()
         # Whether the first forward's one-time setup (_lazy_init) ran.
         self._lazy_init_ran = False
         if static_graph:
@@ -230,8 +234,21 @@ class DistributedDataParallel(TorchDDP):
             self._module_parameters, self._param_names, self._comm, caps=self._caps,
             initial_caps=self._caps.initial(find_unused=find_unused),
             mode=GraphMode.of(find_unused=self.find_unused_parameters, static_graph=False),
-            gradient_as_bucket_view=self.gradient_as_bucket_view, auto_cap=self._auto_cap,
+            # Under mixed precision .grad is never a bucket view ([Note: mixed precision]).
+            gradient_as_bucket_view=self.gradient_as_bucket_view and self.mixed_precision is None,
+            auto_cap=self._auto_cap,
+            skip_unused_buckets=bool(self.skip_all_reduce_unused_params),
         )
+
+    def _setup_mixed_precision(self) -> MixedPrecision | None:
+        """Set up mixed precision, whose comm hook reduces the buckets (as torch's does)."""
+        if self.mixed_precision is None:
+            return None
+        mixed = MixedPrecision(self.mixed_precision, self.module, self.parameters_to_ignore,
+                               self._comm)
+        self._consumers.set_comm_hook(mixed.reduce_bucket, None)
+        self._buffer_sync.refresh(self.module)
+        return mixed
 
     # ------------------------------------------------------------ construction
     def _verify_same_model(self, params: list[torch.Tensor]) -> None:
@@ -337,6 +354,8 @@ class DistributedDataParallel(TorchDDP):
         if self.device_ids:
             inputs = pytree.to_device(inputs, self.device_ids[0])
             kwargs = pytree.to_device(kwargs, self.device_ids[0])
+        if self._mixed is not None:
+            inputs, kwargs = self._mixed.cast_inputs(inputs, kwargs)
         return inputs, kwargs
 
     @compile_split.never_traced(recursive=True)
@@ -628,6 +647,7 @@ class DistributedDataParallel(TorchDDP):
             "comm_hook": "" if r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
             "backend_name": dist.get_backend(self.process_group),
             "iteration": r.num_backward,
+            "num_buckets_reduced": r.num_buckets_reduced,
             "has_error": int(self._error is not None or r.error is not None),
         }
         error = self._error or r.error

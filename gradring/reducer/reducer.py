@@ -85,6 +85,7 @@ class Reducer:
         mode: GraphMode,
         gradient_as_bucket_view: bool,
         auto_cap: bool = False,
+        skip_unused_buckets: bool = False,
     ) -> None:
         # Parameters that require grad, in the module's definition order.
         self.params = list(params)
@@ -103,6 +104,8 @@ class Reducer:
         self.mode = mode
         # gradient_as_bucket_view: .grad is the bucket slot.
         self.grad_as_view = gradient_as_bucket_view
+        # skip_all_reduce_unused_params: see [Note: skipped buckets].
+        self.skip_unused_buckets = skip_unused_buckets
         # Optional communication hook (set_comm_hook) ...
         self.comm_hook: CommHook | None = None
         # ... and the state it is called with.
@@ -161,6 +164,10 @@ class Reducer:
         self._first_hook_done = False
         # FIND_UNUSED: parameters the forward did not reach.
         self._unused: list[int] = []
+        # Indices of this backward's buckets that are not reduced ([Note: skipped buckets]).
+        self._skipped: frozenset[int] = frozenset()
+        # Buckets reduced in the last backward (torch's logging key num_buckets_reduced).
+        self.num_buckets_reduced = 0
         # FIND_UNUSED: 1 where this rank produced a gradient since the usage map
         # was last sent, no_sync backwards included (see [Note: used since the
         # last reduction]; a bytearray: setting an item of a tensor in every hook
@@ -466,6 +473,22 @@ class Reducer:
             if not self._unused and not self._warned_nothing_unused:
                 self._warned_nothing_unused = True
                 warnings.warn(errors.nothing_unused(), stacklevel=3)
+            if self.skip_unused_buckets:
+                self._skipped = self._unused_buckets()
+        self.num_buckets_reduced = 0
+
+    # [Note: skipped buckets]
+    # skip_all_reduce_unused_params=True (with find_unused_parameters), as in
+    # torch: a bucket all of whose parameters this rank's forward did not
+    # reach is not reduced at all. Its "launch" is a future that already
+    # holds the bucket, and the finalize writes nothing of it, since the
+    # usage map says no rank used those parameters: torch's contract for the
+    # option is that the unused parameters are the same on every rank (a rank
+    # that breaks it pairs the wrong collectives, in torch as here).
+    def _unused_buckets(self) -> frozenset[int]:
+        unused = set(self._unused)
+        return frozenset(k for k, b in enumerate(self.buckets)
+                         if all(i in unused for i in b.param_indices))
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         # The hook lives in the parameter's C++ autograd metadata, where Python's
@@ -589,6 +612,11 @@ class Reducer:
         last = len(buckets) - 1
         while self._next_bucket <= last and buckets[self._next_bucket].state is _READY:
             bucket = buckets[self._next_bucket]
+            if self._next_bucket in self._skipped:  # see [Note: skipped buckets]
+                bucket.launch(_holding(bucket.buffer))
+                self._next_bucket += 1
+                continue
+            self.num_buckets_reduced += 1
             # The last bucket, or every bucket without a free core for the comm thread.
             if (self._next_bucket == last or not self.overlap) and self._finalize_may_reduce():
                 bucket.leave_to_finalize()  # see [Note: the last bucket]
@@ -813,6 +841,13 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         _remove_handles(self._hook_handles)
+
+
+def _holding(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def _remove_handles(handles: list[Any]) -> None:
