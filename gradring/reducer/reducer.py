@@ -485,8 +485,12 @@ class Reducer:
     # usage map says no rank used those parameters: torch's contract for the
     # option is that the unused parameters are the same on every rank (a rank
     # that breaks it pairs the wrong collectives, in torch as here).
+    # A parameter this forward did not reach but an earlier no_sync backward gave
+    # a gradient (see [Note: used since the last reduction]) still has an
+    # accumulated .grad to reduce: its bucket is not skipped.
     def _unused_buckets(self) -> frozenset[int]:
-        unused = set(self._unused)
+        local = self._local_used
+        unused = {i for i in self._unused if not local[i]}
         return frozenset(k for k, b in enumerate(self.buckets)
                          if all(i in unused for i in b.param_indices))
 
