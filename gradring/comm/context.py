@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradring import config
-from gradring.comm import engine, select
+from gradring.comm import engine, root_cause, select
 from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
@@ -141,6 +141,7 @@ def context(group: Any) -> GroupContext | None:
     if ctx is None:
         _close_destroyed()
         ctx = GROUPS.get_or_make(group, GroupContext)
+        root_cause.install()  # runs before the groups close at exit ([Note: torchrun's root cause])
     return ctx  # type: ignore[return-value] # the registry holds GroupContexts only
 
 

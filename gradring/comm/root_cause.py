@@ -1,0 +1,108 @@
+"""Which rank torchrun names as a failed job's root cause.
+
+[Note: torchrun's root cause]
+torchrun prints "Root Cause (first observed failure)": the failed worker with
+the smallest timestamp, in whole seconds, taken from the worker's error file
+(``TORCHELASTIC_ERROR_FILE``, written by torch's ``@record``) or, without one,
+from the moment the agent saw the worker exit. When one rank raises in its
+forward, gradring's peers learn of it within milliseconds (the failing rank's
+groups close at exit and say so) and exit while the failing rank is still
+tearing down, so in the same second torchrun can pick a survivor, and did in
+2 of 4 runs. torch's DDP never did: its peers wait for a timeout.
+
+So, at exit after an uncaught exception, each rank writes what it knows:
+
+- a rank whose exception is not a gradring collective failure is a root cause:
+  it writes its error file (torchrun's format) unless ``@record`` already did,
+  with its exception, its traceback and the time;
+- a rank whose exception is, or was caused by, a gradring collective failure
+  (a peer died, left, raised or desynchronised; ``CollectiveError`` and the
+  watchdog's error) is a consequence: its file's timestamp is set one second
+  after its own failure, and a file it writes itself says so.
+
+A consequence therefore never sorts before the rank that failed first. The
+handler runs before the groups close (it is registered again, and so runs
+first, whenever a group context is made), so a root cause's file is written
+before its peers can fail. Nothing happens without ``TORCHELASTIC_ERROR_FILE``
+or without an uncaught exception.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from gradring.comm.transport import CollectiveError
+
+ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def _consequence(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was raised because of, a gradring collective failure."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CollectiveError) or type(exc).__name__ == "WatchdogError":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) and "message" in data else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: str, data: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        tmp = f"{path}.gradring.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+
+def record(exc: BaseException, now: float | None = None, path: str | None = None) -> None:
+    """Write or adjust this rank's torchelastic error file for ``exc`` (see the Note)."""
+    path = path if path is not None else os.environ.get(ENV)
+    if not path or exc is None or isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        return
+    now = time.time() if now is None else now
+    data = _read(path)
+    if not _consequence(exc):
+        if data is None:  # @record did not write it: do what it would have
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            _write(path, {"message": {"message": f"{type(exc).__name__}: {exc}",
+                                      "extraInfo": {"py_callstack": tb,
+                                                    "timestamp": str(int(now))}}})
+        return
+    later = str(int(now) + 1)
+    if data is None:
+        data = {"message": {"message": f"{type(exc).__name__}: {exc} (gradring: this rank "
+                                       "stopped because a peer failed first)",
+                            "extraInfo": {"py_callstack": "", "timestamp": later}}}
+    elif isinstance(data["message"], dict):
+        data["message"].setdefault("extraInfo", {})["timestamp"] = later
+    else:
+        data["timestamp"] = later
+    _write(path, data)
+
+
+def _at_exit() -> None:
+    record(getattr(sys, "last_value", None))  # type: ignore[arg-type]
+
+
+def install() -> None:
+    """(Re-)register the exit handler so that it runs before the groups close
+    (atexit runs the newest registration first)."""
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
