@@ -24,13 +24,30 @@ def param_count_mismatch(counts: Sequence[int]) -> str:
 
 
 def param_shape_mismatch(
-    index: int, name: str, what: str, mine: Sequence[int], theirs: Sequence[int], rank: int
+    index: int, name: str, what: str, theirs: Sequence[int], ref: Sequence[int], rank: int,
+    *, this_rank: int, mine: Sequence[int],
 ) -> str:
-    return (
-        f"params[{index}] in this process with {what} {list(mine)} appears not to match "
-        f"{what} of the same param in process 0. (gradring: params[{index}] is '{name}' "
-        f"on rank {rank}; process 0 has {what} {list(theirs)}.)"
-    )
+    """Parameter ``index`` has ``theirs`` on ``rank`` but ``ref`` on rank 0; this
+    process (``this_rank``) has ``mine``. Each rank's message states its own
+    value and the other side's."""
+    if this_rank == rank:
+        head = (f"params[{index}] in this process with {what} {list(theirs)} appears not to "
+                f"match {what} of the same param in process 0.")
+    else:
+        head = (f"params[{index}] in process {rank} with {what} {list(theirs)} appears not to "
+                f"match {what} of the same param in process 0.")
+    return (f"{head} (gradring: params[{index}] is '{name}'; this process (rank {this_rank}) "
+            f"has {what} {list(mine)}, rank {rank} has {list(theirs)}, rank 0 has "
+            f"{list(ref)}.)")
+
+
+def param_order_mismatch(index: int, ours: str, theirs: str, rank: int, *,
+                         this_rank: int) -> str:
+    """Same shapes, different parameters at one position: training would mix them up."""
+    return (f"DDP expects the same model on every rank, but params[{index}] is '{ours}' on rank "
+            f"0 and '{theirs}' on rank {rank} (this process is rank {this_rank}). The shapes "
+            "agree, so the gradients would be averaged across different parameters without "
+            "any error: construct the model's modules in the same order on every rank.")
 
 
 def unfinished_reduction(

@@ -248,10 +248,35 @@ def test_param_count_mismatch_error(pools):
 
 
 def test_param_shape_mismatch_error(pools):
-    msg = pools.run(2, _shape_mismatch)[1]
+    msgs = pools.run(2, _shape_mismatch)
+    msg = msgs[1]
     assert "params[0] in this process with sizes [3, 3] appears not to match sizes of the " \
            "same param in process 0." in msg
     assert "'weight'" in msg
+    # Each rank states its own shape and the other side's (rank 0 used to print
+    # rank 1's shape as "in this process").
+    assert "this process (rank 1) has sizes [3, 3]" in msg and "rank 0 has [2, 3]" in msg
+    assert "params[0] in process 1 with sizes [3, 3]" in msgs[0]
+    assert "this process (rank 0) has sizes [2, 3]" in msgs[0]
+
+
+def _swapped_order(rank, world_size):
+    keys = ["left", "right"] if rank == 0 else ["right", "left"]
+    torch.manual_seed(0)
+    model = nn.ModuleDict({k: nn.Linear(4, 4) for k in keys})
+    try:
+        gradring.DistributedDataParallel(model)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_same_shapes_in_another_order_fail_at_construction(pools):
+    # torch's DDP trains this silently wrong: params[0] of one rank is averaged
+    # with params[0] of the other, a different layer of the same shape.
+    for rank, msg in enumerate(pools.run(2, _swapped_order)):
+        assert "params[0] is 'left.weight' on rank 0 and 'right.weight' on rank 1" in msg, msg
+        assert f"this process is rank {rank}" in msg
 
 
 def test_backward_twice_accumulates_locally_with_a_warning(pools):

@@ -258,13 +258,24 @@ class DistributedDataParallel(TorchDDP):
         counts = [len(m) for m, _ in everyone]
         if any(c != counts[0] for c in counts):
             self._log_and_throw(RuntimeError, errors.param_count_mismatch(counts))
-        ref = everyone[0][0]
+        ref, ref_names = everyone[0]
+        me = self._comm.rank
+        own = everyone[me][0]
         for rank, (theirs, names) in enumerate(everyone):
             for i, ((shape, stride), (rshape, rstride)) in enumerate(zip(theirs, ref)):
-                for what, mine, want in (("sizes", shape, rshape), ("strides", stride, rstride)):
-                    if mine != want:
+                for k, (what, value, want) in enumerate((("sizes", shape, rshape),
+                                                         ("strides", stride, rstride))):
+                    if value != want:
                         self._log_and_throw(RuntimeError, errors.param_shape_mismatch(
-                            i, names[i], what, mine, want, rank))
+                            i, names[i], what, value, want, rank, this_rank=me,
+                            mine=own[i][k]))
+        # Same shapes in another order would average different parameters silently
+        # (torch's DDP does not check): the names must agree too.
+        for rank, (_, names) in enumerate(everyone):
+            for i, (a, b) in enumerate(zip(ref_names, names)):
+                if a != b:
+                    self._log_and_throw(RuntimeError, errors.param_order_mismatch(
+                        i, a, b, rank, this_rank=me))
 
     def _sync_params_and_buffers(self, src: int, *, buffers: bool = True) -> None:
         """Broadcast the parameters DDP manages (ignored ones excepted) and, with
