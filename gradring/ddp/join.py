@@ -108,6 +108,9 @@ def shadow_iteration(ddp: Any) -> None:
         ddp.reducer.shadow_backward()
 
 
-def sync_final_model(ddp: Any, *, is_last_joiner: bool) -> None:
-    """After everyone joined: the last joiner's parameters and buffers win."""
-    ddp._sync_params_and_buffers(highest_rank(ddp.comm, is_last_joiner, ddp.device))
+def sync_final_model(ddp: Any, *, is_last_joiner: bool) -> int:
+    """After everyone joined: the last joiner's parameters and buffers win.
+    Returns that rank (torch's ``_authoritative_rank``)."""
+    rank = highest_rank(ddp.comm, is_last_joiner, ddp.device)
+    ddp._sync_params_and_buffers(rank)
+    return rank
