@@ -55,7 +55,8 @@ class DDPJoinHook(JoinHook):
         shadow_iteration(self.ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        sync_final_model(self.ddp, is_last_joiner=is_last_joiner)
+        # Through DDP's method, as torch's hook: it keeps the rank (_authoritative_rank).
+        self.ddp._sync_final_model(is_last_joiner)
 
 
 def any_rank(comm: GroupComm, value: bool, device: torch.device) -> bool:

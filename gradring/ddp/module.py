@@ -155,8 +155,10 @@ class DistributedDataParallel(TorchDDP):
         self._comm_hook_name: str | None = None
         # Whether the output boundary hands out copies (torch's _set_ddp_sink_clone).
         self._ddp_sink_clone = True
-        # The rank whose model every rank took at the end of the last Join (torch's name).
+        # The rank whose model every rank took at the end of the last Join (torch's
+        # name), and whether a Join hook was ever made (logged as torch logs it).
         self._authoritative_rank = 0
+        self._join_used = False
         # torch's C++ Logger, for torch's helpers that take DDP's logger (made on first use).
         self._torch_logger = logging_data.TorchLogger()
         # Group the gradients are averaged over.
@@ -538,6 +540,7 @@ class DistributedDataParallel(TorchDDP):
                          divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> join.DDPJoinHook:
+        self._join_used = True
         return join.DDPJoinHook(self, **kwargs)
 
     @property
@@ -653,6 +656,8 @@ class DistributedDataParallel(TorchDDP):
         }
         if self._comm_hook_name is not None:
             data["comm_hook"] = self._comm_hook_name
+        if self._join_used:
+            data["join_uneven_inputs"] = 1
         if r.num_backward:
             data["num_buckets_reduced"] = len(r.buckets)
             data["unused_parameter_size"] = sum(

@@ -17,14 +17,15 @@ from torch import nn
 from gradring import errors
 
 
-def _reduced(module: nn.Module, ignored: Collection[str],
+def _reduced(module: nn.Module, ignored: Collection[str], *, once: bool = True,
              ) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
-    """(owning module, qualified name, parameter) for each parameter DDP reduces, once."""
+    """(owning module, qualified name, parameter) for each parameter DDP reduces:
+    at its first place only (``once``), or at every place a shared one has."""
     seen: set[int] = set()
     for prefix, owner in module.named_modules():
         for name, param in owner.named_parameters(recurse=False):
             qualified = f"{prefix}.{name}" if prefix else name
-            if not param.requires_grad or qualified in ignored or id(param) in seen:
+            if not param.requires_grad or qualified in ignored or (once and id(param) in seen):
                 continue
             seen.add(id(param))
             yield owner, qualified, param
@@ -44,10 +45,11 @@ def index_to_name(module: nn.Module, ignored: Collection[str],
                   parameters: Sequence[torch.Tensor]) -> dict[int, str]:
     """Each position in ``parameters`` -> the qualified name of the parameter
     there. ValueError if a parameter DDP reduces is not among ``parameters``
-    or if ``parameters`` holds others."""
+    or if ``parameters`` holds others. A parameter shared between modules
+    gets its last name, as torch's mapping gives it."""
     position = {id(p): i for i, p in enumerate(parameters)}
     mapping: dict[int, str] = {}
-    for _, qualified, param in _reduced(module, ignored):
+    for _, qualified, param in _reduced(module, ignored, once=False):
         if id(param) not in position:
             raise ValueError(errors.param_not_in_reducer(qualified))
         mapping[position[id(param)]] = qualified

@@ -474,7 +474,7 @@ class Reducer:
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
-            with profiled("search_unused_parameters"):  # torch's event name
+            with profiled("torch.distributed.ddp.reducer::search_unused_parameters"):
                 reached = reachable_params(outputs or [], self._index_of)
             self._unused = [i for i in range(len(self.params)) if i not in reached]
             if self._prev_unused is not None and self._unused != self._prev_unused:
