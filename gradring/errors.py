@@ -52,32 +52,50 @@ def param_order_mismatch(index: int, ours: str, theirs: str, rank: int, *,
 
 def unfinished_reduction(
     per_rank_missing: dict[int, list[int]], names: Sequence[str], *, static_graph: bool,
-    world_size: int = 0,
+    world_size: int = 0, debug: bool = False, rank: int = 0,
 ) -> str:
+    """The error of a forward whose prior backward left a reduction unfinished.
+
+    ``debug``: TORCH_DISTRIBUTED_DEBUG is INFO or DETAIL. torch's sentences are kept
+    word for word (people search for them): without debug, its advice to set the
+    variable; with it, its line naming this ``rank``'s parameters. gradring names
+    every rank's parameters either way."""
     head = (
         "Expected to have finished reduction in the prior iteration before starting a new "
-        "one. This error indicates that your module has parameters that were not used in "
-        "producing loss. "
+        "one. "
     )
     if static_graph:
         head += (
-            "Your training graph has changed in this iteration, e.g., one parameter is used "
-            "in first iteration, but then got unused in the second iteration. this is not "
-            "compatible with static_graph set to True. "
+            "This error indicates that your training graph has changed in this iteration, "
+            "e.g., one parameter is used in first iteration, but then got unused in the "
+            "second iteration. this is not compatible with static_graph set to True. "
         )
     else:
         head += (
-            "You can enable unused parameter detection by passing the keyword argument "
-            "`find_unused_parameters=True` to `gradring.DistributedDataParallel`, and by "
-            "making sure all `forward` function outputs participate in calculating loss. "
+            "This error indicates that your module has parameters that were not used in "
+            "producing loss. You can enable unused parameter detection by passing the "
+            "keyword argument `find_unused_parameters=True` to "
+            "`gradring.DistributedDataParallel`, and by making sure all `forward` function "
+            "outputs participate in calculating loss. "
         )
     lines = [head.rstrip()]
-    for rank in sorted(per_rank_missing):
-        idx = per_rank_missing[rank]
+    for r in sorted(per_rank_missing):
+        idx = per_rank_missing[r]
         lines.append(
-            f"Parameter indices which did not receive grad for rank {rank}: "
+            f"Parameter indices which did not receive grad for rank {r}: "
             f"{' '.join(map(str, idx))}\n"
             f"  names: {_names(idx, names)}"
+        )
+    if debug:
+        mine = per_rank_missing.get(rank, [])
+        lines.append(f"Parameters which did not receive grad for rank {rank}: "
+                     + ", ".join(names[i] for i in mine))
+    else:
+        lines.append(
+            "In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to "
+            "either INFO or DETAIL to print out information about which particular "
+            "parameters did not receive gradient on this rank as part of this error "
+            "(gradring names them above in any case)."
         )
     silent = [r for r in range(world_size) if r not in per_rank_missing]
     if silent:
@@ -285,3 +303,18 @@ def torch_sync_batchnorm_on_cpu(name: str) -> str:
             "gradring.nn.SyncBatchNorm.convert_sync_batchnorm(model) instead of "
             "torch.nn.SyncBatchNorm.convert_sync_batchnorm; gradring's SyncBatchNorm works "
             "on CPU.")
+
+
+def param_not_in_reducer(name: str) -> str:
+    return (
+        f"Param with name {name} found in module parameters, but not DDP parameters. "
+        "(gradring: the list given does not hold this parameter DDP reduces.)"
+    )
+
+
+def param_mapping_incomplete(given: int, named: int) -> str:
+    return (
+        "Expected param to name mapping to cover all parameters, but got conflicting "
+        f"lengths: {given} vs {named}. (gradring: the list given holds parameters DDP "
+        "does not reduce.)"
+    )

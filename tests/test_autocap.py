@@ -71,7 +71,8 @@ def _auto_vs_torch(rank: int, world: int) -> dict:
     expect = assign_buckets(r._sizes, [DEFAULT_FIRST_BUCKET_BYTES, r.bucket_cap_bytes],
                             keys=r._keys, order=order)
     res.update(cap=data["bucket_cap_bytes"], attr=ddp.bucket_bytes_cap,
-               rebuilt=data["rebuilt_per_bucket_param_indices"], expect=expect,
+               rebuilt=r.rebuilt_param_indices, expect=expect,
+               logged=data["rebuilt_per_bucket_param_indices"],
                curve=list(r.auto_cap.curve.sizes))
     return res
 
@@ -87,6 +88,8 @@ def test_ddp_auto_matches_torch_and_agrees_across_ranks(pools, world) -> None:
         assert r["grad_torch"] < 1e-9 and r["param_torch"] < 1e-9, r
         assert r["attr"] == cap
         assert r["rebuilt"] == r["expect"]
+        # torch's logging data lists the rebuilt buckets' indices flat, as a string.
+        assert r["logged"] == " ".join(str(i) for idx in r["expect"] for i in idx)
         assert r["curve"][-1] >= sum(p.numel() * 8 for p in oracle.make_model("wide").parameters())
 
 

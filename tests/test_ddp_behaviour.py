@@ -20,6 +20,10 @@ def _linear12():
     return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def _reference_buckets(rank, world_size, find_unused):
     ddp = gradring.DistributedDataParallel(_linear12(), find_unused_parameters=find_unused)
     seen = []
@@ -27,8 +31,10 @@ def _reference_buckets(rank, world_size, find_unused):
     for _ in range(3):
         ddp(x).sum().backward()
         data = ddp._get_ddp_logging_data()
-        seen.append((data["bucket_sizes"], data["rebuilt_bucket_sizes"],
-                     data["rebuilt_per_bucket_param_indices"], data["has_rebuilt_buckets"]))
+        # torch's logging data gives sizes as "n1, n2" and the rebuilt indices
+        # flat; the reducer keeps each bucket's.
+        seen.append((_ints(data["bucket_sizes"]), _ints(data["rebuilt_bucket_sizes"]),
+                     ddp.reducer.rebuilt_param_indices, data["has_rebuilt_buckets"]))
     return seen
 
 

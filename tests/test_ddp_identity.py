@@ -39,9 +39,8 @@ def _torch_callables() -> dict[str, object]:
 RAISES = {
     "_register_accum_grad_hook", "_delayed_all_reduce_hook", "_register_delay_all_reduce_hook",
     "_fire_reducer_autograd_hook", "_root_copy_hook", "_module_wait_for_copy_hook",
-    "_ddp_init_helper", "_build_params_for_reducer", "_build_debug_param_to_name_mapping",
-    "_clear_grad_buffer", "_match_unused_params_allreduce", "_set_sparse_metadata",
-    "_update_process_group", "_set_ddp_sink_clone",
+    "_ddp_init_helper", "_clear_grad_buffer", "_match_unused_params_allreduce",
+    "_set_sparse_metadata", "_update_process_group",
 }
 
 

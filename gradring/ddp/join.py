@@ -55,7 +55,8 @@ class DDPJoinHook(JoinHook):
         shadow_iteration(self.ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        sync_final_model(self.ddp, is_last_joiner=is_last_joiner)
+        # Through DDP's method, as torch's hook: it keeps the rank (_authoritative_rank).
+        self.ddp._sync_final_model(is_last_joiner)
 
 
 def any_rank(comm: GroupComm, value: bool, device: torch.device) -> bool:
@@ -108,6 +109,9 @@ def shadow_iteration(ddp: Any) -> None:
         ddp.reducer.shadow_backward()
 
 
-def sync_final_model(ddp: Any, *, is_last_joiner: bool) -> None:
-    """After everyone joined: the last joiner's parameters and buffers win."""
-    ddp._sync_params_and_buffers(highest_rank(ddp.comm, is_last_joiner, ddp.device))
+def sync_final_model(ddp: Any, *, is_last_joiner: bool) -> int:
+    """After everyone joined: the last joiner's parameters and buffers win.
+    Returns that rank (torch's ``_authoritative_rank``)."""
+    rank = highest_rank(ddp.comm, is_last_joiner, ddp.device)
+    ddp._sync_params_and_buffers(rank)
+    return rank

@@ -7,7 +7,9 @@ libraries take their DDP paths (Lightning, Accelerate, Dynamo, distributed
 checkpoint do). On these terms:
 
 - torch's ``__init__`` never runs, so no C++ ``Reducer``, ``Logger`` or
-  ``_DDPSink`` is ever created;
+  ``_DDPSink`` is created for the model (the ``logger`` attribute is a torch
+  Logger over a stand-in, see [Note: a torch Logger for torch's helper
+  functions] in ``logging_data.py``);
 - every callable attribute of torch 2.13's class is overridden in the class
   below: implemented with torch's meaning on top of gradring's own reducer,
   or, for torch-internal machinery gradring has no counterpart of, raising
@@ -42,7 +44,7 @@ from gradring import compile as compile_split
 from gradring import errors, pytree
 from gradring.announce import announce_first_forward
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
-from gradring.ddp import join
+from gradring.ddp import join, logging_data, reducer_params
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
 from gradring.ddp.consumers import ConsumerSlot
 from gradring.ddp.mixed_precision import MixedPrecision
@@ -147,6 +149,17 @@ class DistributedDataParallel(TorchDDP):
                 raise NotImplementedError(errors.unsupported_argument(name))
         # The error DDP last raised, for _get_ddp_logging_data (as torch's logger keeps it).
         self._error: str | None = None
+        # The sampled runtime statistics and the comm hook's name, for the logging data.
+        self._runtime_stats = logging_data.RuntimeStats()
+        self._comm_hook_name: str | None = None
+        # Whether the output boundary hands out copies (torch's _set_ddp_sink_clone).
+        self._ddp_sink_clone = True
+        # The rank whose model every rank took at the end of the last Join (torch's
+        # name), and whether a Join hook was ever made (logged as torch logs it).
+        self._authoritative_rank = 0
+        self._join_used = False
+        # torch's C++ Logger, for torch's helpers that take DDP's logger (made on first use).
+        self._torch_logger = logging_data.TorchLogger()
         # Group the gradients are averaged over.
         self.process_group = _group_of(process_group, device_mesh)
         if device_mesh is not None:
@@ -352,6 +365,7 @@ class DistributedDataParallel(TorchDDP):
             join.notify(self, sync)
         if sync:
             self._guarded(self.reducer.prepare_for_forward)
+            self._runtime_stats.on_forward(self.reducer.trace, self.reducer.num_forward - 1)
             if self.reducer.rebuild_if_needed():
                 compile_split.after_rebuild(self)
                 self._consumers.warn_unordered_hook(self.process_group)
@@ -383,7 +397,7 @@ class DistributedDataParallel(TorchDDP):
         find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
         self.reducer.prepare_for_backward(list(pytree.tensors(output)) if find_unused else None)
         if find_unused or self.reducer.static_first_backward():
-            output = wrap_outputs(output, self.reducer)
+            output = wrap_outputs(output, self.reducer, clone=self._ddp_sink_clone)
         return output
 
     def _guarded(self, fn: Any, *args: Any) -> Any:
@@ -418,6 +432,7 @@ class DistributedDataParallel(TorchDDP):
         self._check_comm_hook(hook)
         self._consumers.set_comm_hook(hook, state)
         self._consumers.warn_unordered_hook(self.process_group)
+        self._comm_hook_name = getattr(hook, "__qualname__", repr(hook))  # as torch logs it
 
     def _register_fused_optim(self, optim_cls: type, *args: Any, **kwargs: Any) -> Any:
         """Step each parameter as soon as its bucket is reduced; returns the fused optimizer."""
@@ -459,6 +474,7 @@ class DistributedDataParallel(TorchDDP):
         if comm_hook_type not in hooks:
             raise NotImplementedError(f"built-in comm hook {comm_hook_type} is not supported")
         self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+        self._comm_hook_name = str(comm_hook_type)  # as torch logs a built-in hook
 
     # ---------------------------------------------------------------- buffers
     @property
@@ -554,6 +570,7 @@ class DistributedDataParallel(TorchDDP):
                          divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> join.DDPJoinHook:
+        self._join_used = True
         return join.DDPJoinHook(self, **kwargs)
 
     @property
@@ -586,7 +603,7 @@ class DistributedDataParallel(TorchDDP):
         self.reducer.shadow_backward()
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
-        join.sync_final_model(self, is_last_joiner=is_last_joiner)
+        self._authoritative_rank = join.sync_final_model(self, is_last_joiner=is_last_joiner)
 
     # ------------------------------------------------- ignored params and buffers
     @staticmethod
@@ -636,7 +653,11 @@ class DistributedDataParallel(TorchDDP):
 
     # -------------------------------------------------------------- introspection
     def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's logging data: its keys, with its types (see [Note: logging data as
+        torch gives it] in logging_data.py), plus gradring's static_graph."""
         r = self.reducer
+        backend = dist.get_backend(self.process_group)
+        rebuilt_order = [i for idx in r.rebuilt_param_indices for i in idx]
         data: dict[str, Any] = {
             "world_size": self._comm.world_size,
             "rank": self._comm.rank,
@@ -648,30 +669,70 @@ class DistributedDataParallel(TorchDDP):
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "static_graph": int(self.static_graph),
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm)
+                                   for m in self.module.modules())),
+            "is_multi_device_module": 0,
             "has_rebuilt_buckets": int(r.has_rebuilt),
-            "bucket_sizes": list(r.initial_bucket_sizes),
-            "rebuilt_bucket_sizes": list(r.rebuilt_bucket_sizes),
-            "rebuilt_per_bucket_param_indices": [list(x) for x in r.rebuilt_param_indices],
+            "bucket_sizes": logging_data.joined(r.initial_bucket_sizes),
+            "rebuilt_bucket_sizes": logging_data.joined(r.rebuilt_bucket_sizes),
+            "rebuilt_per_bucket_param_indices": logging_data.joined(rebuilt_order, " "),
             "num_parameter_tensors": len(r.params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in r.params),
-            "dtypes": sorted({str(p.dtype).replace("torch.", "") for p in r.params}),
-            "comm_hook": "" if r.comm_hook is None else getattr(r.comm_hook, "__qualname__", ""),
-            "backend_name": dist.get_backend(self.process_group),
-            "iteration": r.num_backward,
-            "num_buckets_reduced": r.num_buckets_reduced,
+            "dtypes": logging_data.dtype_names([p.dtype for p in r.params]),
+            "backend_name": backend,
+            "iteration": 0,
             "has_error": int(self._error is not None or r.error is not None),
+            **logging_data.environment(backend),
         }
-        error = self._error or r.error
+        if self._comm_hook_name is not None:
+            data["comm_hook"] = self._comm_hook_name
+        if self._join_used:
+            data["join_uneven_inputs"] = 1
+        if r.num_backward:
+            data["num_buckets_reduced"] = r.num_buckets_reduced
+            data["unused_parameter_size"] = sum(
+                r.params[i].numel() * r.params[i].element_size()
+                for i in r.unused_in_last_forward())
+            # The arrival order recorded for the rebuild (gradring records it once).
+            data["prev_iteration_grad_ready_order_indices"] = logging_data.joined(
+                rebuilt_order if r.has_rebuilt else r.arrival_order())
+        data.update(self._runtime_stats.fields())
+        error = self._error or r.error or self._torch_logger.error()
         if error is not None:
-            data["error"] = error
+            data["has_error"], data["error"] = 1, error
         return data
+
+    @property
+    def logger(self) -> Any:
+        """A torch ``dist.Logger`` that torch's helper functions record errors in
+        (see [Note: a torch Logger for torch's helper functions] in logging_data.py)."""
+        return self._torch_logger.get(self.process_group)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         if sample_rate < 1:
             self._log_and_throw(ValueError, "DDP runtime logging sample rate should be equal "
                                 "or greater than 1")
-        # gradring's trace records every iteration; the rate is kept for the logging data.
-        self._logging_sample_rate = sample_rate
+        self._runtime_stats.set_sample_rate(sample_rate)
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """Whether the outputs are handed out as copies (the default: a loss
+        modified in place then works) or as they are (no copy)."""
+        self._ddp_sink_clone = val
+
+    def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """The parameters DDP reduces, each once, and whether each gets sparse gradients."""
+        self._assign_modules_buffers()  # as torch's does
+        return reducer_params.params_for_reducer(self.module, self.parameters_to_ignore)
+
+    def _build_debug_param_to_name_mapping(self, parameters: list[torch.Tensor],
+                                           ) -> dict[int, str]:
+        """Index in ``parameters`` -> qualified name, for every parameter DDP reduces."""
+        try:
+            return reducer_params.index_to_name(self.module, self.parameters_to_ignore,
+                                                parameters)
+        except ValueError as exc:
+            self._log_and_throw(ValueError, str(exc))
+            raise  # not reached: _log_and_throw raises
 
     def _log_and_throw(self, err_type: type[BaseException], err_msg: str) -> None:
         """Record ``err_msg`` for the logging data, then raise it as ``err_type``."""
@@ -701,7 +762,7 @@ class DistributedDataParallel(TorchDDP):
         state = self.__dict__.copy()
         # What holds the group or the reducer is built anew; hooks and fused
         # optimizers, like torch's, are not pickled.
-        for key in ("process_group", "_comm", "reducer", "_consumers"):
+        for key in ("process_group", "_comm", "reducer", "_consumers", "_torch_logger"):
             state.pop(key, None)
         # What the reducer knew and a new one needs.
         state["_static_at_init"] = self.static_graph
@@ -719,6 +780,7 @@ class DistributedDataParallel(TorchDDP):
         self._static_at_init = static
         self.reducer = self._build_reducer(static_graph=static)
         self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
+        self._torch_logger = logging_data.TorchLogger()
         if static:
             self.reducer.set_static_graph()
 
@@ -780,13 +842,10 @@ class DistributedDataParallel(TorchDDP):
     _root_copy_hook = _not_supported("_root_copy_hook")
     _module_wait_for_copy_hook = _not_supported("_module_wait_for_copy_hook")
     _ddp_init_helper = _not_supported("_ddp_init_helper")
-    _build_params_for_reducer = _not_supported("_build_params_for_reducer")
-    _build_debug_param_to_name_mapping = _not_supported("_build_debug_param_to_name_mapping")
     _clear_grad_buffer = _not_supported("_clear_grad_buffer")
     _match_unused_params_allreduce = _not_supported("_match_unused_params_allreduce")
     _set_sparse_metadata = _not_supported("_set_sparse_metadata")
     _update_process_group = _not_supported("_update_process_group")
-    _set_ddp_sink_clone = _not_supported("_set_ddp_sink_clone")
 
 
 def _buffer_flags(broadcast_buffers: bool | None,

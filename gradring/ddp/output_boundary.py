@@ -22,20 +22,22 @@ from gradring import pytree
 
 class _OutputBoundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, reducer: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, reducer: Any, clone: bool,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.reducer = reducer
         # Copies, not views: an in-place change of a custom Function's view
-        # output is an autograd error.
-        return tuple(t.clone() for t in tensors)
+        # output is an autograd error. Without ``clone`` (torch's
+        # _set_ddp_sink_clone(False)) the tensors are handed out as they are.
+        return tuple(t.clone() for t in tensors) if clone else tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         ctx.reducer.on_boundary_backward()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def wrap_outputs(out: Any, reducer: Any) -> Any:
+def wrap_outputs(out: Any, reducer: Any, *, clone: bool = True) -> Any:
     """Route every tensor of ``out`` that has a grad_fn through the boundary Function.
 
     Tensors without one (inputs passed through, leaves such as a parameter
@@ -44,6 +46,6 @@ def wrap_outputs(out: Any, reducer: Any) -> Any:
     tensors = [t for t in pytree.tensors(out) if t.grad_fn is not None]
     if not tensors:
         return out
-    wrapped = _OutputBoundary.apply(reducer, *tensors)
+    wrapped = _OutputBoundary.apply(reducer, clone, *tensors)
     mapping = {id(t): w for t, w in zip(tensors, wrapped)}
     return pytree.map_tensors(lambda t: mapping.get(id(t), t), out)

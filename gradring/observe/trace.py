@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -103,3 +104,52 @@ def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
     if _profiler_on is None or _profiler_on():
         return record_function(name)
     return _QUIET
+
+
+def _always() -> bool:
+    return True
+
+
+#: Whether a torch profiler is recording now: torch's own C function where it
+#: has one (no Python frame on the bucket launch path), else always.
+profiling: Any = _profiler_on if _profiler_on is not None else _always
+
+
+# [Note: torch's collective events]
+# torch's process groups record every collective as a profiler event named
+# "<backend>:<op>" ("gloo:all_reduce"), started where it is issued and ended
+# when its work completes, on another thread: the profiler reports it as
+# asynchronous. Tools (and torch's own DDP tests) count those events.
+# gradring's bucket collectives do not go through torch's process group, so
+# while a profiler records, the reducer opens one event of that name per
+# bucket collective and closes it once the backward has waited for it, from a
+# short-lived thread, so that it too is reported as asynchronous; gradring's
+# own "gradring::" events stay as they are. Without a profiler nothing is
+# opened (one check per bucket launch).
+class CollectiveEvents:
+    """torch-named profiler events of collectives in flight (see [Note: torch's
+    collective events])."""
+
+    def __init__(self) -> None:
+        # Events opened and not yet closed, in the order they were opened.
+        self._open: list[record_function] = []
+
+    def open(self, name: str) -> None:
+        """Start an event named ``name`` (call only while profiling())."""
+        event = record_function(name)
+        event.__enter__()
+        self._open.append(event)
+
+    def close_all(self) -> None:
+        """End every open event, on another thread (the profiler then calls them async)."""
+        if not self._open:
+            return
+        events, self._open = self._open, []
+
+        def end() -> None:
+            for event in events:
+                event.__exit__(None, None, None)
+
+        ender = threading.Thread(target=end, name="gradring-profiler-events")
+        ender.start()
+        ender.join()

@@ -51,7 +51,7 @@ from gradring.buckets.grad_bucket import GradBucket
 from gradring.buckets.slot_io import PUT_AT_HOOK, put_deferred, write_grads
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
-from gradring.observe.trace import Trace, profiled
+from gradring.observe.trace import CollectiveEvents, Trace, profiled, profiling
 from gradring.reducer.engine_callback import queue_engine_callback
 from gradring.reducer.owners import OWNERS
 from gradring.reducer.rebuild import Rebuild, overlap_choice, rank0_groups
@@ -153,6 +153,11 @@ class Reducer:
         self._post_backward_futures: list[torch.futures.Future] = []
         # Ring buffer of timestamped events (overlap statistics, timelines).
         self.trace = Trace()
+        # Profiler events named as torch's process group names its collectives
+        # (see [Note: torch's collective events] in observe/trace.py) ...
+        self._collective_events = CollectiveEvents()
+        # ... and those names, for this group's backend.
+        self._event_names = _collective_event_names(comm)
         # Division factor for the default path; Join may change it per iteration.
         self.divide_factor = comm.world_size
         # --- per-iteration state ---
@@ -187,6 +192,13 @@ class Reducer:
         # The in-flight all-reduce of a usage map (find_unused, or static_graph's
         # first iteration), waited for by the finalize.
         self._used_future: Any = None
+        # FIND_UNUSED: the last all-reduced usage map, int32 ranks-per-parameter
+        # (what torch's _get_local_used_map returns after a backward).
+        self._global_used: torch.Tensor | None = None
+        # FIND_UNUSED: the previous forward's unused set, and whether it has been
+        # the same every iteration so far (torch's _ddp_graph_static).
+        self._prev_unused: list[int] | None = None
+        self._graph_static = True
         # Whether "find_unused_parameters found nothing unused" was said (once).
         self._warned_nothing_unused = False
         # Whether a second backward after one forward was reported (once).
@@ -381,8 +393,9 @@ class Reducer:
         if cap is not None:
             self.bucket_cap_bytes = cap
         # Every rank must bucket identically: rank 0's order and caps win.
-        groups = self._rank0_groups(
-            assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
+        with profiled(self._event_names[1]):  # torch broadcasts here too
+            groups = self._rank0_groups(
+                assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
         self._install(groups)
         rebuild.done(self.buckets)
         return True
@@ -468,8 +481,12 @@ class Reducer:
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
-            reached = reachable_params(outputs or [], self._index_of)
+            with profiled("torch.distributed.ddp.reducer::search_unused_parameters"):
+                reached = reachable_params(outputs or [], self._index_of)
             self._unused = [i for i in range(len(self.params)) if i not in reached]
+            if self._prev_unused is not None and self._unused != self._prev_unused:
+                self._graph_static = False  # for good, as torch's flag
+            self._prev_unused = self._unused
             if not self._unused and not self._warned_nothing_unused:
                 self._warned_nothing_unused = True
                 warnings.warn(errors.nothing_unused(), stacklevel=3)
@@ -533,6 +550,9 @@ class Reducer:
             if left > 0:
                 return
             if left < 0 and not reducer._static.was_counted(i):
+                # As in torch, the reduction stays owed: the next forward raises
+                # "Expected to have finished reduction", naming what never arrived.
+                reducer.state = _REDUCING
                 raise reducer._fail(errors.static_graph_newly_used(i, reducer.names[i]))
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
@@ -642,6 +662,8 @@ class Reducer:
         label = f"DDP bucket {index}"
         it = trace.iteration  # the callback may run after finalize moved on
         on_done = lambda _f: trace.mark("comm_done", index, it)  # noqa: E731
+        if profiling():
+            self._collective_events.open(self._event_names[0])
         with profiled(f"gradring::bucket_all_reduce#{index}"):
             if bucket.homes:
                 future = self.comm.all_reduce_homed(
@@ -678,6 +700,8 @@ class Reducer:
         index, trace = bucket.index, self.trace
         trace.mark("launch", index)
         label = f"DDP bucket {index}"
+        if profiling():
+            self._collective_events.open(self._event_names[0])
         try:
             if bucket.homes:
                 self.comm.all_reduce_homed(
@@ -721,7 +745,10 @@ class Reducer:
         if self._used_future is not None:
             # Launched after every bucket, so waiting here waits for all of them.
             used_t = self._used_future.wait()
-            used = (used_t[0] if isinstance(used_t, (list, tuple)) else used_t).tolist()
+            used_t = used_t[0] if isinstance(used_t, (list, tuple)) else used_t
+            if self.mode is GraphMode.FIND_UNUSED:
+                self._global_used = used_t
+            used = used_t.tolist()
             self._used_future = None
             if self.mode is GraphMode.STATIC and len(used) == 2 * len(self.params):
                 used = self._static.keep_used(used)
@@ -749,6 +776,7 @@ class Reducer:
             for fut in futures:
                 fut.wait()
         finally:
+            self._collective_events.close_all()
             self.trace.iteration += 1
             self._end_iteration(finalized=True)
             self.num_backward += 1
@@ -791,6 +819,7 @@ class Reducer:
             if saved is not None:
                 bucket.buffer.copy_(saved)
             bucket.reset()
+        self._collective_events.close_all()
         if self.mode is GraphMode.FIND_UNUSED:
             zeros = torch.zeros(len(self.params), dtype=torch.int32)
             self.comm.all_reduce(zeros, label="DDP unused-parameter map").wait()
@@ -814,7 +843,8 @@ class Reducer:
         self._end_iteration(finalized=False)
         raise self._fail(
             errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
-                                        world_size=self.comm.world_size)
+                                        world_size=self.comm.world_size, rank=self.comm.rank,
+                                        debug=_debug_on())
         )
 
     def _fail(self, message: str) -> RuntimeError:
@@ -839,6 +869,19 @@ class Reducer:
         self.check_prior_finished()
         return self.rebuild_if_needed()
 
+    def _get_local_used_map(self) -> torch.Tensor:
+        """torch's name: after a find_unused_parameters backward, how many ranks
+        used each parameter since the map was last sent (int32, one per parameter)."""
+        if self._global_used is None:
+            return torch.zeros(len(self.params), dtype=torch.int32)
+        return self._global_used
+
+    def _ddp_graph_static(self) -> bool:
+        """torch's name: whether the set of parameters the forward left unused
+        has been the same in every iteration so far (always, without
+        find_unused_parameters)."""
+        return self._graph_static
+
     def _delay_all_reduce(self) -> None:
         """torch's ``_delay_all_reduce``: static_graph's first iteration, reduce all now."""
         self.delay_all_reduce()
@@ -852,6 +895,22 @@ def _holding(value: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+def _collective_event_names(comm: GroupComm) -> tuple[str, str]:
+    """The profiler names of an all-reduce and a broadcast over ``comm``'s group
+    as torch's process group records them (see [Note: torch's collective events])."""
+    try:
+        backend = str(torch.distributed.get_backend(comm.group))
+    except (RuntimeError, ValueError, AttributeError):
+        backend = "gradring"
+    return f"{backend}:all_reduce", f"{backend}:broadcast"
+
+
+def _debug_on() -> bool:
+    """Whether TORCH_DISTRIBUTED_DEBUG is INFO or DETAIL (torch's errors say more then)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.get_debug_level() != dist.DebugLevel.OFF
 
 
 def _remove_handles(handles: list[Any]) -> None:
