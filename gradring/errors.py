@@ -218,7 +218,7 @@ def auto_cap_without_rebuild(default_mb: float) -> str:
 
 
 def bad_bucket_cap(value: object) -> str:
-    return f"bucket_cap_mb must be a positive number or 'auto', got {value!r}"
+    return f"bucket_cap_mb must be a finite number or 'auto', got {value!r}"
 
 
 def no_sync_with_fused_optim() -> str:

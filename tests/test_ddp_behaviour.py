@@ -339,7 +339,8 @@ def _bad_args(rank, world_size):
             nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2, device="meta")})),
         "unsupported": lambda: gradring.DistributedDataParallel(
             nn.Linear(2, 2), batched_grad_copy=True),
-        "cap": lambda: gradring.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1),
+        "cap": lambda: gradring.DistributedDataParallel(nn.Linear(2, 2),
+                                                       bucket_cap_mb=float("nan")),
     }
     for name, fn in cases.items():
         try:

@@ -53,7 +53,8 @@ def _bucket_sizes(rank, world_size, kwargs, torch_kwargs=None):
 @pytest.mark.parametrize("kwargs", [
     {}, {"bucket_cap_mb": 5}, {"bucket_cap_mb": 25}, {"bucket_cap_mb": 0.5},
     {"find_unused_parameters": True}, {"find_unused_parameters": True, "bucket_cap_mb": 5},
-], ids=["default", "5", "25", "0.5", "find_unused", "find_unused_5"])
+    {"bucket_cap_mb": 0}, {"bucket_cap_mb": -1},
+], ids=["default", "5", "25", "0.5", "find_unused", "find_unused_5", "0", "-1"])
 def test_bucket_caps_match_torch(pools, kwargs):
     for r in pools.run(2, _bucket_sizes, kwargs):
         assert r["gradring"] == r["torch"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -43,7 +44,7 @@ from torch.nn.parallel import distributed as _torch_distributed
 from gradring import compile as compile_split
 from gradring import errors, pytree
 from gradring.announce import announce_first_forward
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB, BucketCaps
 from gradring.ddp import join, logging_data, reducer_params
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
 from gradring.ddp.consumers import ConsumerSlot
@@ -62,6 +63,10 @@ __all__ = ["DistributedDataParallel", "TorchDDP", "bucket_cap_bytes", "bucket_ca
 TorchDDP = _torch_distributed.DistributedDataParallel
 
 
+#: The cap of a negative bucket_cap_mb: larger than any model.
+_NO_CAP = 1 << 62
+
+
 def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
                 ) -> tuple[BucketCaps, bool]:
     """The constructor's caps, and whether ``"auto"`` picks the cap at the rebuild."""
@@ -70,8 +75,14 @@ def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
         bucket_cap_mb = None
     if bucket_cap_mb is not None and (
             isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-            or bucket_cap_mb <= 0):
+            or not math.isfinite(bucket_cap_mb)):
         raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        # As torch: a cap under one byte puts every tensor in a bucket of its own,
+        # and a negative one (which torch's C++ reads as a huge unsigned size) puts
+        # every tensor of a dtype and device in one bucket.
+        cap = 1 if int(bucket_cap_mb * MIB) == 0 else _NO_CAP
+        return BucketCaps(cap, cap), auto
     return BucketCaps.from_args(bucket_cap_mb, bucket_cap_mb_list), auto
 
 
