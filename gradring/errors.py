@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 
 def _names(indices: Sequence[int], names: Sequence[str], limit: int = 20) -> str:
-    shown = [f"{i} ({names[i]})" for i in list(indices)[:limit]]
+    shown = [f"{i} ({names[i] if 0 <= i < len(names) else '?'})"
+             for i in list(indices)[:limit]]
     more = len(indices) - len(shown)
     return ", ".join(shown) + (f", ... and {more} more" if more > 0 else "")
 

@@ -38,6 +38,7 @@ stays unfinished, and the next forward raises, naming the parameters.
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -71,6 +72,10 @@ _FIND_UNUSED = GraphMode.FIND_UNUSED
 _READY = BucketState.READY
 
 
+#: Numbers the reducers this process builds (see Reducer._serial).
+_SERIALS = itertools.count()
+
+
 class Reducer:
     """Owns the buckets and drives their reduction during backward."""
 
@@ -87,6 +92,10 @@ class Reducer:
         auto_cap: bool = False,
         skip_unused_buckets: bool = False,
     ) -> None:
+        # This process's count of reducers so far: the same on every rank (DDPs are
+        # built collectively, in the same order), so it keys this reducer's
+        # error-path store exchanges apart from an earlier reducer's on the group.
+        self._serial = next(_SERIALS)
         # Parameters that require grad, in the module's definition order.
         self.params = list(params)
         # Their qualified names, for errors that name names.
@@ -859,7 +868,7 @@ class Reducer:
         which collectives they issued, and a collective here could pair with
         the wrong one. Ranks that do not answer quickly are simply left out.
         """
-        return self.comm.exchange_lists(f"unused/{self.num_forward}", missing)
+        return self.comm.exchange_lists(f"unused/{self._serial}/{self.num_forward}", missing)
 
     # torch's Reducer names, called on ``ddp.reducer`` by Lightning's manual
     # optimization (a backward that runs inside the wrapped module's forward).
