@@ -82,7 +82,7 @@ class ShmTransport:
 
     def __init__(self, *, rank: int, world_size: int, base: str, ctl: Segment,
                  peer_ctls: list[Segment | None], peer_bases: list[str], pids: list[int],
-                 timeout: float, secret: str, first_segno: int = 1) -> None:
+                 timeout: float, keys: list[bytes], first_segno: int = 1) -> None:
         # This rank and the group size (group ranks, not global ones).
         self.rank = rank
         self.world_size = world_size
@@ -118,7 +118,7 @@ class ShmTransport:
         # ``expose``, ``empty`` and ``locate`` are its methods, bound here so the
         # collective path makes no extra call.
         self.memory = SegmentBook(
-            rank=rank, world_size=world_size, base=base, secret=secret,
+            rank=rank, world_size=world_size, base=base, keys=keys,
             peer_bases=peer_bases, words=self._words, first_segno=first_segno,
             reserved=segments.page_round(ctl.size) if ctl is not None else 0,
             cannot_map=self._cannot_map, bad_peer=self._fail_peer)
