@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,28 @@ def _kill_self(step: int) -> None:
 def scenario_kill(a: argparse.Namespace) -> None:
     """Rank ``a.victim`` SIGKILLs itself at step 4 of DDP training."""
     _train(a.rank, 40, 4, _kill_self if a.rank == a.victim else lambda s: None)
+
+
+def scenario_kill_backward(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` SIGKILLs itself inside the backward of step 3, when the gradient
+    of parameter ``a.cases`` is computed (or at the start of the step: "forward"). Rank
+    2 reaches step 3 late, so that rank 0 has failed first when it gets there."""
+    ddp, opt = _ddp()
+    step = 0
+    try:
+        for step in range(40):
+            if step == 3 and a.rank == 2:
+                time.sleep(1.0)  # not a timing assertion: it orders who fails first
+            if step == 3 and a.rank == a.victim:
+                if a.cases == "forward":
+                    _kill_self(step)
+                param = dict(ddp.module.named_parameters())[a.cases]
+                param.register_hook(lambda g, s=step: _kill_self(s))
+            _step(ddp, opt, step, a.rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _say(rank=a.rank, error=f"{type(exc).__name__}: {exc}", t=time.time(), step=step)
+        return
+    _say(rank=a.rank, error=None, t=time.time())
 
 
 def scenario_stall(a: argparse.Namespace) -> None:
@@ -216,7 +239,8 @@ def scenario_exit_after_one(a: argparse.Namespace) -> None:
 
 SCENARIOS = {"kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
              "desync": scenario_desync, "inflight": scenario_inflight,
-             "exit_after_one": scenario_exit_after_one}
+             "exit_after_one": scenario_exit_after_one,
+             "kill_backward": scenario_kill_backward}
 
 
 def _job_main(argv: list[str]) -> None:
@@ -297,6 +321,28 @@ def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> No
         assert any(name in err for name in PARAM_NAMES), err
         took = final["t"] - killed["killed_at"]
         assert took < DEAD_PEER_CAP_S, (took, err)
+
+
+def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
+    # World 3, rank 1 killed in the middle of a backward at three points (the jobs run
+    # side by side). Before, a survivor could name the other survivor that failed
+    # first ("failed on rank 2: rank 0 gave up ..."), never the dead rank.
+    from concurrent.futures import ThreadPoolExecutor
+
+    points = ["2.weight", "0.bias", "forward"]  # first bucket, last bucket, before
+    with ThreadPoolExecutor(len(points)) as pool:
+        jobs = list(pool.map(lambda pt: _run_job("kill_backward", 3, str(tmp_path),
+                                                 victim=1, cases=pt, timeout=150), points))
+    for point, (reports, codes) in zip(points, jobs):
+        assert codes[1] == -signal.SIGKILL, (point, codes, reports[1])
+        pid = next(r for r in reports[1] if "killed_at" in r)["pid"]
+        for rank in (0, 2):
+            err = _final(reports[rank])["error"]
+            assert err is not None, (point, reports[rank])
+            named = re.findall(r"rank (\d+) \(pid (\d+)\)", err)
+            assert named and named[0] == ("1", str(pid)), (point, rank, err)  # first named
+            assert f"rank 1 (pid {pid}) has exited" in err, (point, rank, err)
+            assert "all_reduce #" in err, (point, rank, err)
 
 
 @pytest.mark.parametrize("env", [{}, {"GRADRING_TRANSPORT": "torch"},
