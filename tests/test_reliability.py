@@ -124,6 +124,15 @@ def scenario_kill_backward(a: argparse.Namespace) -> None:
     _say(rank=a.rank, error=None, t=time.time())
 
 
+def scenario_kill_then_end(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` SIGKILLs itself at step 3 (after its buckets live in /dev/shm);
+    rank 0 then waits for the launcher's SIGTERM, rank 2 exits normally after its
+    error (see rank_main)."""
+    _train(a.rank, 40, 3, _kill_self if a.rank == a.victim else lambda s: None)
+    if a.rank == 0:
+        time.sleep(120)  # the test sends SIGTERM, as torchrun does
+
+
 def scenario_stall(a: argparse.Namespace) -> None:
     """Rank ``a.victim`` sleeps (alive, silent) at step 3, well past the deadline."""
     _train(a.rank, 6, 3, (lambda s: time.sleep(5)) if a.rank == a.victim else lambda s: None)
@@ -240,7 +249,8 @@ def scenario_exit_after_one(a: argparse.Namespace) -> None:
 SCENARIOS = {"kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
              "desync": scenario_desync, "inflight": scenario_inflight,
              "exit_after_one": scenario_exit_after_one,
-             "kill_backward": scenario_kill_backward}
+             "kill_backward": scenario_kill_backward,
+             "kill_then_end": scenario_kill_then_end}
 
 
 def _job_main(argv: list[str]) -> None:
@@ -258,7 +268,8 @@ def _job_main(argv: list[str]) -> None:
     _say(rank=a.rank, pid=os.getpid(), started=time.time())
     SCENARIOS[a.scenario](a)
     sys.stdout.flush()
-    if a.scenario == "leave" and a.rank == a.victim or a.scenario == "exit_after_one":
+    if a.scenario == "leave" and a.rank == a.victim or a.scenario == "exit_after_one" \
+            or a.scenario == "kill_then_end":
         sys.exit(0)  # the normal way out, exit hooks included
     os._exit(0)  # survivors: the process group may be wedged by the dead peer
 
@@ -343,6 +354,43 @@ def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
             assert named and named[0] == ("1", str(pid)), (point, rank, err)  # first named
             assert f"rank 1 (pid {pid}) has exited" in err, (point, rank, err)
             assert "all_reduce #" in err, (point, rank, err)
+
+
+@pytest.mark.parametrize("term_at", ["at_once", "after_error"])
+def test_nothing_of_a_killed_job_stays_in_dev_shm(tmp_path, term_at) -> None:
+    # Rank 1 is killed with kill -9; rank 0 gets SIGTERM (at once, as torchrun does, or
+    # once it reported its error), rank 2 ends normally after its error. Before, the
+    # dead rank's own segments stayed in /dev/shm until the next gradring job.
+    store = os.path.join(str(tmp_path), f"kill_then_end-{time.monotonic_ns()}")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
+        env.pop(k, None)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
+                               "kill_then_end", "--rank", str(r), "--world", "3", "--store",
+                               store, "--victim=1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(3)]
+    seen = ""  # what rank 0 printed before its SIGTERM
+    try:
+        procs[1].wait(timeout=120)
+        while term_at == "after_error" and '"error"' not in seen:
+            line = procs[0].stdout.readline()
+            assert line, "rank 0 ended without reporting its error"
+            seen += line
+        procs[0].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in procs]
+        outs[0] = (seen + outs[0][0], outs[0][1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    pids = [json.loads(next(x for x in out.splitlines() if '"started"' in x))["pid"]
+            for out, _ in outs]
+    assert procs[1].returncode == -signal.SIGKILL, outs[1]
+    assert procs[0].returncode == -signal.SIGTERM, outs[0]
+    assert procs[2].returncode == 0, outs[2]
+    left = [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"gradring-{pid}-") for pid in pids)]
+    assert not left, left
 
 
 @pytest.mark.parametrize("env", [{}, {"GRADRING_TRANSPORT": "torch"},

@@ -310,6 +310,13 @@ class SegmentBook:
         return [segments.segment_name(self._base, self._keys[self.rank], self._next_segno + i)
                 for i in range(count)]
 
+    def remove_dead_peer_names(self, dead: list[int]) -> None:
+        """Unlink what the dead peers ``dead`` left in /dev/shm (see [Note: segment names
+        and leaks]). Safe from a signal handler."""
+        for p in dead:
+            if p != self.rank:
+                segments.remove_dead_owners(self._peer_bases[p])
+
     def staging_size(self, segno: int) -> int:
         """Bytes of this rank's staging segment ``segno`` (0 if it is none of them)."""
         return next((seg.size for seg in self._staging

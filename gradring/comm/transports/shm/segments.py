@@ -21,9 +21,13 @@ user with mode 0600 (:meth:`Segment.open`), and names that arrive through the
 store must look like ours (:func:`check_name`: no path separator). Owners
 unlink their segments on close and at interpreter exit; control segments are
 unlinked as soon as every peer has mapped them.
-After a ``kill -9`` the names that remain are removed by the next process
-that starts a shm transport: :func:`remove_stale_segments` deletes every
-``gradring-*`` segment of this pid namespace whose owner is dead.
+After a ``kill -9`` the dead rank's names are removed by its peers: a
+survivor that sees it dead (when a collective fails), and every rank when it
+closes its transport or gets SIGTERM, unlinks the names under the dead peer's
+prefix (:func:`remove_dead_owners`; the owner's pid is in the name and the
+host was checked at connect). Whatever still remains is removed by the next
+process that starts a shm transport: :func:`remove_stale_segments` deletes
+every ``gradring-*`` segment of this pid namespace whose owner is dead.
 """
 
 from __future__ import annotations
@@ -129,6 +133,28 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
             removed.append(name)
         except OSError:
             pass  # someone else removed it first
+    return removed
+
+
+def remove_dead_owners(base: str, directory: str = SHM_DIR) -> list[str]:
+    """Unlink every segment of this user named ``<base>-...`` whose owner is dead: what a
+    dead peer of this job left (``base`` came through the rendezvous)."""
+    owner = owner_of(base)
+    if owner is None or pid_alive(owner[0]):
+        return []
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(base + "-")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass  # gone already
     return removed
 
 

@@ -175,6 +175,8 @@ class ShmTransport:
         if self._broken is None:
             self._let_peers_map()
             self._set_state(shm_status.CLOSED)  # peers still waiting for us stop at once
+        if os.getpid() == self._pid:
+            self.memory.remove_dead_peer_names(self._dead_peers())  # killed peers' names
         self.memory.close()
         self._words = []
         self._mail.close()
@@ -249,11 +251,16 @@ class ShmTransport:
         if not self._ctls:
             return -1, ""
         mine = self._info.seq if self._info else 0
-        dead = [p for p in range(self.world_size)
-                if p != self.rank and not segments.pid_alive(self._pids[p])]
+        dead = self._dead_peers()
         # A dead peer that had failed first is a survivor that exited after its error.
         dead.sort(key=lambda p: self._status(p).state == shm_status.FAILED)
+        self.memory.remove_dead_peer_names(dead)  # nothing of theirs outlives the job
         return (dead[0], self._note(dead[0], mine)) if dead else (-1, "")
+
+    def _dead_peers(self) -> list[int]:
+        """Peers whose process is gone."""
+        return [p for p in range(self.world_size)
+                if p != self.rank and not segments.pid_alive(self._pids[p])]
 
     def _fail(self, what: str, waiting_for: Sequence[int],
               why: int = shm_status.LOST_PEER) -> CollectiveError:
@@ -356,6 +363,7 @@ class ShmTransport:
         if self._ctl is None or os.getpid() != self._pid:
             return
         self.memory.release_names(self._pid)
+        self.memory.remove_dead_peer_names(self._dead_peers())  # killed peers' names
         self._ctl.unlink()
         if self._broken is None:
             self._set_state(shm_status.CLOSED)
