@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -207,6 +209,11 @@ def squat(rank: int, world: int, tmp: str) -> bool:
     shm = context(None).transports.existing_shm()
     if hasattr(segments, "segment_name"):  # the exact next names: force the retry
         names += shm.memory.next_names(2)
+    return _train_squatted(rank, names)
+
+
+def _train_squatted(rank: int, names: list[str]) -> bool:
+    """Squat ``names`` as nobody, then train gradring's DDP against torch's; report."""
     made = _squat(names)
     dist.barrier()
     try:
@@ -236,6 +243,58 @@ def squat(rank: int, world: int, tmp: str) -> bool:
             pass
     comm.shutdown()
     return False
+
+
+def _store_values() -> list[dict]:
+    """Every JSON object the shm rendezvous left in the job's store: what any local
+    user can read from an unauthenticated TCPStore."""
+    from gradring.comm.store import group_store
+
+    store, out = group_store(dist.group.WORLD), []
+    for gen in range(4):
+        for what in ("info", "ctl"):
+            for r in range(8):
+                k = f"gradring/shm/{gen}/{what}/{r}"
+                if store.check([k]):
+                    v = json.loads(store.get(k))
+                    if isinstance(v, dict):
+                        out.append(v)
+    return out
+
+
+def _predict_from_store(count: int) -> list[str]:
+    """The names an outsider derives from the store: with a naming secret published
+    there, ``blake2b(base/segno, key=secret)`` for every announced prefix."""
+    values = _store_values()
+    secrets = [v["secret"] for v in values if isinstance(v.get("secret"), str)]
+    bases = {v["base"] for v in values if isinstance(v.get("base"), str)}
+    bases |= {v["name"].rsplit("-", 1)[0] for v in values if isinstance(v.get("name"), str)}
+    return sorted({f"{b}-" + hashlib.blake2b(f"{b}/{k}".encode(), key=bytes.fromhex(sec),
+                                             digest_size=8).hexdigest()
+                   for sec in secrets for b in bases for k in range(count)})
+
+
+def store_squat(rank: int, world: int, tmp: str) -> bool:
+    """User nobody reads the job's store after the shm rendezvous and pre-creates every
+    name it can derive from it (plus what /dev/shm lists); DDP must still train like
+    torch's DDP."""
+    comm.all_reduce(torch.ones(1 << 17))  # connect; creates a staging segment
+    dist.barrier()
+    predicted = _predict_from_store(400)
+    say(rank=rank, predicted=len(predicted))
+    return _train_squatted(rank, predicted + _guesses(os.getpid()))
+
+
+def taken_names(rank: int, world: int, tmp: str) -> bool:
+    """White-box: every one of rank 1's next 40 names is taken (as if guessed): no
+    failure, a warning, the same result over the process group."""
+    from gradring.comm.context import context
+
+    comm.all_reduce(torch.ones(1 << 17))  # connect
+    names = []
+    if rank == 1:
+        names = context(None).transports.existing_shm().memory.next_names(40)
+    return _train_squatted(rank, names)
 
 
 def bad_offset(rank: int, world: int, tmp: str) -> bool:

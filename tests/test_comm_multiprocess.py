@@ -560,12 +560,30 @@ def test_dead_or_silent_peer_raises_and_leaves_no_segments(tmp_path) -> None:
     names = set(os.listdir(segments.SHM_DIR))
     for rank in range(world - 1):
         assert not any(n.startswith(f"gradring-{reports[rank][0]['pid']}-") for n in names)
-    # The killed rank could not; the next start of a shm transport removes them.
-    leftover = [n for n in dead["segments"] if n in names]
-    assert leftover, "expected the killed rank to leave a data segment behind"
-    removed = segments.remove_stale_segments()
-    assert set(leftover) <= set(removed)
+    # The killed rank could not; its peers removed its segments when they saw it dead
+    # (faults round 2; before, they stayed until the next start of a shm transport).
+    assert dead["segments"]  # it did own some
+    assert not [n for n in dead["segments"] if n in names]
+    segments.remove_stale_segments()
     assert not any(n.startswith(f"gradring-{dead['pid']}-") for n in os.listdir(segments.SHM_DIR))
+
+
+
+def test_stale_segments_of_dead_owners_are_removed() -> None:
+    # What a dead process left (its peers gone too) goes at the next transport start;
+    # remove_dead_owners (a peer's prefix) takes only that prefix.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is dead now
+    ns = segments.pid_namespace()
+    names = [f"gradring-{child.pid}-{ns}-0-aa", f"gradring-{child.pid}-{ns}-1-bb"]
+    for n in names:
+        open(os.path.join(segments.SHM_DIR, n), "w").close()
+    try:
+        assert segments.remove_dead_owners(f"gradring-{child.pid}-{ns}-1") == names[1:]
+        assert set(names[:1]) <= set(segments.remove_stale_segments())
+    finally:
+        for n in names:
+            segments.unlink_quietly(n)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,37 @@ def _kill_self(step: int) -> None:
 def scenario_kill(a: argparse.Namespace) -> None:
     """Rank ``a.victim`` SIGKILLs itself at step 4 of DDP training."""
     _train(a.rank, 40, 4, _kill_self if a.rank == a.victim else lambda s: None)
+
+
+def scenario_kill_backward(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` SIGKILLs itself inside the backward of step 3, when the gradient
+    of parameter ``a.cases`` is computed (or at the start of the step: "forward"). Rank
+    2 reaches step 3 late, so that rank 0 has failed first when it gets there."""
+    ddp, opt = _ddp()
+    step = 0
+    try:
+        for step in range(40):
+            if step == 3 and a.rank == 2:
+                time.sleep(1.0)  # not a timing assertion: it orders who fails first
+            if step == 3 and a.rank == a.victim:
+                if a.cases == "forward":
+                    _kill_self(step)
+                param = dict(ddp.module.named_parameters())[a.cases]
+                param.register_hook(lambda g, s=step: _kill_self(s))
+            _step(ddp, opt, step, a.rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _say(rank=a.rank, error=f"{type(exc).__name__}: {exc}", t=time.time(), step=step)
+        return
+    _say(rank=a.rank, error=None, t=time.time())
+
+
+def scenario_kill_then_end(a: argparse.Namespace) -> None:
+    """Rank ``a.victim`` SIGKILLs itself at step 3 (after its buckets live in /dev/shm);
+    rank 0 then waits for the launcher's SIGTERM, rank 2 exits normally after its
+    error (see rank_main)."""
+    _train(a.rank, 40, 3, _kill_self if a.rank == a.victim else lambda s: None)
+    if a.rank == 0:
+        time.sleep(120)  # the test sends SIGTERM, as torchrun does
 
 
 def scenario_stall(a: argparse.Namespace) -> None:
@@ -216,7 +248,9 @@ def scenario_exit_after_one(a: argparse.Namespace) -> None:
 
 SCENARIOS = {"kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
              "desync": scenario_desync, "inflight": scenario_inflight,
-             "exit_after_one": scenario_exit_after_one}
+             "exit_after_one": scenario_exit_after_one,
+             "kill_backward": scenario_kill_backward,
+             "kill_then_end": scenario_kill_then_end}
 
 
 def _job_main(argv: list[str]) -> None:
@@ -234,7 +268,8 @@ def _job_main(argv: list[str]) -> None:
     _say(rank=a.rank, pid=os.getpid(), started=time.time())
     SCENARIOS[a.scenario](a)
     sys.stdout.flush()
-    if a.scenario == "leave" and a.rank == a.victim or a.scenario == "exit_after_one":
+    if a.scenario == "leave" and a.rank == a.victim or a.scenario == "exit_after_one" \
+            or a.scenario == "kill_then_end":
         sys.exit(0)  # the normal way out, exit hooks included
     os._exit(0)  # survivors: the process group may be wedged by the dead peer
 
@@ -297,6 +332,65 @@ def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> No
         assert any(name in err for name in PARAM_NAMES), err
         took = final["t"] - killed["killed_at"]
         assert took < DEAD_PEER_CAP_S, (took, err)
+
+
+def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
+    # World 3, rank 1 killed in the middle of a backward at three points (the jobs run
+    # side by side). Before, a survivor could name the other survivor that failed
+    # first ("failed on rank 2: rank 0 gave up ..."), never the dead rank.
+    from concurrent.futures import ThreadPoolExecutor
+
+    points = ["2.weight", "0.bias", "forward"]  # first bucket, last bucket, before
+    with ThreadPoolExecutor(len(points)) as pool:
+        jobs = list(pool.map(lambda pt: _run_job("kill_backward", 3, str(tmp_path),
+                                                 victim=1, cases=pt, timeout=150), points))
+    for point, (reports, codes) in zip(points, jobs):
+        assert codes[1] == -signal.SIGKILL, (point, codes, reports[1])
+        pid = next(r for r in reports[1] if "killed_at" in r)["pid"]
+        for rank in (0, 2):
+            err = _final(reports[rank])["error"]
+            assert err is not None, (point, reports[rank])
+            named = re.findall(r"rank (\d+) \(pid (\d+)\)", err)
+            assert named and named[0] == ("1", str(pid)), (point, rank, err)  # first named
+            assert f"rank 1 (pid {pid}) has exited" in err, (point, rank, err)
+            assert "all_reduce #" in err, (point, rank, err)
+
+
+@pytest.mark.parametrize("term_at", ["at_once", "after_error"])
+def test_nothing_of_a_killed_job_stays_in_dev_shm(tmp_path, term_at) -> None:
+    # Rank 1 is killed with kill -9; rank 0 gets SIGTERM (at once, as torchrun does, or
+    # once it reported its error), rank 2 ends normally after its error. Before, the
+    # dead rank's own segments stayed in /dev/shm until the next gradring job.
+    store = os.path.join(str(tmp_path), f"kill_then_end-{time.monotonic_ns()}")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
+        env.pop(k, None)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
+                               "kill_then_end", "--rank", str(r), "--world", "3", "--store",
+                               store, "--victim=1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(3)]
+    seen = ""  # what rank 0 printed before its SIGTERM
+    try:
+        procs[1].wait(timeout=120)
+        while term_at == "after_error" and '"error"' not in seen:
+            line = procs[0].stdout.readline()
+            assert line, "rank 0 ended without reporting its error"
+            seen += line
+        procs[0].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in procs]
+        outs[0] = (seen + outs[0][0], outs[0][1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    pids = [json.loads(next(x for x in out.splitlines() if '"started"' in x))["pid"]
+            for out, _ in outs]
+    assert procs[1].returncode == -signal.SIGKILL, outs[1]
+    assert procs[0].returncode == -signal.SIGTERM, outs[0]
+    assert procs[2].returncode == 0, outs[2]
+    left = [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"gradring-{pid}-") for pid in pids)]
+    assert not left, left
 
 
 @pytest.mark.parametrize("env", [{}, {"GRADRING_TRANSPORT": "torch"},

@@ -6,6 +6,8 @@ Each rank owns a *control segment* that every peer maps:
 offset                contents
 ====================  ===================================================
 0                     header: magic, pid, rank, world size, cookie
+32                    the rank's naming key (see [Note: segment names and
+                      leaks] in ``segments.py``)
 64                    barrier word: number of barriers this rank reached
 128                   doorbell: bumped by peers whenever a mailbox moved
 192                   status: the collective in flight and this rank's state
@@ -35,6 +37,10 @@ import struct
 MAGIC = 0x31676E6972647267
 #: magic, pid, rank, world, reserved, cookie; at byte 0.
 HEADER = struct.Struct("<QIIIIQ")
+#: The owner's naming key: peers derive the names of its data segments from it. It
+#: travels only here (a mode-0600 segment), never through the store.
+KEY_OFF = 32
+KEY_BYTES = 16
 
 # -- barrier and doorbell -----------------------------------------------------------------
 #: Number of barriers this rank has arrived at (written by the owner only).
@@ -121,6 +127,7 @@ def control_size(world_size: int) -> int:
     return slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
 
 
+assert HEADER.size <= KEY_OFF and KEY_OFF + KEY_BYTES <= BARRIER_WORD * 4, "key overlaps"
 assert RETIRED_WORD * 4 + 4 * (1 + RETIRED_RING) <= REASON_OFF, "retired ring overlaps reason"
 assert REASON_OFF + REASON_BYTES <= CHAN_OFF, "reason text overlaps the channels"
 assert STATUS_OFF + 44 <= DESC_OFF, "status block overlaps the descriptors"

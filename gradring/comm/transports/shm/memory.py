@@ -43,17 +43,18 @@ def _retire(name: str, segno: int, retired: deque[int], pid: int) -> None:
 class SegmentBook:
     """Own and peers' data segments of one rank's shm transport (see the module)."""
 
-    def __init__(self, *, rank: int, world_size: int, base: str, secret: str,
+    def __init__(self, *, rank: int, world_size: int, base: str, keys: list[bytes],
                  peer_bases: list[str], words: list[Any], first_segno: int, reserved: int,
                  cannot_map: Callable[[int, str, Exception], Exception],
                  bad_peer: Callable[[int, str], Exception]) -> None:
         # This rank and the group size (group ranks).
         self.rank = rank
         self.world_size = world_size
-        # Name prefix of every segment this rank creates, and the job's key that
-        # turns (prefix, segno) into a name (segments.segment_name).
+        # Name prefix of every segment this rank creates.
         self._base = base
-        self._secret = secret
+        # Every rank's naming key (read from its control segment, never the store):
+        # turns (prefix, segno) into that rank's names (segments.segment_name).
+        self._keys = keys
         # Name prefixes of the peers' segments, to map their buffers by segno.
         self._peer_bases = peer_bases
         # Every rank's control-segment words: the mapped and retired words live there.
@@ -123,9 +124,9 @@ class SegmentBook:
         with self._lock:
             try:
                 segno, name, (raw, mm) = self._fresh(
-                    lambda name: segments.user_segment(name, nbytes))
+                    lambda name: segments.user_segment(name, nbytes), nbytes)
             except segments.ShmFull as exc:  # ordinary memory: collectives on it are staged
-                space.warn_once(space.advice(exc.needed, self.reserved, self.world_size)
+                space.warn_once(space.explain(exc, self.reserved, self.world_size)
                                 + "; comm.empty() returns ordinary memory meanwhile (and "
                                 "collectives fall back to the process group if staging "
                                 "does not fit either)")
@@ -153,6 +154,10 @@ class SegmentBook:
                 seg = self._grow_staging(k, nbytes)
             except segments.ShmFull as exc:
                 # Tell the peers in the exchange (see space.py); fill a scratch buffer.
+                if isinstance(exc, segments.NamesTaken):  # say why here; peers see "no room"
+                    space.warn_once(space.explain(exc, self.reserved, self.world_size)
+                                    + "; gradring runs this group's collectives over the "
+                                    "process group instead (slower)")
                 self._no_room = exc.needed
                 return torch.empty(flat.numel(), dtype=flat.dtype), False
         segno = seg.segno
@@ -170,25 +175,26 @@ class SegmentBook:
             view = self._views[key] = seg.view(offset, nbytes, dtype)
         return view
 
-    def _fresh(self, make: Any) -> tuple[int, str, Any]:
+    def _fresh(self, make: Any, nbytes: int) -> tuple[int, str, Any]:
         """``(segno, name, make(name))`` for the next segment number whose name is free:
-        a name someone else created first (``FileExistsError``) is skipped."""
+        a name someone else created first (``FileExistsError``) is skipped; 16 in a row
+        raise :class:`~segments.NamesTaken` (the caller falls back, see ``space.py``)."""
+        key = self._keys[self.rank]
         for _ in range(16):
             segno = self._next_segno
             self._next_segno += 1
-            name = segments.segment_name(self._base, self._secret, segno)
+            name = segments.segment_name(self._base, key, segno)
             try:
                 return segno, name, make(name)
             except FileExistsError:
                 continue  # squatted (or left over): the next number has another name
-        raise FileExistsError(f"16 fresh shared-memory names of {self._base} all exist "
-                              f"already in {segments.SHM_DIR}: is someone squatting them?")
+        raise segments.NamesTaken(self._base, 16, nbytes)
 
     def _grow_staging(self, k: int, nbytes: int) -> Segment:
         old = self._staging[k]
         size = max(nbytes, 64 * 1024, 2 * old.size if old else 0)
         with self._lock:
-            segno, _, seg = self._fresh(lambda name: Segment.create(name, size))
+            segno, _, seg = self._fresh(lambda name: Segment.create(name, size), size)
             seg.segno = segno
             self._register(seg.address, seg.size, segno, seg.mm)
         self.reserved += seg.size - (old.size if old else 0)
@@ -201,7 +207,7 @@ class SegmentBook:
 
     def _map_peer(self, p: int, segno: int) -> Segment:
         """Map rank ``p``'s segment ``segno`` (first use) and tell ``p`` it may unlink it."""
-        name = segments.segment_name(self._peer_bases[p], self._secret, segno)
+        name = segments.segment_name(self._peer_bases[p], self._keys[p], segno)
         try:
             seg = Segment.open(name)
             seg.segno = segno
@@ -301,8 +307,15 @@ class SegmentBook:
     # -- names and release --------------------------------------------------------------
     def next_names(self, count: int) -> list[str]:
         """The names the next ``count`` segments of this rank will try, in order."""
-        return [segments.segment_name(self._base, self._secret, self._next_segno + i)
+        return [segments.segment_name(self._base, self._keys[self.rank], self._next_segno + i)
                 for i in range(count)]
+
+    def remove_dead_peer_names(self, dead: list[int]) -> None:
+        """Unlink what the dead peers ``dead`` left in /dev/shm (see [Note: segment names
+        and leaks]). Safe from a signal handler."""
+        for p in dead:
+            if p != self.rank:
+                segments.remove_dead_owners(self._peer_bases[p])
 
     def staging_size(self, segno: int) -> int:
         """Bytes of this rank's staging segment ``segno`` (0 if it is none of them)."""

@@ -6,14 +6,18 @@ atomic counter, so re-creating a group, or a fresh process group on an old
 store, never reads stale keys):
 
 1. ``info/<rank>``: the host identity (``topology.host_identity``: hostname,
-   boot id, network and pid namespaces, the ``/dev/shm`` device), pid, a
-   random secret (rank 0's keys every segment name, see [Note: segment names
-   and leaks]). Shared memory is used only if all ranks have the same host
-   identity (and the CPU is x86-64, see ``futex.py``). Every rank sees the same data, so every
-   rank reaches the same verdict and none waits for a transport the others
+   boot id, network and pid namespaces, the ``/dev/shm`` device) and pid.
+   Nothing that names a future segment: each rank's naming key travels in its
+   control segment only (see [Note: segment names and leaks]). Shared memory
+   is used only if all ranks have the same host identity (and the CPU is
+   x86-64, see ``futex.py``). Every rank sees the same data, so every rank
+   reaches the same verdict and none waits for a transport the others
    gave up on.
-2. ``ctl/<rank>``: the name prefix of the rank's segments, the number of its
-   control segment and a random cookie written into it.
+2. ``ctl/<rank>``: the name of the rank's control segment (it exists by then)
+   and a random cookie written into it. A peer maps it only if the values are
+   well-formed and the header matches (pid, rank, cookie); then it reads the
+   naming key there. A forged entry makes every rank fall back, with a warning
+   naming the rank.
 3. ``ok/<rank>``: whether this rank could map every peer's control segment
    and read the right cookie back -- the proof that /dev/shm really is shared
    (two containers may share a hostname but not /dev/shm).
@@ -28,12 +32,19 @@ import itertools
 import json
 import os
 import secrets
+import sys
 from datetime import timedelta
 from typing import Any
 
 from gradring.comm.store import instance_prefix
 from gradring.comm.transports.shm import futex, segments, sigterm, space
-from gradring.comm.transports.shm.layout import HEADER, MAGIC, control_size
+from gradring.comm.transports.shm.layout import (
+    HEADER,
+    KEY_BYTES,
+    KEY_OFF,
+    MAGIC,
+    control_size,
+)
 from gradring.comm.transports.shm.segments import Segment
 from gradring.comm.transports.shm.transport import ShmTransport, live_transports
 from gradring.comm.transports.topology import host_identity
@@ -43,9 +54,16 @@ _cleaned = False
 
 
 def _gather(store: Any, prefix: str, world_size: int, timeout: float) -> list[Any]:
+    """Every rank's value under ``prefix`` (None for one that is not JSON: forged)."""
     keys = [f"{prefix}{p}" for p in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout))
-    return [json.loads(store.get(k)) for k in keys]
+    out = []
+    for k in keys:
+        try:
+            out.append(json.loads(store.get(k)))
+        except ValueError:
+            out.append(None)
+    return out
 
 
 def _cleanup_once() -> None:
@@ -55,60 +73,88 @@ def _cleanup_once() -> None:
         segments.remove_stale_segments()
 
 
+def _announced(p: int, info: Any, ctl: Any) -> tuple[str, int, int]:
+    """``(control segment name, cookie, pid)`` rank ``p`` announced in the store, or
+    ValueError naming what is impossible (the store is unauthenticated: see
+    [Note: segment names and leaks])."""
+    name = ctl.get("name") if isinstance(ctl, dict) else None
+    cookie = ctl.get("cookie") if isinstance(ctl, dict) else None
+    pid = info.get("pid") if isinstance(info, dict) else None
+    if type(cookie) is not int or not 0 <= cookie < 1 << 63 or type(pid) is not int \
+            or not 0 < pid < 1 << 31:
+        raise ValueError(f"rank {p} announced an impossible control segment in the store "
+                         f"(name {name!r}, cookie {cookie!r}, pid {pid!r}): forged?")
+    return segments.check_name(name), cookie, pid
+
+
+def _unavailable(reason: str) -> tuple[None, str]:
+    """Give shared memory up for this group, saying why on stderr (not for another host:
+    that is no fault)."""
+    print(f"gradring warning (rank pid {os.getpid()}): shared memory is unavailable for "
+          f"this group ({reason}); its collectives run over the process group (slower)",
+          file=sys.stderr, flush=True)
+    return None, reason
+
+
 def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         ShmTransport | None, str]:
     """Rendezvous through ``store`` (a store private to the group); collective.
 
     Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
-    share a host. At the first connect in a process, segments left by dead
-    processes are removed (see [Note: segment names and leaks]).
+    share a host (or a peer's announcement does not check out). At the first
+    connect in a process, segments left by dead processes are removed (see
+    [Note: segment names and leaks]).
     """
     key = instance_prefix(store, "shm", world_size)  # one generation per group instance
-    me = dict(host_identity(), pid=os.getpid(), secret=secrets.token_hex(16))
-    store.set(f"{key}info/{rank}", json.dumps(me))
+    store.set(f"{key}info/{rank}", json.dumps(dict(host_identity(), pid=os.getpid())))
     infos = _gather(store, f"{key}info/", world_size, timeout)
     ident = host_identity()
-    others = [p for p, i in enumerate(infos) if {k: i[k] for k in ident} != ident]
+    others = [p for p, i in enumerate(infos)
+              if not isinstance(i, dict) or {k: i.get(k) for k in ident} != ident]
     if not futex.AVAILABLE:
         return None, "shared-memory futexes need Linux on x86-64"
     if others:
         return None, f"ranks {others} run on another host, boot or pid namespace"
     _cleanup_once()
     base = segments.segment_base(os.getpid(), ident["pidns"], next(_transport_counter))
-    secret = str(infos[0]["secret"])  # the job's naming key: never in a name
+    naming_key = secrets.token_bytes(KEY_BYTES)  # this rank's own: never in the store
     cookie = secrets.randbits(63)
     ctl: Segment | None = None
     try:
-        ctl, ctl_no = _create_control(base, secret, world_size, rank == 0)
-        stamp_control(ctl, rank, world_size, cookie)
-        mine = {"base": base, "ctl": ctl_no, "cookie": cookie}
+        ctl, ctl_no = _create_control(base, naming_key, world_size, rank == 0)
+        stamp_control(ctl, rank, world_size, cookie, naming_key)
+        mine: dict[str, Any] = {"name": ctl.name, "cookie": cookie}
     except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
         mine = {"error": str(exc)}
         if isinstance(exc, segments.ShmFull):
             mine["needed"] = exc.needed
     store.set(f"{key}ctl/{rank}", json.dumps(mine))
     ctls = _gather(store, f"{key}ctl/", world_size, timeout)
-    failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls) if "error" in c]
+    failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls)
+              if isinstance(c, dict) and "error" in c]
     if failed or ctl is None:
         if ctl is not None:
             ctl.close()
-        short = [c["needed"] for c in ctls if "needed" in c]
+        short = [c["needed"] for c in ctls if isinstance(c, dict) and type(c.get("needed")) is int]
         if short:
             space.warn_once(space.advice(max(short), 0, world_size) + "; gradring uses the "
                             "process group's transport instead (slower)")
-        return None, "cannot create control segments: " + "; ".join(failed)
+            return None, "cannot create control segments: " + "; ".join(failed)
+        return _unavailable("cannot create control segments: " + "; ".join(failed))
     peers: list[Segment | None] = [None] * world_size
+    keys, bases, pids = [naming_key] * world_size, [base] * world_size, [os.getpid()] * world_size
     problem = ""
     for p, c in enumerate(ctls):
         if p == rank:
             continue
         try:
-            name = segments.segment_name(segments.check_name(c["base"]), secret, int(c["ctl"]))
+            name, pcookie, pids[p] = _announced(p, infos[p], c)
             seg = Segment.open(name, keep_fd=p == 0,  # rank 0's: the group lock
                                min_size=control_size(world_size))
             peers[p] = seg
-            if not control_matches(seg, infos[p]["pid"], p, world_size, c["cookie"]):
+            if not control_matches(seg, pids[p], p, world_size, pcookie):
                 problem = f"rank {p}'s control segment is not what it announced"
+            keys[p], bases[p] = read_key(seg), name.rsplit("-", 1)[0]
         except (OSError, ValueError) as exc:
             problem = f"cannot map rank {p}'s control segment: {exc}"
     store.set(f"{key}ok/{rank}", json.dumps(problem))
@@ -120,31 +166,37 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
             if seg is not None:
                 seg.close()
         ctl.close()
-        return None, "; ".join(bad)
+        return _unavailable("; ".join(bad))
     sigterm.install(live_transports)
     return ShmTransport(rank=rank, world_size=world_size, base=base, ctl=ctl,
-                        peer_ctls=peers, peer_bases=[c["base"] for c in ctls],
-                        pids=[i["pid"] for i in infos], timeout=timeout, secret=secret,
-                        first_segno=ctl_no + 1), ""
+                        peer_ctls=peers, peer_bases=bases, pids=pids, timeout=timeout,
+                        keys=keys, first_segno=ctl_no + 1), ""
 
 
-def _create_control(base: str, secret: str, world_size: int,
+def _create_control(base: str, naming_key: bytes, world_size: int,
                     keep_fd: bool) -> tuple[Segment, int]:
     """This rank's control segment under the first free name (squatted names skipped)."""
     for segno in range(16):
         try:
-            seg = Segment.create(segments.segment_name(base, secret, segno),
+            seg = Segment.create(segments.segment_name(base, naming_key, segno),
                                  control_size(world_size), keep_fd=keep_fd)
         except FileExistsError:
             continue
         seg.segno = segno
         return seg, segno
-    raise FileExistsError(f"16 fresh control-segment names of {base} all exist already")
+    raise segments.NamesTaken(base, 16, control_size(world_size))
 
 
-def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int) -> None:
-    """Write the header of a fresh control segment."""
+def stamp_control(seg: Segment, rank: int, world_size: int, cookie: int,
+                  naming_key: bytes) -> None:
+    """Write the header and the naming key of a fresh control segment."""
     HEADER.pack_into(seg.mm, 0, MAGIC, os.getpid(), rank, world_size, 0, cookie)
+    seg.mm[KEY_OFF:KEY_OFF + KEY_BYTES] = naming_key
+
+
+def read_key(seg: Segment) -> bytes:
+    """The naming key in a peer's control segment (after :func:`control_matches`)."""
+    return bytes(seg.mm[KEY_OFF:KEY_OFF + KEY_BYTES])
 
 
 def control_matches(seg: Segment, pid: int, rank: int, world_size: int, cookie: int) -> bool:

@@ -4,18 +4,30 @@
 A segment is ``/dev/shm/gradring-<pid>-<pidns>-<transport>-<digest>``: the
 owner's pid and pid-namespace inode (so a later process can tell whether the
 owner still lives), a per-process transport counter, and a keyed hash of the
-segment's number under a secret that rank 0 draws and shares through the
-store (:func:`segment_name`). /dev/shm is world-listable, but an outsider who
-sees one name cannot predict the next, so cannot squat it; a name that exists
-anyway (``O_EXCL`` fails) is skipped for the next number. Peers open segments
+segment's number under the owning rank's own *naming key*
+(:func:`segment_name`). Each rank draws its key and never publishes it: the
+key sits in the rank's control segment (``layout.KEY_OFF``; mode 0600, so
+only the job's user can read it), where peers read it once they have checked
+that segment's header. The store -- torch's TCPStore, which any local user
+can read -- carries only the control segment's own name, published after the
+segment exists. So neither the listing of /dev/shm nor the store tells an
+outsider a future name, and nobody can squat one; a name that exists anyway
+(``O_EXCL`` fails) is skipped for the next number, and after 16 taken names
+in a row (:class:`NamesTaken`) the rank treats it like a full /dev/shm: a
+warning, ordinary memory or the process group instead (``space.py``).
+Peers open segments
 with ``O_NOFOLLOW`` and refuse one that is not a regular file of their own
 user with mode 0600 (:meth:`Segment.open`), and names that arrive through the
 store must look like ours (:func:`check_name`: no path separator). Owners
 unlink their segments on close and at interpreter exit; control segments are
 unlinked as soon as every peer has mapped them.
-After a ``kill -9`` the names that remain are removed by the next process
-that starts a shm transport: :func:`remove_stale_segments` deletes every
-``gradring-*`` segment of this pid namespace whose owner is dead.
+After a ``kill -9`` the dead rank's names are removed by its peers: a
+survivor that sees it dead (when a collective fails), and every rank when it
+closes its transport or gets SIGTERM, unlinks the names under the dead peer's
+prefix (:func:`remove_dead_owners`; the owner's pid is in the name and the
+host was checked at connect). Whatever still remains is removed by the next
+process that starts a shm transport: :func:`remove_stale_segments` deletes
+every ``gradring-*`` segment of this pid namespace whose owner is dead.
 """
 
 from __future__ import annotations
@@ -85,10 +97,10 @@ def check_name(name: str) -> str:
     return name
 
 
-def segment_name(base: str, secret: str, segno: int) -> str:
+def segment_name(base: str, key: bytes, segno: int) -> str:
     """Name of segment ``segno`` of the transport whose prefix is ``base``: a keyed
-    hash, unpredictable without the job's ``secret`` (see the module note)."""
-    digest = hashlib.blake2b(f"{base}/{segno}".encode(), key=bytes.fromhex(secret),
+    hash, unpredictable without its owner's naming ``key`` (see the module note)."""
+    digest = hashlib.blake2b(f"{base}/{segno}".encode(), key=key,
                              digest_size=8).hexdigest()
     return f"{base}-{digest}"
 
@@ -121,6 +133,28 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
             removed.append(name)
         except OSError:
             pass  # someone else removed it first
+    return removed
+
+
+def remove_dead_owners(base: str, directory: str = SHM_DIR) -> list[str]:
+    """Unlink every segment of this user named ``<base>-...`` whose owner is dead: what a
+    dead peer of this job left (``base`` came through the rendezvous)."""
+    owner = owner_of(base)
+    if owner is None or pid_alive(owner[0]):
+        return []
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(base + "-")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass  # gone already
     return removed
 
 
@@ -264,6 +298,16 @@ def shm_space(directory: str = SHM_DIR) -> tuple[int, int]:
     except OSError:
         return 0, 0
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+class NamesTaken(ShmFull):
+    """Every one of a rank's next names for a segment exists already (squatted):
+    handled like a full /dev/shm (see the module note), with its own message."""
+
+    def __init__(self, base: str, tries: int, needed: int) -> None:
+        OSError.__init__(self, errno.EEXIST, f"{tries} fresh shared-memory names of {base} "
+                         f"all exist already in {SHM_DIR}: is someone squatting them?")
+        self.needed, self.free, self.total = needed, 0, 0
 
 
 def _reserve(fd: int, name: str, size: int) -> None:

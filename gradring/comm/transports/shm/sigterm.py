@@ -7,8 +7,9 @@ exit hooks, so its named segments would stay in /dev/shm (RAM) until the next
 gradring job removes them. The handler, installed when the first shm
 transport connects (from the main thread; Python runs handlers there):
 
-1. unlinks the names of every segment this process owns and marks its
-   control segments closed (peers still waiting stop at their next slice);
+1. unlinks the names of every segment this process owns, and those a
+   ``kill -9``'d peer of its groups left, and marks its control segments
+   closed (peers still waiting stop at their next slice);
    mappings stay until the process ends, so code it interrupted cannot fault;
 2. prints the collective error that is pending, if any: a failure not yet
    raised, or the collective in flight and what each peer is doing;

@@ -52,6 +52,13 @@ def advice(needed: int, in_use: int, local_ranks: int) -> str:
             f"Kubernetes, or `mount -o remount,size={want}m {segments.SHM_DIR}`")
 
 
+def explain(exc: segments.ShmFull, in_use: int, local_ranks: int) -> str:
+    """Why a segment could not be made, in words: taken names, else :func:`advice`."""
+    if isinstance(exc, segments.NamesTaken):
+        return str(exc)
+    return advice(exc.needed, in_use, local_ranks)
+
+
 def warn_once(text: str) -> None:
     """Print ``text`` as gradring's single /dev/shm warning of this process."""
     if _warned.is_set():

@@ -82,7 +82,7 @@ class ShmTransport:
 
     def __init__(self, *, rank: int, world_size: int, base: str, ctl: Segment,
                  peer_ctls: list[Segment | None], peer_bases: list[str], pids: list[int],
-                 timeout: float, secret: str, first_segno: int = 1) -> None:
+                 timeout: float, keys: list[bytes], first_segno: int = 1) -> None:
         # This rank and the group size (group ranks, not global ones).
         self.rank = rank
         self.world_size = world_size
@@ -118,7 +118,7 @@ class ShmTransport:
         # ``expose``, ``empty`` and ``locate`` are its methods, bound here so the
         # collective path makes no extra call.
         self.memory = SegmentBook(
-            rank=rank, world_size=world_size, base=base, secret=secret,
+            rank=rank, world_size=world_size, base=base, keys=keys,
             peer_bases=peer_bases, words=self._words, first_segno=first_segno,
             reserved=segments.page_round(ctl.size) if ctl is not None else 0,
             cannot_map=self._cannot_map, bad_peer=self._fail_peer)
@@ -175,6 +175,8 @@ class ShmTransport:
         if self._broken is None:
             self._let_peers_map()
             self._set_state(shm_status.CLOSED)  # peers still waiting for us stop at once
+        if os.getpid() == self._pid:
+            self.memory.remove_dead_peer_names(self._dead_peers())  # killed peers' names
         self.memory.close()
         self._words = []
         self._mail.close()
@@ -233,15 +235,45 @@ class ShmTransport:
             if locked:
                 self._glock.release()
 
+    def _dead_cause(self) -> tuple[int, str]:
+        """``(rank, words)`` of the first peer whose process is gone, or ``(-1, "")``.
+
+        [Note: the original cause]
+        When a rank dies, every survivor must name *it*, whichever survivor
+        noticed first: a survivor that finds the group's verdict already set
+        (another survivor failed first) would otherwise name that survivor.
+        So every failure looks for a dead peer first (its pid, the collective
+        it last started), puts it at the head of the error, and writes it as
+        the rank's reason in its control segment. A dead peer that had marked
+        itself failed is a survivor that exited after its own error, so dead
+        peers that never failed come first. Only the failure path pays for the
+        pid checks."""
+        if not self._ctls:
+            return -1, ""
+        mine = self._info.seq if self._info else 0
+        dead = self._dead_peers()
+        # A dead peer that had failed first is a survivor that exited after its error.
+        dead.sort(key=lambda p: self._status(p).state == shm_status.FAILED)
+        self.memory.remove_dead_peer_names(dead)  # nothing of theirs outlives the job
+        return (dead[0], self._note(dead[0], mine)) if dead else (-1, "")
+
+    def _dead_peers(self) -> list[int]:
+        """Peers whose process is gone."""
+        return [p for p in range(self.world_size)
+                if p != self.rank and not segments.pid_alive(self._pids[p])]
+
     def _fail(self, what: str, waiting_for: Sequence[int],
               why: int = shm_status.LOST_PEER) -> CollectiveError:
-        self._decide(why, f"{shm_status.WHY.get(why, 'failed')} ({what})")
+        dead, cause = self._dead_cause()  # see [Note: the original cause]
+        reason = f"{shm_status.WHY.get(why, 'failed')} ({what})"
+        self._decide(why, f"{cause}; {reason}" if cause else reason)
         info = self._info.describe() if self._info else "collective"
         mine = self._info.seq if self._info else 0
-        notes = [self._note(p, mine) for p in sorted(waiting_for) if self._ctls]
+        notes = [self._note(p, mine) for p in sorted(waiting_for) if self._ctls and p != dead]
         arrived = [p for p in range(self.world_size) if p not in waiting_for]
-        msg = (f"gradring {info} failed on rank {self.rank}: ranks {sorted(waiting_for)} "
-               f"did not arrive ({what}); ranks {arrived} arrived; " + "; ".join(notes))
+        msg = (f"gradring {info} failed on rank {self.rank}: " + (f"{cause}; " if cause else "")
+               + f"ranks {sorted(waiting_for)} did not arrive ({what}); ranks {arrived} "
+               f"arrived; " + "; ".join(notes))
         self._broken = msg
         return CollectiveError(msg)
 
@@ -249,11 +281,15 @@ class ShmTransport:
         """The group already failed (rank ``first[0]`` in #``first[1]``): so does this rank."""
         r, seq = first
         self._settle = None
-        self._decide(shm_status.LOST_PEER, f"stopped after rank {r} failed #{seq}")
+        # Name the original cause, not only the rank that failed first: a dead peer
+        # seen from here, else the reason rank r relays (see [Note: the original cause]).
+        _, cause = self._dead_cause()
+        self._decide(shm_status.LOST_PEER, cause or f"stopped after rank {r} failed #{seq}")
         info = self._info.describe() if self._info else "collective"
         note = self._note(r, seq) if 0 <= r < self.world_size and self._ctls else ""
-        msg = (f"gradring {info} failed on rank {self.rank}: rank {r} gave up on collective "
-               f"#{seq} of this group first, so no rank may complete it; {note}")
+        msg = (f"gradring {info} failed on rank {self.rank}: " + (f"{cause}; " if cause else "")
+               + f"rank {r} gave up on collective #{seq} of this group first, so no rank "
+               f"may complete it; {note}")
         self._broken = msg
         return CollectiveError(msg)
 
@@ -327,6 +363,7 @@ class ShmTransport:
         if self._ctl is None or os.getpid() != self._pid:
             return
         self.memory.release_names(self._pid)
+        self.memory.remove_dead_peer_names(self._dead_peers())  # killed peers' names
         self._ctl.unlink()
         if self._broken is None:
             self._set_state(shm_status.CLOSED)
