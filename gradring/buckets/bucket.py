@@ -58,12 +58,11 @@ class SlotKind(enum.Enum):
 # A HOMED or LENT slot's gradient used to be put in by its own hook. Each
 # such hook runs right after a large layer's backward has evicted the
 # interpreter's working set from the caches, and every first touch is slow
-# there: measured inside a ResNet's hooks, sys.getrefcount took 1.8 us
-# (0.07 standalone), a first untyped_storage() 2.8 us (a second one 0.4),
-# and a lent put 70-85 us for a 25-35 us copy. So these slots are *held*:
-# the hook only counts, the gradient waits in .grad, and when the bucket's
-# last gradient arrives every held slot is put in in one burst (then the
-# packed slots), in slot order, by the same put methods. The bucket
+# there (reference counts, a first untyped_storage(), the put itself: the
+# measurements are in docs/collectives.md, "held slots"). So these slots are
+# *held*: the hook only counts, the gradient waits in .grad, and when the
+# bucket's last gradient arrives every held slot is put in in one burst (then
+# the packed slots), in slot order, by the same put methods. The bucket
 # launches at the same moment as before; only the puts moved. Reading .grad
 # then also sees what later hooks of the same parameter did to it, as
 # torch's reducer does. Lending's reference count (lending.fresh) is probed
@@ -72,13 +71,9 @@ class SlotKind(enum.Enum):
 # Only slots of at most HELD_SLOT_NUMEL elements (1 MiB of fp32) are held.
 # A large gradient is best copied while autograd has just written it and it
 # is still in cache, and its copy dwarfs the cold start: holding the 4 MiB
-# weights of 12 x Linear(1024) made that model's DDP overhead about 4-5 ms
-# worse per step. Side by side against putting in at the hook (world 2,
-# 30 interleaved steps): ResNet-shaped 0.61 / 0.57 / 0.54 against 0.57 /
-# 0.73 / 0.57 of torch's overhead, GPT-shaped (weights of 65-262 K
-# elements) 0.34 / 0.25 / 0.28 / 0.23 against 0.43 / 0.35 / 0.46 / 0.32;
-# a 64 K limit left the ResNet's larger convolutions at their hooks and
-# gained nothing there.
+# weights of 12 x Linear(1024) made that model slower, and a 64 K limit left
+# the ResNet's larger convolutions at their hooks and gained nothing there
+# (docs/collectives.md has the side-by-side figures).
 
 
 class BucketState(enum.Enum):
