@@ -67,7 +67,7 @@ class Mailboxes:
     """isend/irecv/wait_all over the control segments' mailbox slots."""
 
     def __init__(self, rank: int, ctls: Sequence[Any], *,
-                 check_sender: Callable[[int], None],
+                 check_sender: Callable[[int, bool], None],
                  fail: Callable[[str, Sequence[int]], BaseException],
                  block: Callable[[int, int, Callable[[int], bool], str, Sequence[int]], None]
                  ) -> None:
@@ -144,12 +144,15 @@ class Mailboxes:
         if words[sent_w] != acked and self._seq is not None \
                 and self._checked[src] != self._seq:
             self._checked[src] = self._seq
-            self._check_sender(src)
+            self._check_sender(src, False)
         while req.off < len(req.data) and words[sent_w] != acked:
             k = acked % SLOTS
             frag = words[chan_word(self.rank, CHAN_LEN + k)]
             want = min(SLOT_BYTES, len(req.data) - req.off)
             if frag != want:
+                # Ranks issued different sizes: name both sides if the sender's status
+                # shows it (a DesyncError), else fail as a broken peer.
+                self._check_sender(src, True)
                 raise self._fail(f"message size mismatch: got a {frag}-byte fragment, "
                                  f"expected {want}", [src])
             at = self._slot(self.rank, k)

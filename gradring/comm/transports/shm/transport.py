@@ -551,12 +551,14 @@ class ShmTransport:
         self._broken = str(err)
         raise err
 
-    def _check_sender(self, src: int) -> None:
-        """Before consuming ``src``'s first message of this collective: same collective?"""
+    def _check_sender(self, src: int, strict: bool = False) -> None:
+        """Before consuming ``src``'s first message of this collective: same collective?
+        ``strict`` (a message of the wrong size arrived): any difference is a desync,
+        even a sender that seems to have moved on."""
         info = self._info
         assert info is not None
         st = self._status(src)
-        if st.seq > info.seq:
+        if st.seq > info.seq and not strict:
             return  # it finished this collective and moved on; the message is ours
         theirs = (st.seq, st.kind, st.nbytes, st.dtype, st.shape, self._fp[5])
         if theirs[:4] != self._fp[:4] or self._full_check and theirs != self._fp:
