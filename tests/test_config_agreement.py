@@ -20,7 +20,9 @@ from torch import nn
 
 import gradring
 from gradring import comm
-from gradring.comm import agree
+from gradring.comm import agree, runner
+from gradring.comm.context import context
+from gradring.comm.transports.shm import segments, space
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +94,21 @@ def _cases(rank: int, world: int) -> dict[str, dict]:
         "alike": _case(rank, {"GRADRING_CHECK": "yes" if zero else "1",
                               "GRADRING_TRANSPORT": "torch"}, _all_reduce),
         "same_shm": _case(rank, {}, _empty),
+        "holding": {"value": _holding(rank)},
     }
+
+
+def _holding(rank: int) -> int:
+    """What each rank's /dev/shm advice is computed from when a collective runs out:
+    the largest holding of the ranks, whatever this rank's own."""
+    comm.shutdown()
+    comm.all_reduce(torch.ones(2))
+    ctx = context(None)
+    assert ctx is not None
+    try:
+        return runner._largest_holding(ctx, (rank + 1) * 1000)
+    finally:
+        comm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +177,46 @@ def test_mismatch_wording_for_many_ranks() -> None:
         "unset, ranks 5, 6 have 'shm'"]
     assert agree.mismatches([pub("shm")] * 4) == []
 
+
+# ------------------------------------------------- /dev/shm: which cause, one figure
+_MiB = 1 << 20
+
+
+def _statvfs(free_mib: float, total_mib: float) -> Callable[[str], os.statvfs_result]:
+    block = 4096
+    blocks = int(total_mib * _MiB) // block
+    avail = int(free_mib * _MiB) // block
+    fake = os.statvfs_result((block, block, blocks, avail, avail, 0, 0, 0, 0, 255))
+    return lambda _path: fake
+
+
+def test_a_mount_too_small_for_the_job_says_raise_it(monkeypatch) -> None:
+    monkeypatch.setattr(segments.os, "statvfs", _statvfs(4, 8))
+    text = space.advice(16 * _MiB, 2 * _MiB, 2)
+    # (2 + 16) MiB per rank, 2 ranks, 4 MiB to spare.
+    assert text.startswith("/dev/shm is too small for gradring's shared-memory transport"), text
+    assert "these 2 rank(s) need about 40 MiB" in text and "--shm-size=40m" in text, text
+    assert space.cause(40 * _MiB, 4 * _MiB, 8 * _MiB) == space.TOO_SMALL
+    assert space.cause(40 * _MiB, 0, 0) == space.TOO_SMALL  # statvfs failed: as before
+
+
+def test_a_mount_filled_by_others_says_free_it(monkeypatch) -> None:
+    # 64 MiB (Docker's default) holds the job's 40 MiB, but others left 3 MiB free.
+    monkeypatch.setattr(segments.os, "statvfs", _statvfs(3, 64))
+    text = space.advice(16 * _MiB, 2 * _MiB, 2)
+    assert text.startswith("/dev/shm is large enough for gradring's shared-memory transport "
+                           "(64 MiB; these 2 rank(s) need about 40 MiB) but other processes "
+                           "fill it"), text
+    assert "ls -la /dev/shm" in text and "--shm-size" not in text, text
+    assert space.cause(40 * _MiB, 3 * _MiB, 64 * _MiB) == space.TAKEN
+
+
+def test_one_figure_for_the_job(monkeypatch, results) -> None:
+    # A collective that runs out: every rank advises from the largest holding.
+    assert [results[r]["holding"]["value"] for r in (0, 1)] == [2000, 2000]
+    # comm.empty running out is one rank's own event: only rank 0 gives the job's figure.
+    monkeypatch.setattr(segments.os, "statvfs", _statvfs(3, 8))
+    full = segments.ShmFull("x", 16 * _MiB, 3 * _MiB, 8 * _MiB)
+    assert "need about 40 MiB" in space.explain(full, 2 * _MiB, 2, rank=0)
+    other = space.explain(full, 1 * _MiB, 2, rank=1)
+    assert "need about" not in other and "a segment of 16.0 MiB did not fit" in other, other
