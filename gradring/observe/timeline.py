@@ -1,17 +1,22 @@
-"""``gradring timeline``: draw a merged trace as a Gantt chart of compute and communication.
+"""``gradring timeline``: draw a merged trace: every phase of the step, and the buckets.
 
     gradring timeline merged.json -o timeline.png            # the last 3 iterations
     gradring timeline merged.json -o all.png --last 0        # every iteration in the file
 
 The input is a Chrome trace written by ``gradring.observe.overlap.merge_traces`` (or
-one rank's ``export_chrome_trace``). Each rank gets two lanes, like the
-chapter's figure of the overlapped backward: *compute*, where the backward is cut at the moments
-buckets became ready and each piece has its bucket's colour (the work that
-produced that bucket's gradients), and *comm*, where each bucket's all-reduce
-is drawn in the same colour. Whatever of the comm lane sticks out past the
-end of the backward is the exposed communication; the hatched box on the
-compute lane (``finalize``) is the time ``backward()`` spent waiting for it and
-copying the results into ``.grad``. See docs/overlap.md.
+one rank's ``export_chrome_trace``). From the step records it carries, every
+instant of a step (one forward's start to the next one's) is cut into one of
+``PHASES`` (``step_segments``): forward, backward, waiting for peers, exposed
+communication, copying into ``.grad``, optimizer, and a labelled "other"
+(loss, zero_grad, data, gaps). Up to ``GANTT_MAX`` steps each rank gets two
+lanes, like the chapter's figure of the overlapped backward: the *step*, with
+the backward cut at the moments buckets became ready (each piece in its
+bucket's shade), and *comm*, each bucket's all-reduce in the same shade. Longer
+runs are drawn as a summary: one stacked bar per step (or bin of steps) and
+the median step, in a figure of fixed size. The command also prints each
+rank's exposed communication, the figure of [Note: exposed communication] in
+``overlap.py``, and each phase's share. Traces without step records (a
+stand-in DDP) get the backward and bucket lanes alone. See docs/overlap.md.
 """
 
 from __future__ import annotations
@@ -281,11 +286,12 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
     return _draw_summary(report, out, title)
 
 
-def _legend(ax: Any, extra: Sequence[Any] = ()) -> None:
+def _legend(ax: Any, extra: Sequence[Any] = (), rename: dict[str, str] | None = None) -> None:
     from matplotlib.patches import Patch
 
+    names = {"other": OTHER_MEANS, **(rename or {})}
     handles = list(extra) + [Patch(facecolor=PHASE_COLOUR[p], edgecolor="#999999",
-                                   label=OTHER_MEANS if p == "other" else p) for p in PHASES]
+                                   label=names.get(p, p)) for p in PHASES]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
               frameon=False)
 
@@ -343,7 +349,8 @@ def _draw_gantt(report: TimelineReport, out: str, title: str | None) -> str:
     ax.set_title(title or f"gradring: every phase of the step; rank {ranks[0]}'s exposed "
                  f"communication {ex.ms:.2f} ms/step")
     _legend(ax, [Patch(facecolor=colour[b], label=f"backward -> bucket {b}")
-                 for b in buckets[:20]])
+                 for b in buckets[:20]],
+            {"backward": "backward after the last bucket was ready"})
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
