@@ -1,20 +1,22 @@
 """Two or three independent jobs on one host never disturb each other (issue 31 §3).
 
 Several small jobs (world 2, each with its own FileStore, fresh processes) run
-at once, in three rolling slots: a job that ends makes room for the next, so
-jobs start -- and every fresh process sweeps /dev/shm for stale segments at
-its first connect (``segments.remove_stale_segments``) -- while others train.
-A seeded RNG decides each job's steps, pace and fate: healthy, a rank killed
-with ``kill -9``, or a rank raising. Meanwhile this process sweeps /dev/shm
-itself every few milliseconds, as a hostile neighbour would.
+at once. A healthy *anchor* job connects first and trains until every other
+job has ended; the others run two at a time, a job that ends making room for
+the next. So every other job starts -- and each fresh process sweeps /dev/shm
+for stale segments at its first connect (``segments.remove_stale_segments``)
+-- while the anchor and usually another job train. A seeded RNG decides the
+other jobs' steps, pace and fate: healthy, a rank killed with ``kill -9``, or
+a rank raising. Meanwhile this process sweeps /dev/shm itself every few
+milliseconds, as a hostile neighbour would.
 
 Each job must get exactly its own result: a healthy job the right sums (a
 per-job salt in every value, so another job's data would show) and no error;
 a crashed job an error on the survivor naming the dead rank *of its own job*
 (rank and pid) and no other job's pid. Every rank checks after each step that
-the segments it owned at its first step (its staging set and a ``comm.empty``
-buffer kept all job long) are still in /dev/shm, so a segment lost to another
-job's sweep fails the test. This file doubles as the rank script
+every segment it has owned is still in /dev/shm unless it unlinked it itself
+(a freed ``comm.empty`` buffer, a staging set that grew), so a segment lost to
+another job's sweep fails the test. This file doubles as the rank script
 (``python tests/test_concurrent_jobs.py --job ...``).
 """
 
@@ -43,10 +45,10 @@ from gradring.comm.transports.shm import segments
 pytestmark = pytest.mark.timeout(240)
 
 WORLD = 2
-SLOTS = 3
+SLOTS = 2  # besides the anchor
 SEED = 3131
-#: Every fate, in an order the seeded RNG shuffles; healthy jobs train alongside the crashes.
-FATES = ["healthy", "healthy", "kill", "kill", "raise"]
+#: The other jobs' fates, in an order the seeded RNG shuffles.
+FATES = ["healthy", "kill", "kill", "raise"]
 
 
 # ------------------------------------------------------------------ the rank side
@@ -58,11 +60,27 @@ def _say(report: dict[str, object]) -> None:
     print(json.dumps(report), flush=True)
 
 
+def _record_own_unlinks() -> set[str]:
+    """The names this process unlinks itself from now on (every own unlink goes through
+    ``segments.unlink_quietly``): freed, not lost."""
+    released: set[str] = set()
+    unlink = segments.unlink_quietly
+
+    def recording(name: str, owner_pid: int | None = None) -> None:
+        if owner_pid is None or owner_pid == os.getpid():
+            released.add(name)  # before the unlink: whoever sees it gone sees it here
+        unlink(name, owner_pid)
+
+    segments.unlink_quietly = recording
+    return released
+
+
 def _rank_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     for name in ("job", "rank", "steps", "victim", "at", "salt"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--store", required=True)
+    p.add_argument("--until", default="", help="train until this file exists (the anchor)")
     p.add_argument("--fate", choices=("healthy", "kill", "raise"), required=True)
     p.add_argument("--pace", type=float, required=True)
     a = p.parse_args(argv)
@@ -73,12 +91,18 @@ def _rank_main(argv: list[str]) -> None:
     _say(report)  # the pid first: a killed rank says nothing more
     rng = random.Random(a.salt * 10 + a.rank)
     keep = comm.empty(20_000)  # lives the whole job: a data segment another sweep could take
+    released = _record_own_unlinks()
     owned: set[str] = set()
     lost: set[str] = set()
     wrong = 0
     base = 1000.0 * a.salt
     try:
         for step in range(a.steps):
+            if a.until:  # both ranks stop at the same step: either one seeing the file
+                flag = torch.tensor([float(os.path.exists(a.until))])
+                comm.all_reduce(flag)
+                if flag.item():
+                    break
             if a.fate != "healthy" and a.rank == a.victim and step == a.at:
                 if a.fate == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -88,12 +112,14 @@ def _rank_main(argv: list[str]) -> None:
                 t.fill_(base + a.rank + step)
                 comm.all_reduce(t)
                 wrong += int(not torch.all(t == WORLD * (base + step) + sum(range(WORLD))))
-            if step == 0:  # x is ordinary memory here: what we own now lives all job long
+            if step == 0:
                 report["t_connect"] = time.time()
-                owned = _mine()  # the staging set and `keep`
-                report["segments"] = len(owned)
+                report["segments"] = len(_mine())  # the staging set and `keep` at least
+                _say({"connected": report["t_connect"]})
             del x  # a comm.empty one is freed: its segment goes, by its owner's hand
-            lost |= owned - _mine()
+            present = _mine()
+            lost |= owned - present - released  # ours, gone, and not by our hand
+            owned |= present
             time.sleep(rng.uniform(0.5, 1.5) * a.pace)
         report["result"] = "ok"
     except RuntimeError as exc:
@@ -119,9 +145,11 @@ class Job:
     victim: int
     at: int
     pace: float
+    until: str = ""
     procs: list[subprocess.Popen] = field(default_factory=list)
     reports: list[list[dict]] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
+    connected: list[float | None] = field(default_factory=list)  # per rank, wall clock
 
     @property
     def salt(self) -> int:
@@ -134,17 +162,28 @@ class Job:
                    GRADRING_TIMEOUT="30")
         args = [f"--job={self.index}", f"--steps={self.steps}", f"--victim={self.victim}",
                 f"--at={self.at}", f"--salt={self.salt}", f"--store={folder / 'store'}",
-                f"--fate={self.fate}", f"--pace={self.pace}"]
+                f"--fate={self.fate}", f"--pace={self.pace}", f"--until={self.until}"]
         self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__),
                                         f"--rank={r}", *args], stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=env)
                       for r in range(WORLD)]
 
+    def wait_connected(self) -> None:
+        """Until rank 0 has trained its first step (or ended)."""
+        out = self.procs[0].stdout
+        assert out is not None
+        self._head = [out.readline()]
+        while self._head[-1] and "connected" not in self._head[-1]:
+            self._head.append(out.readline())
+
     def collect(self) -> None:
-        for p in self.procs:
+        for r, p in enumerate(self.procs):
             out, err = p.communicate(timeout=120)
-            self.reports.append([json.loads(line) for line in out.splitlines()
-                                 if line.startswith("{")])
+            said = [json.loads(line) for line in
+                    (getattr(self, "_head", []) if r == 0 else []) + out.splitlines()
+                    if line.startswith("{")]
+            self.reports.append([d for d in said if "connected" not in d])
+            self.connected.append(next((d["connected"] for d in said if "connected" in d), None))
             self.stderr.append(err)
 
     def pids(self) -> list[int]:
@@ -170,31 +209,36 @@ class _Sweeper(threading.Thread):
             self.removed += segments.remove_stale_segments()
 
 
-def _overlaps(jobs: list[Job]) -> int:
-    """How many connects (with their sweep) fell inside another job's training."""
-    spans = {j.index: [(r[-1].get("t_connect"), r[-1].get("t_end")) for r in j.reports
-                       if r and "t_end" in r[-1]] for j in jobs}
-    n = 0
-    for j in jobs:
-        for t, _ in spans[j.index]:
-            n += any(a is not None and a < t < b for k in jobs if k is not j
-                     for a, b in spans[k.index] if t is not None)
-    return n
+def _connects_inside(jobs: list[Job], anchor: Job) -> tuple[int, int]:
+    """How many other jobs' ranks connected (and swept) while the anchor trained, and of
+    how many that connected at all."""
+    starts = [t for j in jobs if j is not anchor for t in j.connected if t is not None]
+    spans = [(t, r[-1].get("t_end", 0.0)) for t, r in zip(anchor.connected, anchor.reports)]
+    if not spans or None in anchor.connected or len(anchor.reports) < WORLD:
+        return 0, len(starts)
+    return sum(all(a < t < b for a, b in spans) for t in starts), len(starts)
 
 
 def test_concurrent_jobs_get_their_own_results_and_keep_their_segments(tmp_path) -> None:
     rng = random.Random(SEED)
-    plans = [_plan(rng, i, fate) for i, fate in enumerate(rng.sample(FATES, len(FATES)))]
-    waiting, running, ended = list(plans), [], []
+    stop = tmp_path / "stop"
+    anchor = Job(0, 100_000, "healthy", victim=0, at=0, pace=0.05, until=str(stop))
+    plans = [anchor] + [_plan(rng, i + 1, fate)
+                        for i, fate in enumerate(rng.sample(FATES, len(FATES)))]
+    waiting, running, ended = plans[1:], [anchor], []
     sweeper = _Sweeper()
     sweeper.start()
     try:
+        anchor.start(tmp_path)
+        anchor.wait_connected()
         while waiting or running:
-            while waiting and len(running) < SLOTS:
+            while waiting and len(running) < SLOTS + 1:
                 job = waiting.pop(0)
                 job.start(tmp_path)
                 running.append(job)
             time.sleep(0.05)
+            if running == [anchor]:
+                stop.touch()
             for job in [j for j in running if all(p.poll() is not None for p in j.procs)]:
                 running.remove(job)
                 job.collect()
@@ -211,8 +255,9 @@ def test_concurrent_jobs_get_their_own_results_and_keep_their_segments(tmp_path)
         print(f"job {job.index}: {job.fate} (rank {job.victim} at step {job.at}), "
               f"{job.steps} steps at {job.pace}s, pids {job.pids()}: "
               f"{[r[-1].get('result') for r in job.reports if r]}")
-    print(f"{_overlaps(ended)} connects inside another job's training; this process's "
-          f"sweep removed {len(sweeper.removed)} names: {sweeper.removed}")
+    inside, connects = _connects_inside(ended, anchor)
+    print(f"{inside} of {connects} other ranks connected while the anchor trained; this "
+          f"process's sweep removed {len(sweeper.removed)} names: {sweeper.removed}")
     for job in ended:
         what = f"job {job.index} ({job.fate}, rank {job.victim} at step {job.at})"
         assert all(job.reports), (what, job.stderr)
@@ -237,7 +282,7 @@ def test_concurrent_jobs_get_their_own_results_and_keep_their_segments(tmp_path)
             assert job.procs[job.victim].returncode == 1, what
             assert "injected failure" in job.stderr[job.victim], what
     assert {j.fate for j in ended} == {"healthy", "kill", "raise"}
-    assert _overlaps(ended) >= 1, "no job started while another trained"
+    assert inside == connects == 2 * len(FATES), (inside, connects)
     left = [n for n in os.listdir(segments.SHM_DIR)
             if (owner := segments.owner_of(n)) is not None and owner[0] in everyone]
     assert left == [], left
