@@ -4,7 +4,7 @@ subgroups, zero-copy buffers, two jobs on one host, dead and silent peers.
 Sweeps run on the session's rank pools (``pools`` fixture); each rank checks
 its own results against closed-form expectations and returns the mismatches.
 Tests that kill processes start their own small jobs: this file doubles as
-the job script (``python tests/test_comm_multiprocess.py --scenario ...``).
+the job script (``python tests/jobs/test_comm_multiprocess.py --scenario ...``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Failure handling (SPEC S14): dead peers, stalls, silent early exits, desyncs, bad input.
 
 Fault-injection tests start their own small jobs (this file doubles as the job
-script: ``python tests/test_reliability.py --scenario NAME --rank R ...``), kill
+script: ``python tests/jobs/test_reliability.py --scenario NAME --rank R ...``), kill
 or stall one rank, and check what the survivors report: exit status, the error
 text (ranks, sequence number, bucket, parameter names). Nothing measures how
 long anything took (see [Note: fail fast, told by the wording]). Nothing here touches the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root
 
 import gradring  # noqa: E402
 from gradring import comm  # noqa: E402

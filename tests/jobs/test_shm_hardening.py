@@ -1,5 +1,6 @@
 """Hardening of the shared-memory transport: each defect of the hardening issue, with
-real processes (jobs from ``tests/shm_jobs.py``, ranks in ``tests/shm_scenarios.py``).
+real processes (jobs from ``tests/support/shm_jobs.py``, ranks in
+``tests/support/shm_scenarios.py``).
 
 Small-/dev/shm tests run in a private mount namespace with a small tmpfs on
 /dev/shm, so they need root and ``unshare``; the mount disappears with the job.
@@ -17,7 +18,9 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+#: The job harness: a launcher and its ranks (tests/support/shm_jobs.py).
+SHM_JOBS = os.path.join(ROOT, "tests", "support", "shm_jobs.py")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +36,7 @@ def _no_namespaces() -> str | None:
 def job(scenario: str, tmp: str, *, world: int = 2, shm_size: str = "",
         env: dict[str, str] | None = None, timeout: float = 150) -> dict:
     """Run one job; its ranks' reports, exit codes and stderr."""
-    cmd = [sys.executable, os.path.join(HERE, "shm_jobs.py"), "launch", "--scenario",
+    cmd = [sys.executable, SHM_JOBS, "launch", "--scenario",
            scenario, "--world", str(world), "--tmp", tmp, "--timeout", str(timeout - 20)]
     if shm_size:
         cmd += ["--shm-size", shm_size]
@@ -83,7 +86,7 @@ def by_case(result: dict) -> list[dict[str, dict]]:
 # --------------------------------------------------------------- 2: late peers
 #: The deadline of the late-peer jobs. It applies to every collective of the job, so it
 #: leaves a loaded machine room; the late rank waits for the others' failure, an event
-#: (see [Note: late by events, not by sleeps] in tests/shm_scenarios.py).
+#: (see [Note: late by events, not by sleeps] in tests/support/shm_scenarios.py).
 LATE_DEADLINE = "10"
 
 

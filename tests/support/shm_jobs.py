@@ -1,6 +1,6 @@
-"""Job side of ``tests/test_shm_hardening.py``: small jobs of real rank processes.
+"""Job side of ``tests/jobs/test_shm_hardening.py``: small jobs of real rank processes.
 
-``python tests/shm_jobs.py launch --scenario NAME --world W --tmp DIR [--shm-size 8m]``
+``python tests/support/shm_jobs.py launch --scenario NAME --world W --tmp DIR [--shm-size 8m]``
 starts W ranks of this file (``rank`` mode), each in a fresh gloo process group,
 and prints one JSON object: every rank's reports (the JSON lines it printed),
 exit status and stderr. With ``--shm-size`` the launcher first re-executes
@@ -20,7 +20,7 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root
 
 
 def say(**report: object) -> None:
@@ -68,7 +68,7 @@ def rank_main(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from tests import shm_scenarios
+    from tests.support import shm_scenarios
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank,

@@ -1,7 +1,7 @@
-"""Rank side of the shared-memory hardening tests (run by ``tests/shm_jobs.py``).
+"""Rank side of the shared-memory hardening tests (run by ``tests/support/shm_jobs.py``).
 
 Each scenario is ``fn(rank, world, tmp) -> hard_exit``; it prints JSON reports
-with :func:`tests.shm_jobs.say`. A true return value makes the rank leave with
+with :func:`tests.support.shm_jobs.say`. A true return value makes the rank leave with
 ``os._exit`` (its process group may be wedged by a failed peer).
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 
 import gradring
 from gradring import comm
-from tests.shm_jobs import say
+from tests.support.shm_jobs import say
 
 
 def _error(exc: BaseException) -> str:
