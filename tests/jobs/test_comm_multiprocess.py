@@ -518,26 +518,21 @@ def _wait_until(ready, limit_s: float = 120.0) -> bool:
 
 def _start_job(scenario: str, world: int, tmp: str, env: dict[str, str] | None = None,
                **extra: object) -> list[subprocess.Popen]:
+    # Imported here: run as a job script, this file does not import tests.support.
+    from tests.support import jobs
+
     store = os.path.join(tmp, f"{scenario}-store")
-    args = [f"--{k}={v}" for k, v in extra.items()]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario", scenario,
-                              "--rank", str(r), "--world", str(world), "--store", store, *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=full_env) for r in range(world)]
+    extra_args = [f"--{k}={v}" for k, v in extra.items()]
+    return jobs.start(os.path.abspath(__file__), world,
+                      lambda r: ["--scenario", scenario, "--rank", str(r), "--world",
+                                 str(world), "--store", store, *extra_args],
+                      jobs.job_env(env, drop=()))
 
 
 def _reports(procs: list[subprocess.Popen], timeout: float) -> list[list[dict]]:
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
-    return out
+    from tests.support import jobs
+
+    return [r["reports"] for r in jobs.collect(procs, timeout)]
 
 
 def _sums_on_pool(rank: int, world: int, steps: int) -> int:

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from contextlib import redirect_stdout
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository roo
 import gradring  # noqa: E402
 from gradring import comm  # noqa: E402
 from gradring.tools import flight  # noqa: E402
+from tests.support import jobs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -302,26 +302,12 @@ def _job_main(argv: list[str]) -> None:
 def _run_job(scenario: str, world: int, tmp: str, env: dict[str, str] | None = None,
              timeout: float = 90, **extra: object) -> tuple[list[list[dict]], list[int]]:
     store = os.path.join(tmp, f"{scenario}-{time.monotonic_ns()}")
-    args = [f"--{k}={v}" for k, v in extra.items()]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
-        if env is None or k not in env:
-            full_env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
-                               scenario, "--rank", str(r), "--world", str(world), "--store",
-                               store, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=full_env) for r in range(world)]
-    out, codes = [], []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append([json.loads(x) for x in stdout.splitlines() if x.startswith("{")])
-            codes.append(p.returncode)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return out, codes
+    extra_args = [f"--{k}={v}" for k, v in extra.items()]
+    procs = jobs.start(os.path.abspath(__file__), world,
+                       lambda r: ["--scenario", scenario, "--rank", str(r), "--world",
+                                  str(world), "--store", store, *extra_args], jobs.job_env(env))
+    ranks = jobs.collect(procs, timeout)
+    return [r["reports"] for r in ranks], [r["code"] for r in ranks]
 
 
 def _final(reports: list[dict]) -> dict:
@@ -388,13 +374,9 @@ def test_nothing_of_a_killed_job_stays_in_dev_shm(tmp_path, term_at) -> None:
     # once it reported its error), rank 2 ends normally after its error. Before, the
     # dead rank's own segments stayed in /dev/shm until the next gradring job.
     store = os.path.join(str(tmp_path), f"kill_then_end-{time.monotonic_ns()}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
-        env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
-                               "kill_then_end", "--rank", str(r), "--world", "3", "--store",
-                               store, "--victim=1"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(3)]
+    procs = jobs.start(os.path.abspath(__file__), 3,
+                       lambda r: ["--scenario", "kill_then_end", "--rank", str(r), "--world",
+                                  "3", "--store", store, "--victim=1"], jobs.job_env())
     seen = ""  # what rank 0 printed before its SIGTERM
     try:
         procs[1].wait(timeout=120)
