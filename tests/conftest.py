@@ -11,7 +11,7 @@ import pytest
 # the other one. Rank pools and example subprocesses inherit this.
 os.environ.setdefault("GRADRING_OVERLAP", "1")
 
-from tests.rankpool import RankPool
+from tests.support.rankpool import RankPool
 
 # [Note: the default suite and the slow one]
 # `pytest -q` (the README's command) runs what needs at most the shared rank
@@ -21,11 +21,11 @@ from tests.rankpool import RankPool
 # both. A file or test is slow by its own marker, or by being listed here with
 # the reason, so that the split is visible in one place.
 SLOW_FILES = {
-    "tests/test_reliability.py": "fault jobs: ranks killed, stalled or desynced, one job each",
-    "tests/test_shm_hardening.py": "fault jobs on the shared-memory transport",
-    "tests/test_elastic.py": "torchrun with elastic restarts",
-    "tests/test_soak.py": "thousands of steps",
-    "tests/test_concurrent_jobs.py": "several small jobs at once, some crashing",
+    "tests/jobs/test_reliability.py": "fault jobs: ranks killed, stalled or desynced, one job each",
+    "tests/jobs/test_shm_hardening.py": "fault jobs on the shared-memory transport",
+    "tests/jobs/test_elastic.py": "torchrun with elastic restarts",
+    "tests/jobs/test_soak.py": "thousands of steps",
+    "tests/jobs/test_concurrent_jobs.py": "several small jobs at once, some crashing",
     "tests/multihost/test_netns.py": "torchrun across network namespaces",
     "tests/integrations/test_lightning.py": "Lightning trainers and Fabric",
     "tests/integrations/test_accelerate.py": "Accelerate",
@@ -33,16 +33,18 @@ SLOW_FILES = {
     "tests/integrations/test_timm_sync_batchnorm.py": "timm models",
 }
 SLOW_TESTS = {
-    "tests/test_examples.py::test_elastic_crash_recipe_crashes_again_when_rerun": "torchrun, twice",
-    "tests/test_examples.py::test_bench_runs_from_the_package_alone": "a pip install and a bench",
-    "tests/test_timeline_tune.py::test_demo_small_end_to_end": "the demo",
-    "tests/test_timeline_tune.py::test_demo_writes_into_out_by_default": "the demo",
-    "tests/test_timeline_tune.py::test_tune_cli_finds_a_workload_in_the_current_folder":
+    "tests/jobs/test_examples.py::test_elastic_crash_recipe_crashes_again_when_rerun":
+        "torchrun, twice",
+    "tests/jobs/test_examples.py::test_bench_runs_from_the_package_alone":
+        "a pip install and a bench",
+    "tests/jobs/test_timeline_tune.py::test_demo_small_end_to_end": "the demo",
+    "tests/jobs/test_timeline_tune.py::test_demo_writes_into_out_by_default": "the demo",
+    "tests/jobs/test_timeline_tune.py::test_tune_cli_finds_a_workload_in_the_current_folder":
         "the tuner's CLI, end to end",
-    "tests/test_pool.py::test_pool_reports_rank_failures": "kills and restarts a rank pool",
-    "tests/test_comm_multiprocess.py::test_dead_or_silent_peer_raises_and_leaves_no_segments":
+    "tests/ranks/test_pool.py::test_pool_reports_rank_failures": "kills and restarts a rank pool",
+    "tests/jobs/test_comm_multiprocess.py::test_dead_or_silent_peer_raises_and_leaves_no_segments":
         "a fault job",
-    "tests/test_comm_multiprocess.py::test_two_jobs_on_one_host_do_not_collide": "two jobs",
+    "tests/jobs/test_comm_multiprocess.py::test_two_jobs_on_one_host_do_not_collide": "two jobs",
 }
 
 

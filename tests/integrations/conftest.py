@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rankpool import RankPool
+from tests.support.rankpool import RankPool
 
 
 class _Pool:

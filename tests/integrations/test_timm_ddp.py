@@ -30,7 +30,7 @@ from tests.integrations.common import (  # noqa: E402
     params_of,
     release,
 )
-from tests.rankpool import RankPool  # noqa: E402
+from tests.support.rankpool import RankPool  # noqa: E402
 
 
 def _timm_fit(impl: str, rank: int) -> dict[str, Any]:

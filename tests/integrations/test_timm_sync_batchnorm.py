@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from gradring.nn import SyncBatchNorm, SyncBatchNormAct  # noqa: E402
 from tests.integrations.torchvision_stand_in import import_timm  # noqa: E402
-from tests.rankpool import RankPool  # noqa: E402
+from tests.support.rankpool import RankPool  # noqa: E402
 
 WORLD = 2
 PER_RANK = 3

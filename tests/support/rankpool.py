@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 #: The repository root: test modules (and their helpers) import as ``tests.<name>``.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: How long a process group collective may block inside a pooled rank before
 #: torch gives up. Keeps a broken test from waiting for 30 minutes.

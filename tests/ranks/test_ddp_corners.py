@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradring
-from tests.irregular_models import compare_grads
+from tests.support.irregular_models import compare_grads
 
 IMPLS = {"gradring": gradring.DistributedDataParallel,
          "torch": torch.nn.parallel.DistributedDataParallel}

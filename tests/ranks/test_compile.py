@@ -3,7 +3,6 @@ overlap, compiled autograd. Oracles: torch's own DDP (eager for gradients,
 compiled for the number of graphs) on the same model, inputs and caps."""
 
 import copy
-import time
 
 import pytest
 import torch
@@ -11,6 +10,12 @@ from torch import nn
 
 import gradring
 from gradring import compile as compile_split
+from tests.support.overlap_probe import (
+    HeldEarly,
+    event_order,
+    held_backward,
+    launched_and_done_during_backward,
+)
 
 # ---------------------------------------------------------------- helpers
 
@@ -156,35 +161,6 @@ def _graphs_per_bucket(rank, world_size, order, cap, steps=4):
             "piece_buckets": compile_split.splits(ddp)[-1].piece_buckets}
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: an artificially slow early layer."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(0.3)
-        return g
-
-
-@torch._dynamo.disable
-def _slow(x):
-    return _SlowBackward.apply(x)
-
-
-class _SlowEarly(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.early = nn.Linear(64, 512)
-        self.late = nn.Linear(512, 512)  # 1 MiB: fills the first rebuilt bucket alone
-
-    def forward(self, x):
-        return self.late(_slow(self.early(x)))
-
-
 def _overlap_compiled(rank, world_size, order, compiled_backward=False):
     import contextlib
     import os
@@ -195,20 +171,22 @@ def _overlap_compiled(rank, world_size, order, compiled_backward=False):
     from torch._dynamo import compiled_autograd
 
     torch._dynamo.reset()
-    model, ddp = _wrap(gradring.DistributedDataParallel, _SlowEarly(), order, "aot_eager")
+    model, ddp = _wrap(gradring.DistributedDataParallel, HeldEarly(), order, "aot_eager")
     x = torch.randn(4, 64)
-    for _ in range(3):  # iteration 1 uses one bucket; the rebuild splits it
+
+    def step():
         ctx = compiled_autograd._enable(torch.compile(backend="aot_eager")) \
             if compiled_backward else contextlib.nullcontext()
         with ctx:
             model(x).sum().backward()
-    trace = ddp.reducer.trace
-    it = trace.iteration - 1
+
+    for _ in range(2):  # iteration 1 uses one bucket; the rebuild splits it
+        step()
     late_bucket = ddp.reducer.bucket_of(2)  # late.weight
-    done = trace.first(it, "comm_done", late_bucket)
-    end = trace.first(it, "backward_end")
+    it = ddp.reducer.trace.iteration
+    held_backward(ddp, step, late_bucket)  # see [Note: overlap by events, not durations]
     return {"late_bucket": late_bucket, "nbuckets": len(ddp.reducer.buckets),
-            "slack": end - done}
+            "order": event_order(ddp, it)}
 
 
 def _variants(rank, world_size, variant):
@@ -331,20 +309,20 @@ def test_graphs_split_with_inductor(pools):
 
 
 def test_overlap_is_real_under_compile(pools):
-    # The late layer's bucket finishes its all-reduce while the slow early
+    # The late layer's bucket is launched and reduced while the held early
     # layer is still in backward, with the module compiled. (The other order
     # reaches the same split: test_graphs_split_like_torch_default_cap.)
     for r in pools.run(2, _overlap_compiled, "compile(DDP)", timeout=300):
         assert r["nbuckets"] >= 2 and r["late_bucket"] == 0, r
-        assert r["slack"] > 0.1, r
+        assert launched_and_done_during_backward(r["order"], 0, 1), r["order"]
 
 
 def test_overlap_is_real_under_compiled_autograd(pools):
     # The gradient hooks run between compiled stretches of the backward, so the
-    # late layer's bucket still finishes while the slow early layer computes.
+    # late layer's bucket is still reduced while the held early layer waits.
     for r in pools.run(2, _overlap_compiled, "compile(DDP)", True, timeout=300):
         assert r["nbuckets"] >= 2 and r["late_bucket"] == 0, r
-        assert r["slack"] > 0.1, r
+        assert launched_and_done_during_backward(r["order"], 0, 1), r["order"]
 
 
 @pytest.mark.parametrize("variant", ["static_graph", "gradient_as_bucket_view", "comm_hook"])

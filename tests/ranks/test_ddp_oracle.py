@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests import oracle
+from tests.support import oracle
 
 TOL = 1e-9  # float64 models: summation order is the only difference
 

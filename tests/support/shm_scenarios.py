@@ -1,7 +1,7 @@
-"""Rank side of the shared-memory hardening tests (run by ``tests/shm_jobs.py``).
+"""Rank side of the shared-memory hardening tests (run by ``tests/support/shm_jobs.py``).
 
 Each scenario is ``fn(rank, world, tmp) -> hard_exit``; it prints JSON reports
-with :func:`tests.shm_jobs.say`. A true return value makes the rank leave with
+with :func:`tests.support.shm_jobs.say`. A true return value makes the rank leave with
 ``os._exit`` (its process group may be wedged by a failed peer).
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 
 import gradring
 from gradring import comm
-from tests.shm_jobs import say
+from tests.support.shm_jobs import say
 
 
 def _error(exc: BaseException) -> str:
@@ -73,41 +73,67 @@ def small_shm_forced(rank: int, world: int, tmp: str) -> bool:
 
 # --------------------------------------------------------------- 2: late peers
 def _attempt(fn) -> dict:
-    t0 = time.monotonic()
     try:
         fn()
-        return {"error": None, "took": time.monotonic() - t0, "t": time.time()}
+        return {"error": None}
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"error": _error(exc), "took": time.monotonic() - t0, "t": time.time()}
+        return {"error": _error(exc)}
+
+
+# [Note: late by events, not by sleeps]
+# A late rank used to sleep 3.5 s against a 2 s deadline, so that it arrived
+# after the others gave up; on a loaded machine the others could start late
+# too. Now it waits for their flags: it arrives only once every other rank has
+# returned from the collective it gave up on. Each wait is bounded only so that
+# a broken job ends (the test then fails on the reports).
+def _raise_flag(tmp: str, name: str) -> None:
+    open(os.path.join(tmp, f"flag-{name}"), "w").close()
+
+
+def _await_flags(tmp: str, names: list[str], limit_s: float = 120.0) -> None:
+    give_up = time.monotonic() + limit_s
+    while not all(os.path.exists(os.path.join(tmp, f"flag-{n}")) for n in names) \
+            and time.monotonic() < give_up:
+        time.sleep(0.01)
 
 
 def late_small(rank: int, world: int, tmp: str) -> bool:
-    """Small-message path: the last rank arrives 1.5 s after the others gave up
-    (GRADRING_TIMEOUT=2)."""
+    """Small-message path: the last rank arrives after the others gave up
+    (GRADRING_TIMEOUT); see [Note: late by events, not by sleeps]."""
+    late = rank == world - 1
     dist.barrier()
     comm.all_reduce(torch.ones(8))  # connect
     dist.barrier()  # in step before the short deadline starts to matter
-    if rank == world - 1:
-        time.sleep(3.5)
+    if late:
+        _await_flags(tmp, [f"late_small-gave-up-{r}" for r in range(world - 1)])
     x = torch.full((1000,), float(rank + 1))
     out = _attempt(lambda: comm.all_reduce(x))
+    if not late:
+        _raise_flag(tmp, f"late_small-gave-up-{rank}")
     say(rank=rank, case="late_small", value=float(x[0]), **out)
     return True
 
 
 def late_zero_copy(rank: int, world: int, tmp: str) -> bool:
     """Zero-copy path (a ``comm.empty`` buffer, as DDP buckets): the last rank arrives
-    1.5 s after the others gave up; nobody's memory may change afterwards."""
+    after the others gave up; nobody's memory may change afterwards (see
+    [Note: late by events, not by sleeps])."""
+    late = rank == world - 1
     big = comm.empty(1 << 20)
     big.fill_(float(rank + 1))
     dist.barrier()  # in step before the short deadline starts to matter
     comm.all_reduce(torch.ones(8))  # connect, in step
     dist.barrier()
-    if rank == world - 1:
-        time.sleep(3.5)
+    if late:
+        _await_flags(tmp, [f"late_zero_copy-gave-up-{r}" for r in range(world - 1)])
     out = _attempt(lambda: comm.all_reduce(big))
     before = big.clone()
-    time.sleep(3.0)  # the late rank arrives (and would write) meanwhile
+    if late:
+        _raise_flag(tmp, "late_zero_copy-late-done")
+    else:
+        _raise_flag(tmp, f"late_zero_copy-gave-up-{rank}")
+        # The late rank arrives (and would write) meanwhile.
+        _await_flags(tmp, ["late_zero_copy-late-done"])
     changed = int((big != before).sum())
     say(rank=rank, case="late_zero_copy", changed=changed, **out)
     return True

@@ -18,7 +18,7 @@ from torch import nn
 
 import gradring
 from gradring import hooks as H
-from tests.oracle import global_batch, make_batch, make_model
+from tests.support.oracle import global_batch, make_batch, make_model
 
 STEPS = 6
 INJECT = 3  # the step at which the last rank's input holds an inf

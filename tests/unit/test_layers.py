@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Records every module whose code runs ``import argparse`` (or ``from argparse ...``)
 # while gradring is imported, even when argparse itself is already loaded (torch

@@ -1,5 +1,5 @@
 """The examples run as their docstrings say (the single-process form; torchrun forms
-are exercised by tests/test_elastic.py and the multi-host harness)."""
+are exercised by tests/jobs/test_elastic.py and the multi-host harness)."""
 
 import os
 import shutil
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_quickstart_single_process():

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.rankpool import RankFailure
+from tests.support.rankpool import RankFailure
 
 
 def _sum_ranks(rank, world_size):

@@ -14,7 +14,7 @@ import pytest
 from gradring.comm import root_cause
 from gradring.comm.transport import CollectiveError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _ts(path) -> int:

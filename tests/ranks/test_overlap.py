@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from gradring.observe.overlap import (
     BucketInfo,
@@ -23,6 +21,12 @@ from gradring.observe.overlap import (
     summarize,
 )
 from gradring.observe.trace import Event
+from tests.support.overlap_probe import (
+    HeldEarly,
+    event_order,
+    held_backward,
+    launched_and_done_during_backward,
+)
 
 
 def events(iteration: int, marks: list[tuple[str, int, float]]) -> list[Event]:
@@ -192,89 +196,67 @@ def test_ddp_overlap_stats_reads_the_reducer() -> None:
 
 
 # --------------------------------------------------------------- real runs (2 gloo ranks)
-class _SleepInBackward(torch.autograd.Function):
-    """Identity forward; sleeps in backward, so autograd reaches earlier layers later."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # noqa: ANN001
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class SlowNet(nn.Module):
-    """Four 1 MiB layers (a bucket each at bucket_cap_mb=1), cheap to compute."""
-
-    def __init__(self, where: str, seconds: float) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(512, 512) for _ in range(4))
-        self.where, self.seconds = where, seconds
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.l0(x))
-        if self.where == "first":   # backward: after l3..l1's grads, before l0's
-            x = _SleepInBackward.apply(x, self.seconds)
-        x = torch.relu(self.l2(torch.relu(self.l1(x))))
-        x = self.l3(x)
-        if self.where == "last":    # backward: before any gradient is ready
-            x = _SleepInBackward.apply(x, self.seconds)
-        return x
-
-
-def slow_network_hook(latency: float, bucket):  # noqa: ANN001, ANN201
-    """The reference all-reduce plus a fixed latency per bucket, on the comm thread.
-
-    It stands in for a slow network: collectives then take a known time that
-    does not shrink or grow with how busy the shared CPU is, so the test sees
-    where the backward's time goes rather than the machine's load.
-    """
-    from gradring.hooks import allreduce_hook
-
-    def late(fut: torch.futures.Future) -> torch.Tensor:
-        time.sleep(latency)
-        return fut.value()
-
-    return allreduce_hook(None, bucket).then(late)
-
-
-def run_slow_layer(rank: int, world: int, where: str, seconds: float, latency: float,
-                   steps: int) -> dict:
+def run_held(rank: int, world: int, overlap: str) -> dict:
+    """Two rebuilding steps, then one whose early layer is held until bucket 0's
+    all-reduce is done (overlap "1"), or not held (overlap "0", buckets reduced
+    at the end of the backward). See [Note: overlap by events, not durations]."""
     import gradring
 
-    ddp = gradring.DistributedDataParallel(SlowNet(where, seconds), bucket_cap_mb=1)
-    ddp.register_comm_hook(latency, slow_network_hook)
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(rank))
-    for _ in range(steps):
-        ddp(x).pow(2).mean().backward()
-    stats = ddp_overlap_stats(ddp, last_n=steps)
-    stats["n_buckets"] = len(ddp.reducer.buckets)
-    return stats
+    before = os.environ.get("GRADRING_OVERLAP")
+    os.environ["GRADRING_OVERLAP"] = overlap  # read at the rebuild (the 2nd forward)
+    try:
+        ddp = gradring.DistributedDataParallel(HeldEarly())
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+
+        def step() -> None:
+            ddp(x).sum().backward()
+
+        for _ in range(2):  # iteration 1 uses one bucket; the 2nd forward rebuilds
+            step()
+    finally:
+        if before is None:
+            os.environ.pop("GRADRING_OVERLAP")
+        else:
+            os.environ["GRADRING_OVERLAP"] = before
+    late = ddp.reducer.bucket_of(2)  # late.weight
+    it = ddp.reducer.trace.iteration
+    if overlap == "1":
+        held_backward(ddp, step, late)
+    else:
+        step()
+    stats = ddp_overlap_stats(ddp, last_n=1)
+    return {"late_bucket": late, "n_buckets": len(ddp.reducer.buckets),
+            "launch_when_ready": ddp.reducer.overlap,
+            "order": event_order(ddp, it), "stats": stats}
 
 
-def test_slow_early_layer_hides_communication(pools) -> None:
-    # Each bucket's collective takes >= 15 ms; the injected layer sleeps 80 ms.
-    seconds, latency, steps = 0.08, 0.015, 7
-    first, last = (pools.run(2, run_slow_layer, where, seconds, latency, steps)
-                   for where in ("first", "last"))
-    assert {r["n_buckets"] for r in first + last} == {4}
-    # A rank that reaches the last bucket early also waits there for the other
-    # rank; the later rank's figure is the communication itself.
-    exposed = {name: min(r["exposed_ms"] for r in res)
-               for name, res in (("first", first), ("last", last))}
-    # Sleeping late in the backward (in the first layer) gives buckets 0-2 time to
-    # finish: one bucket's collective is left. Sleeping before any gradient is
-    # ready (in the last layer) hides nothing: all four queue up at the end.
-    assert 2 * exposed["first"] < exposed["last"], (exposed, first, last)
-    for r in first:
-        assert [b["finished_before_backward_end"] for b in r["buckets"]] == [True] * 3 + [False]
-        assert r["overlap_ratio"] > max(q["overlap_ratio"] for q in last)
-    # That sleep lies inside backward_start..backward_end; the other one outside.
-    assert min(r["backward_ms"] for r in first) > max(r["backward_ms"] for r in last)
+def test_overlap_is_real(pools) -> None:
+    # With the early layer's backward held until the late layer's bucket is
+    # reduced, that bucket was launched and reduced while the backward still
+    # ran: before the early layer's bucket was ready, before backward_end. The
+    # statistics say so too. Fails when buckets wait for the end of the
+    # backward (the hold gives up, the order is the other way round).
+    for r in pools.run(2, run_held, "1"):
+        assert r["n_buckets"] == 2 and r["late_bucket"] == 0, r
+        assert launched_and_done_during_backward(r["order"], 0, 1), r["order"]
+        s = r["stats"]
+        assert s["iterations"] == 1, s
+        # The last bucket is reduced by the finalize, after backward_end.
+        assert [b["finished_before_backward_end"] for b in s["buckets"]] == [True, False], s
+        assert s["buckets"][0]["hidden_fraction"] == 1.0 and s["overlap_ratio"] > 0, s
+
+
+def test_without_overlap_the_statistics_show_none(pools) -> None:
+    # GRADRING_OVERLAP=0: every bucket launches after backward_end, and the
+    # statistics count all of the communication as exposed.
+    for r in pools.run(2, run_held, "0"):
+        order = r["order"]
+        assert r["n_buckets"] == 2 and not r["launch_when_ready"], r
+        assert order.index(("backward_end", -1)) < order.index(("launch", 0)), order
+        assert not launched_and_done_during_backward(order, 0, 1), order
+        s = r["stats"]
+        assert [b["finished_before_backward_end"] for b in s["buckets"]] == [False, False], s
+        assert s["overlap_ratio"] == 0.0 and s["exposed_ms"] == pytest.approx(s["comm_ms"]), s
 
 
 def test_export_makes_its_folder_and_merge_waits_for_late_ranks(tmp_path) -> None:

@@ -23,7 +23,7 @@ from gradring.comm import homes
 from gradring.comm.ops import SUM
 from gradring.comm.transport import CollectiveInfo, Kind
 from gradring.comm.transports.threaded import run_ranks
-from tests import oracle
+from tests.support import oracle
 
 pytestmark = pytest.mark.timeout(180)
 

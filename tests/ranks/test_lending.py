@@ -20,7 +20,7 @@ import torch
 
 import gradring
 from gradring.hooks import default as default_hooks
-from tests import oracle
+from tests.support import oracle
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,8 +1,9 @@
-"""Job side of ``tests/test_shm_hardening.py``: small jobs of real rank processes.
+"""Job side of ``tests/jobs/test_shm_hardening.py``: small jobs of real rank processes.
 
-``python tests/shm_jobs.py launch --scenario NAME --world W --tmp DIR [--shm-size 8m]``
-starts W ranks of this file (``rank`` mode), each in a fresh gloo process group,
-and prints one JSON object: every rank's reports (the JSON lines it printed),
+``python tests/support/shm_jobs.py launch --scenario NAME --world W --tmp DIR [--shm-size 8m]``
+starts W ranks of this file (``rank`` mode), each in a fresh gloo process group
+(with ``tests/support/jobs.py``, the harness of every fault job), and prints one
+JSON object: every rank's reports (the JSON lines it printed),
 exit status and stderr. With ``--shm-size`` the launcher first re-executes
 itself under ``unshare --mount`` and mounts a tmpfs of that size on /dev/shm,
 so the job sees a small /dev/shm and the mount vanishes with the job.
@@ -14,13 +15,14 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root
+
+from tests.support import jobs  # noqa: E402
 
 
 def say(**report: object) -> None:
@@ -35,29 +37,11 @@ def launch(a: argparse.Namespace) -> None:
                *sys.argv[1:]]
         os.execvp(cmd[0], cmd)
     store = os.path.join(a.tmp, f"store-{a.scenario}-{time.monotonic_ns()}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "rank",
-                               "--scenario", a.scenario, "--rank", str(r), "--world",
-                               str(a.world), "--store", store, "--tmp", a.tmp],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for r in range(a.world)]
-    result = {"ranks": []}
-    deadline = time.monotonic() + a.timeout
-    try:
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                err += "\n[killed by the launcher: timed out]"
-            result["ranks"].append({
-                "reports": [json.loads(x) for x in out.splitlines() if x.startswith("{")],
-                "code": p.returncode, "stderr": err[-20000:]})
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs = jobs.start(os.path.abspath(__file__), a.world,
+                       lambda r: ["rank", "--scenario", a.scenario, "--rank", str(r),
+                                  "--world", str(a.world), "--store", store, "--tmp", a.tmp],
+                       jobs.job_env(drop=()))
+    result = {"ranks": jobs.collect(procs, a.timeout, on_timeout="record")}
     if a.shm_size:
         result["leftover"] = sorted(n for n in os.listdir("/dev/shm")
                                     if n.startswith("gradring-"))
@@ -68,7 +52,7 @@ def rank_main(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from tests import shm_scenarios
+    from tests.support import shm_scenarios
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank,

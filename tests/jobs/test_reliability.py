@@ -1,10 +1,10 @@
 """Failure handling (SPEC S14): dead peers, stalls, silent early exits, desyncs, bad input.
 
 Fault-injection tests start their own small jobs (this file doubles as the job
-script: ``python tests/test_reliability.py --scenario NAME --rank R ...``), kill
+script: ``python tests/jobs/test_reliability.py --scenario NAME --rank R ...``), kill
 or stall one rank, and check what the survivors report: exit status, the error
-text (ranks, sequence number, bucket, parameter names) and, for fail-fast
-behaviour only, a generous cap on the time it took. Nothing here touches the
+text (ranks, sequence number, bucket, parameter names). Nothing measures how
+long anything took (see [Note: fail fast, told by the wording]). Nothing here touches the
 processes of the shared ``pools`` fixture except the bad-input sweep, which
 only runs well-formed collectives on them.
 """
@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from contextlib import redirect_stdout
@@ -29,20 +28,29 @@ import torch.distributed as dist
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root
 
 import gradring  # noqa: E402
 from gradring import comm  # noqa: E402
 from gradring.tools import flight  # noqa: E402
+from tests.support import jobs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
-#: Cap on "a survivor noticed the dead peer" (torch+gloo takes ~0.8 s here); generous
-#: because the machine is shared and loaded.
-DEAD_PEER_CAP_S = 5.0
-#: gradring's deadline in the stall tests, and the cap on how late the error may come.
-SHORT_TIMEOUT = "2"
-LATE_CAP_S = 12.0
+# [Note: fail fast, told by the wording]
+# "A survivor fails fast instead of waiting for the deadline" used to be checked
+# with a cap on the seconds from the fault to the error, which a loaded machine
+# could exceed. Now the fault jobs run with a deadline (LONG_TIMEOUT) longer than
+# any detection and shorter than the job's own limit, and the tests assert the
+# error's wording: a detection names the dead or departed rank and its cause,
+# while a deadline would say "timed out". A stalled rank stays silent until the
+# survivor has reported its timeout (an event: a flag file), not for a time.
+
+#: gradring's deadline in the fault jobs: a failure that waited for it says "timed out".
+LONG_TIMEOUT = "60"
+#: gradring's deadline in the stall tests: it applies to every collective of the job,
+#: so it leaves a loaded machine room; the stalled rank waits for an event, not a time.
+SHORT_TIMEOUT = "10"
 PARAM_NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
 
 
@@ -78,6 +86,22 @@ def _step(ddp: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> N
     opt.step()
 
 
+#: The job's store path; flag files are named after it (see _flag).
+_STORE = {"path": ""}
+
+
+def _flag(name: str) -> str:
+    return f"{_STORE['path']}.{name}"
+
+
+def _wait_for_flag(name: str, limit_s: float = 120.0) -> None:
+    """Block until another rank of this job raised flag ``name``; ``limit_s`` only
+    bounds a broken job's wait."""
+    give_up = time.monotonic() + limit_s
+    while not os.path.exists(_flag(name)) and time.monotonic() < give_up:
+        time.sleep(0.01)
+
+
 def _train(rank: int, steps: int, at: int, action) -> None:
     """Train ``steps`` steps; at step ``at`` run ``action(step)`` first (the fault)."""
     ddp, opt = _ddp()
@@ -87,13 +111,14 @@ def _train(rank: int, steps: int, at: int, action) -> None:
                 action(step)
             _step(ddp, opt, step, rank)
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        _say(rank=rank, error=f"{type(exc).__name__}: {exc}", t=time.time(), step=step)
+        _say(rank=rank, error=f"{type(exc).__name__}: {exc}", step=step)
+        open(_flag(f"failed-{rank}"), "w").close()
         return
-    _say(rank=rank, error=None, t=time.time())
+    _say(rank=rank, error=None)
 
 
 def _kill_self(step: int) -> None:
-    _say(killed_at=time.time(), pid=os.getpid(), step=step)
+    _say(killed=True, pid=os.getpid(), step=step)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -119,9 +144,9 @@ def scenario_kill_backward(a: argparse.Namespace) -> None:
                 param.register_hook(lambda g, s=step: _kill_self(s))
             _step(ddp, opt, step, a.rank)
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        _say(rank=a.rank, error=f"{type(exc).__name__}: {exc}", t=time.time(), step=step)
+        _say(rank=a.rank, error=f"{type(exc).__name__}: {exc}", step=step)
         return
-    _say(rank=a.rank, error=None, t=time.time())
+    _say(rank=a.rank, error=None)
 
 
 def scenario_kill_then_end(a: argparse.Namespace) -> None:
@@ -134,8 +159,9 @@ def scenario_kill_then_end(a: argparse.Namespace) -> None:
 
 
 def scenario_stall(a: argparse.Namespace) -> None:
-    """Rank ``a.victim`` sleeps (alive, silent) at step 3, well past the deadline."""
-    _train(a.rank, 6, 3, (lambda s: time.sleep(5)) if a.rank == a.victim else lambda s: None)
+    """Rank ``a.victim`` stalls (alive, silent) at step 3 until rank 0 has failed."""
+    _train(a.rank, 6, 3, (lambda s: _wait_for_flag("failed-0")) if a.rank == a.victim
+           else lambda s: None)
 
 
 def scenario_leave(a: argparse.Namespace) -> None:
@@ -144,7 +170,7 @@ def scenario_leave(a: argparse.Namespace) -> None:
         ddp, opt = _ddp()
         for step in range(3):
             _step(ddp, opt, step, a.rank)
-        _say(rank=a.rank, left_at=time.time())
+        _say(rank=a.rank, left=True)
         return  # normal exit: gradring's exit hooks run
     _train(a.rank, 40, -1, None)
 
@@ -191,11 +217,9 @@ def scenario_inflight(a: argparse.Namespace) -> None:
     big.fill_(1.0)
     works = [comm.all_reduce(big, async_op=True) for _ in range(4)]
     works += [comm.all_reduce(torch.ones(1000), async_op=True) for _ in range(4)]
-    t0 = time.monotonic()
     comm.shutdown()  # every rank: queued work finishes first
     outcomes = _wait_all(works)
-    _say(rank=r, case="shutdown", outcomes=outcomes, took=time.monotonic() - t0,
-         value=float(big[0]))
+    _say(rank=r, case="shutdown", outcomes=outcomes, value=float(big[0]))
     # Now only rank 1 shuts down while rank 0 still has work in flight.
     comm.all_reduce(torch.ones(4))
     if r == 1:
@@ -203,12 +227,11 @@ def scenario_inflight(a: argparse.Namespace) -> None:
         time.sleep(3)
     else:
         time.sleep(0.5)
-        t0 = time.monotonic()
         try:
             comm.all_reduce(torch.ones(1000))
             _say(rank=r, case="peer_shutdown", error=None)
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            _say(rank=r, case="peer_shutdown", error=str(exc), took=time.monotonic() - t0)
+            _say(rank=r, case="peer_shutdown", error=str(exc))
     comm.shutdown()
     # destroy_process_group with DDP buckets in flight (async, not yet waited).
     ddp, _ = _ddp()
@@ -262,10 +285,11 @@ def _job_main(argv: list[str]) -> None:
     p.add_argument("--victim", type=int, default=-1)
     p.add_argument("--cases", default="")
     a = p.parse_args(argv)
+    _STORE["path"] = a.store
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank,
                             world_size=a.world, timeout=timedelta(seconds=60))
-    _say(rank=a.rank, pid=os.getpid(), started=time.time())
+    _say(rank=a.rank, pid=os.getpid(), started=True)
     SCENARIOS[a.scenario](a)
     sys.stdout.flush()
     if a.scenario == "leave" and a.rank == a.victim or a.scenario == "exit_after_one" \
@@ -278,26 +302,12 @@ def _job_main(argv: list[str]) -> None:
 def _run_job(scenario: str, world: int, tmp: str, env: dict[str, str] | None = None,
              timeout: float = 90, **extra: object) -> tuple[list[list[dict]], list[int]]:
     store = os.path.join(tmp, f"{scenario}-{time.monotonic_ns()}")
-    args = [f"--{k}={v}" for k, v in extra.items()]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
-        if env is None or k not in env:
-            full_env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
-                               scenario, "--rank", str(r), "--world", str(world), "--store",
-                               store, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=full_env) for r in range(world)]
-    out, codes = [], []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append([json.loads(x) for x in stdout.splitlines() if x.startswith("{")])
-            codes.append(p.returncode)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return out, codes
+    extra_args = [f"--{k}={v}" for k, v in extra.items()]
+    procs = jobs.start(os.path.abspath(__file__), world,
+                       lambda r: ["--scenario", scenario, "--rank", str(r), "--world",
+                                  str(world), "--store", store, *extra_args], jobs.job_env(env))
+    ranks = jobs.collect(procs, timeout)
+    return [r["reports"] for r in ranks], [r["code"] for r in ranks]
 
 
 def _final(reports: list[dict]) -> dict:
@@ -318,9 +328,10 @@ KILLS = [  # (world, victim, transport env)
                          ids=[f"w{w}-kill{v}-{next(iter(e.values()), 'shm')}"
                               for w, v, e in KILLS])
 def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> None:
-    reports, codes = _run_job("kill", world, str(tmp_path), env=env, victim=victim)
+    reports, codes = _run_job("kill", world, str(tmp_path),
+                              env={"GRADRING_TIMEOUT": LONG_TIMEOUT, **env}, victim=victim)
     assert codes[victim] == -signal.SIGKILL
-    killed = next(r for r in reports[victim] if "killed_at" in r)
+    pid = next(r for r in reports[victim] if "killed" in r)["pid"]
     for rank in range(world):
         if rank == victim:
             continue
@@ -330,8 +341,9 @@ def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> No
         assert f"rank {victim}" in err and "all_reduce #" in err, err
         assert "gradring DDP: this was the all-reduce of bucket" in err, err
         assert any(name in err for name in PARAM_NAMES), err
-        took = final["t"] - killed["killed_at"]
-        assert took < DEAD_PEER_CAP_S, (took, err)
+        # Detected, not waited out: see [Note: fail fast, told by the wording].
+        assert "timed out" not in err, err
+        assert f"rank {victim} (pid {pid}) has exited" in err, err
 
 
 def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
@@ -346,7 +358,7 @@ def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
                                                  victim=1, cases=pt, timeout=150), points))
     for point, (reports, codes) in zip(points, jobs):
         assert codes[1] == -signal.SIGKILL, (point, codes, reports[1])
-        pid = next(r for r in reports[1] if "killed_at" in r)["pid"]
+        pid = next(r for r in reports[1] if "killed" in r)["pid"]
         for rank in (0, 2):
             err = _final(reports[rank])["error"]
             assert err is not None, (point, reports[rank])
@@ -362,13 +374,9 @@ def test_nothing_of_a_killed_job_stays_in_dev_shm(tmp_path, term_at) -> None:
     # once it reported its error), rank 2 ends normally after its error. Before, the
     # dead rank's own segments stayed in /dev/shm until the next gradring job.
     store = os.path.join(str(tmp_path), f"kill_then_end-{time.monotonic_ns()}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("GRADRING_TRANSPORT", "GRADRING_ALGO", "GRADRING_CHECK"):
-        env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--scenario",
-                               "kill_then_end", "--rank", str(r), "--world", "3", "--store",
-                               store, "--victim=1"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(3)]
+    procs = jobs.start(os.path.abspath(__file__), 3,
+                       lambda r: ["--scenario", "kill_then_end", "--rank", str(r), "--world",
+                                  "3", "--store", store, "--victim=1"], jobs.job_env())
     seen = ""  # what rank 0 printed before its SIGTERM
     try:
         procs[1].wait(timeout=120)
@@ -402,12 +410,10 @@ def test_stalled_peer_times_out_naming_everything(tmp_path, env) -> None:
                                    "GRADRING_FLIGHT_RECORDER": str(fr), **env})
     final = _final(reports[0])
     err = final["error"]
-    started = next(r for r in reports[0] if "started" in r)["started"]
-    assert err is not None and "timed out after 2s" in err, err
+    assert err is not None and f"timed out after {SHORT_TIMEOUT}s" in err, err
     assert "ranks [1] did not arrive" in err and "all_reduce #" in err, err
     assert "bytes, float32" in err, err
     assert "bucket" in err and any(name in err for name in PARAM_NAMES), err
-    assert final["t"] - started < LATE_CAP_S + 10, final
     # The flight recorder: rank 0 dumped on the timeout; the merge names the culprit.
     assert (fr / "rank0.json").exists()
     buf = io.StringIO()
@@ -420,14 +426,14 @@ def test_stalled_peer_times_out_naming_everything(tmp_path, env) -> None:
 @pytest.mark.parametrize("env", [{}, {"GRADRING_TRANSPORT": "torch"}], ids=["shm", "torch"])
 def test_rank_leaving_early_is_named(tmp_path, env) -> None:
     reports, codes = _run_job("leave", 2, str(tmp_path), victim=1,
-                              env={"GRADRING_TIMEOUT": "30", **env})
+                              env={"GRADRING_TIMEOUT": LONG_TIMEOUT, **env})
     assert codes[1] == 0
-    left = next(r for r in reports[1] if "left_at" in r)
+    assert any("left" in r for r in reports[1]), reports[1]
     final = _final(reports[0])
     err = final["error"]
     assert err is not None and "rank 1" in err and "all_reduce #" in err, err
     assert "left" in err or "exited" in err or "closed" in err, err
-    assert final["t"] - left["left_at"] < DEAD_PEER_CAP_S, (final, left)
+    assert "timed out" not in err, err  # see [Note: fail fast, told by the wording]
 
 
 def test_desyncs_name_both_sides(tmp_path) -> None:
@@ -469,7 +475,7 @@ def test_inflight_shutdown_and_destroy(tmp_path) -> None:
     err = {r["case"]: r for r in reports[0] if "case" in r}["peer_shutdown"]
     assert err["error"] is not None and "rank 1" in err["error"], err
     assert "shut gradring down" in err["error"] or "left" in err["error"], err
-    assert err["took"] < DEAD_PEER_CAP_S, err
+    assert "timed out" not in err["error"], err  # see [Note: fail fast, told by the wording]
 
 
 def test_rank_exiting_right_after_a_collective_does_not_fail_a_slow_peer(tmp_path) -> None:

@@ -17,7 +17,7 @@ from gradring.observe import timeline
 from gradring.observe.overlap import export_chrome_trace, merge_traces
 from gradring.tools import tune, workloads
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _needs_matplotlib() -> None:

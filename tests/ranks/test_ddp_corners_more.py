@@ -14,8 +14,8 @@ import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hook
 from torch import nn
 
 import gradring
-from tests.irregular_models import compare_grads
-from tests.test_ddp_corners import IMPLS, _flat_params, _grads, _same_everywhere
+from tests.ranks.test_ddp_corners import IMPLS, _flat_params, _grads, _same_everywhere
+from tests.support.irregular_models import compare_grads
 
 # ---------------------------------------------------------------- bucket caps
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 

@@ -20,7 +20,7 @@ from gradring import step_model
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
 from gradring.reducer import autocap
-from tests import oracle
+from tests.support import oracle
 
 
 def _profile(n: int, layer_bytes: int, backward_ms: float) -> step_model.Profile:

@@ -15,7 +15,7 @@ def _model(kind):
     if kind == "bn":
         return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     if kind == "branchy":
-        from tests.irregular_models import Branchy
+        from tests.support.irregular_models import Branchy
         return Branchy()
     if kind == "wide":  # a 530 KiB bucket: the homed two-shot (gradients left in .grad)
         return nn.Sequential(nn.Linear(5, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),

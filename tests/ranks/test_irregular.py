@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradring
-from tests.irregular_models import batch, compare_grads, run_side_by_side
+from tests.support.irregular_models import batch, compare_grads, run_side_by_side
 
 # ---------------------------------------------------------------- rank bodies
 
@@ -32,7 +32,7 @@ def _warn_once(rank, world_size):
 
 
 def _deep(rank, world_size):
-    from tests.irregular_models import Deep
+    from tests.support.irregular_models import Deep
 
     ddp = gradring.DistributedDataParallel(Deep(), find_unused_parameters=True)
     ddp(torch.randn(2, 4)).sum().backward()

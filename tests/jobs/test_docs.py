@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 

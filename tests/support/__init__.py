@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: rank pools, oracles, models, job harnesses."""

@@ -1,0 +1,1 @@
+"""Tests that run in one process: pure functions, the threaded transport, import checks."""
