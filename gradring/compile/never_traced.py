@@ -10,7 +10,7 @@ by hand: every top-level module and package of ``gradring`` is never traced
 (a package covers every module under it, ``gradring.reducer`` and
 ``gradring.buckets`` included, whose code runs inside the hooks), except
 those in ``MAY_BE_TRACED``, each for a stated reason. A new module is thus
-never traced unless it is listed there. ``tests/test_never_traced.py`` walks
+never traced unless it is listed there. ``tests/unit/test_never_traced.py`` walks
 the package and checks that every file is covered one way or the other.
 """
 

@@ -13,7 +13,7 @@ checkpoint do). On these terms:
 - every callable attribute of torch 2.13's class is overridden in the class
   below: implemented with torch's meaning on top of gradring's own reducer,
   or, for torch-internal machinery gradring has no counterpart of, raising
-  ``NotImplementedError`` that names it (``tests/test_ddp_identity.py`` walks
+  ``NotImplementedError`` that names it (``tests/ranks/test_ddp_identity.py`` walks
   torch's class and checks it);
 - nothing inherited from torch's class is ever called.
 

@@ -197,7 +197,7 @@ class Reducer:
         # parameter that this forward did not reach but an earlier no_sync step
         # did is marked ready with its accumulated .grad (see _mark_ready), and a
         # parameter used on any rank gets the reduced gradient on every rank,
-        # even where its .grad was None (tests/test_no_sync_unused.py).
+        # even where its .grad was None (tests/ranks/test_no_sync_unused.py).
         # The in-flight all-reduce of a usage map (find_unused, or static_graph's
         # first iteration), waited for by the finalize.
         self._used_future: Any = None

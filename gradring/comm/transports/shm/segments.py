@@ -50,7 +50,7 @@ true when pids are reused (``pid_max`` may be as low as 32768):
 
 A process whose pid namespace cannot be read (0) sweeps nothing: it cannot
 tell its own pids from another namespace's that shares /dev/shm.
-``tests/test_concurrent_jobs.py`` runs jobs that start, crash and end among
+``tests/jobs/test_concurrent_jobs.py`` runs jobs that start, crash and end among
 each other while the test process sweeps in a loop.
 """
 

@@ -17,7 +17,7 @@ a crashed job an error on the survivor naming the dead rank *of its own job*
 every segment it has owned is still in /dev/shm unless it unlinked it itself
 (a freed ``comm.empty`` buffer, a staging set that grew), so a segment lost to
 another job's sweep fails the test. This file doubles as the rank script
-(``python tests/test_concurrent_jobs.py --job ...``).
+(``python tests/jobs/test_concurrent_jobs.py --job ...``).
 """
 
 from __future__ import annotations
