@@ -7,6 +7,7 @@ its own slice, and returns the largest differences.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -254,7 +255,8 @@ def test_convert_keeps_a_fused_activation():
 
 def test_convert_leaves_a_subclass_with_its_own_forward_and_names_it():
     net = nn.Sequential(nn.BatchNorm2d(2), nn.Sequential(_OwnForward(2)))
-    with pytest.warns(UserWarning, match=r"1\.0 \(tests\.test_sync_batchnorm\._OwnForward\)"):
+    named = re.escape(f"1.0 ({_OwnForward.__module__}._OwnForward)")
+    with pytest.warns(UserWarning, match=named):
         converted = SyncBatchNorm.convert_sync_batchnorm(net)
     assert type(converted[0]) is SyncBatchNorm
     assert type(converted[1][0]) is _OwnForward
