@@ -24,6 +24,7 @@ SLOW_FILES = {
     "tests/test_reliability.py": "fault jobs: ranks killed, stalled or desynced, one job each",
     "tests/test_shm_hardening.py": "fault jobs on the shared-memory transport",
     "tests/test_elastic.py": "torchrun with elastic restarts",
+    "tests/test_orphans.py": "torchrun jobs whose ranks or agent are killed or stopped",
     "tests/test_soak.py": "thousands of steps",
     "tests/multihost/test_netns.py": "torchrun across network namespaces",
     "tests/integrations/test_lightning.py": "Lightning trainers and Fabric",
