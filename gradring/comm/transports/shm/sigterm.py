@@ -106,3 +106,13 @@ def _handle(transports: Callable[[], Iterable[Any]], signum: int, frame: Any) ->
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _reset_in_child() -> None:
+    """A forked child (a DataLoader worker) owns no transport: no deferred install."""
+    global deferred
+    deferred = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
