@@ -20,7 +20,9 @@ when a group's state is made, ``GRADRING_OVERLAP`` when a DDP is built,
 recorder's ring is made then; the wait loop reads a module constant).
 Those callers use :func:`current`, which compares every variable, so a test
 that changes the environment sees the change at the next such point;
-:func:`reload` forgets what was parsed.
+:func:`reload` forgets what was parsed. The three read per collective must be
+equal on every rank of a group: their values are compared when a group's state is
+made (see [Note: agreed settings] in ``comm/agree.py``).
 """
 
 from __future__ import annotations

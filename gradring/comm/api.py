@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradring.comm import desync, engine, ops, runner, select
-from gradring.comm.context import GroupContext, context
+from gradring.comm.context import GroupContext, context, existing_context
 from gradring.comm.engine import Job, Work
 from gradring.comm.homes import Homes, finish_out, own_range, stage_in
 from gradring.comm.recorder import RECORDER, Entry, take_on_done
@@ -290,11 +290,14 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     plain = lambda: torch.empty(shape, dtype=dtype, device=dev)
-    env = select.overrides()
-    if dev.type != "cpu" or env.algo == "native" or env.transport == "torch":
+    if dev.type != "cpu":
         return plain()
+    # Made whatever the overrides say, so that a rank whose GRADRING_TRANSPORT differs
+    # still agrees on settings here, with the others ([Note: agreed settings]).
     ctx = context(group)
-    if ctx is None or ctx.world_size == 1:
+    env = select.overrides()
+    if ctx is None or ctx.world_size == 1 or env.algo == "native" or env.transport == "torch" \
+            or ctx.failures.broken is not None:
         return plain()
     transport = ctx.transports.shm()
     numel = math.prod(shape)
@@ -305,7 +308,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group:
 
 def in_transport_memory(tensor: torch.Tensor, group: Any = None) -> bool:
     """True if collectives on ``tensor`` are zero-copy (it lives in ``comm.empty`` memory)."""
-    ctx = context(group)
+    ctx = existing_context(group)  # none yet: nothing is in its memory (never makes one)
     transport = ctx.transports.existing_shm() if ctx is not None else None
     return (transport is not None and tensor.is_contiguous()
             and transport.locate(tensor) is not None)

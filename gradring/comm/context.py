@@ -5,6 +5,8 @@ until ``comm.shutdown()`` (or exit). It holds what the group's collectives
 share -- sequence numbers, the engine thread, the deadline -- and owns the
 pieces that do the work:
 
+- the settings every rank must share (``agree.py``), compared when the
+  context is made;
 - ``transports`` (``transports/group.py``): made on first use (a rendezvous
   through the group's store, so the first gradring call on a group -- a
   collective or ``comm.empty`` -- must be made by every rank), held, closed;
@@ -19,13 +21,14 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradring import config
-from gradring.comm import engine, root_cause, select
+from gradring.comm import agree, engine, root_cause, select
 from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
@@ -76,7 +79,26 @@ class GroupContext:
         self.failures.progress = self.peer_progress
         # Last sequence number this rank issued and completed (the board's "left after").
         self.last_seq = 0
+        # Whether the ranks' settings were compared yet (see agree_settings).
+        self._agreed = False
+        self._agree_lock = threading.Lock()
         RECORDER.note_group(self.name, self.rank, self.world_size)
+
+    def agree_settings(self) -> None:
+        """Compare the settings every rank must share, once per group instance
+        (collective: see [Note: agreed settings] in ``agree.py``). A mismatch, or a
+        rank that never comes, raises here and leaves the group refusing collectives."""
+        with self._agree_lock:
+            if self._agreed:
+                return
+            self._agreed = True
+            try:
+                agree.agree(group_store(self.group), self.rank, self.world_size,
+                            self.timeout, self.name)
+            except Exception as exc:
+                self.failures.record(None, exc)
+                self.failures.broken = str(exc)
+                raise
 
     def peer_progress(self) -> dict[int, dict[str, Any]]:
         """What this rank sees of each peer's progress: the shm status block (the
@@ -144,10 +166,12 @@ def context(group: Any) -> GroupContext | None:
         _close_destroyed()
         ctx = GROUPS.get_or_make(group, GroupContext)
         root_cause.install()  # runs before the groups close at exit ([Note: torchrun's root cause])
-        # Before any connect, which may run on the engine thread: see [Note: installing
+        # Before any connect, which may run in another thread: see [Note: installing
         # the SIGTERM handler from the main thread] in transports/shm/sigterm.py.
         sigterm.install(live_transports)
         orphans.watch(live_transports, dist.get_rank())  # [Note: orphaned workers]
+        # Outside the registry's lock: it waits for the peers' first call on the group.
+        ctx.agree_settings()  # type: ignore[attr-defined]
     elif sigterm.deferred is not None:
         sigterm.install_deferred()
     return ctx  # type: ignore[return-value] # the registry holds GroupContexts only

@@ -16,6 +16,7 @@ from gradring.comm import algos, desync, select
 from gradring.comm.homes import Homes
 from gradring.comm.ops import Op
 from gradring.comm.recorder import Entry
+from gradring.comm.store import exchange_lists, group_store, instance_prefix
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
 from gradring.comm.transports.shm import space
 from gradring.comm.transports.shm.space import ShmExhausted
@@ -45,7 +46,8 @@ def run(ctx: GroupContext, plan: Plan) -> None:
     except ShmExhausted as exc:
         # Every rank raised it in this collective (shm/space.py): all fall back together.
         shm = ctx.transports.existing_shm()
-        advice = space.advice(exc.needed, shm.memory.reserved if shm else 0, ctx.world_size)
+        in_use = _largest_holding(ctx, shm.memory.reserved if shm else 0)
+        advice = space.advice(exc.needed, in_use, ctx.world_size)
         ctx.transports.drop_shm(str(exc))
         if plan.env.transport == "shm":
             err = CollectiveError(f"{exc}; GRADRING_TRANSPORT=shm forbids falling back to "
@@ -55,6 +57,19 @@ def run(ctx: GroupContext, plan: Plan) -> None:
         space.warn_once(advice + "; gradring now runs this group's collectives over the "
                         "process group instead (slower)")
         _run(ctx, plan)
+
+
+def _largest_holding(ctx: GroupContext, mine: int) -> int:
+    """The most /dev/shm bytes any rank of the group holds, so that every rank advises
+    the same figure (see [Note: one figure, two causes] in ``shm/space.py``). Every rank
+    raised ``ShmExhausted`` in the same collective, so every rank asks: one store round
+    (``mine`` alone if a peer does not answer within 2 s)."""
+    try:
+        tag = instance_prefix(group_store(ctx.group), "shm-room", ctx.world_size)
+    except Exception:  # noqa: BLE001 - no store: this rank's own figure
+        return mine
+    theirs = exchange_lists(ctx, tag, [mine])
+    return max([mine] + [v[0] for v in theirs.values() if v and type(v[0]) is int])
 
 
 def _run(ctx: GroupContext, plan: Plan) -> None:

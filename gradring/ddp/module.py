@@ -754,8 +754,9 @@ class DistributedDataParallel(TorchDDP):
     def _distributed_rank(self) -> int:
         return self._comm.rank
 
-    def overlap_stats(self, last_n: int = 10) -> dict[str, Any]:
-        """Backward/communication overlap of the last ``last_n`` iterations (docs/overlap.md)."""
+    def overlap_stats(self, last_n: int = 0) -> dict[str, Any]:
+        """Backward/communication overlap over the steady iterations, the newest ``last_n``
+        (0: every one recorded; docs/overlap.md)."""
         from gradring.observe.overlap import ddp_overlap_stats
 
         return ddp_overlap_stats(self, last_n=last_n)

@@ -10,15 +10,24 @@ live model (a collective: every rank calls it); ``load`` reads them back from tr
 
 [Note: the step breakdown]
 A step runs from one DDP forward's start to the next one's. Per rank and
-step, in ms (medians over the recorded steps, iteration 0 and steps before
-the newest bucket layout left out):
+step, in ms (medians over the steady steps: iteration 0 and steps before the
+newest bucket layout left out, as ``overlap.steady_iterations`` does):
 
 - forward     forward_start -> forward_end (buffer sync, module, graph walk);
 - backward    backward_start -> backward_end (first parameter gradient to
               the end-of-backward callback);
+- exposed comm (the row, "exposed_total") the one figure of [Note: exposed
+              communication] in overlap.py: the median of the per-iteration
+              exposed time over the steady iterations, as overlap_stats(),
+              the demo and the timeline report it. The three parts below are
+              medians of their own and need not add up to it;
 - wait        the part of the exposed communication (backward_end -> last
               collective done) before the *slowest* rank launched its last
-              bucket: no collective can finish before every rank joins it;
+              bucket: no collective can finish before every rank joins it.
+              When every bucket was reduced after the backward (no core for
+              the comm thread), the buckets run one after the other and the
+              wait is counted bucket by bucket: the part of each bucket's
+              collective before the slowest rank launched that bucket;
 - last bucket the rest of the exposed time spent in the last bucket's own
               collective (its gradients are ready only when autograd ends);
 - exposed     the rest: earlier buckets' collectives still running after
@@ -42,7 +51,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gradring.buckets import MIB
-from gradring.observe.overlap import IterationTimes, iteration_times, recent
+from gradring.observe.overlap import (
+    STEADY_LAST_N,
+    IterationTimes,
+    exposed_comm,
+    iteration_times,
+    recent,
+)
 from gradring.observe.record import rank_record
 from gradring.observe.trace import Event
 from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, choose, simulate
@@ -55,6 +70,7 @@ LABELS = {"forward": "forward", "backward": "backward", "exposed": "exposed comm
 #: as ``overlap_stats()['exposed_ms']`` per step), then the three parts it is
 #: made of, indented; the unindented rows add up to the step.
 EXPOSED_PARTS = ("wait", "last_bucket", "exposed")
+UNINDENTED = ("forward", "backward", "exposed_total", "optimizer")
 TABLE_ROWS = (("forward", "forward"), ("backward", "backward"),
               ("exposed_total", "exposed comm"), ("wait", "  wait (peers)"),
               ("last_bucket", "  last bucket"), ("exposed", "  earlier buckets"),
@@ -65,6 +81,10 @@ MIN_SAVING_FRACTION = 0.02
 #: ... except for settings whose change costs no step time (pure overhead when the
 #: condition holds): for them NO_TRADEOFF_MIN_MS alone is the bar.
 NO_TRADEOFF = ("find_unused", "broadcast_buffers", "bucket_view")
+#: Findings said whenever their condition holds, whatever their saving: how the run went.
+ALWAYS = ("at_the_end",)
+#: The at-the-end finding's title when the reason is the host's cores (the reducer's words).
+NO_FREE_CORE = "no core is free"
 NO_TRADEOFF_MIN_MS = 0.25
 #: Buckets up to this size measure the per-bucket cost in the run itself.
 SMALL_BUCKET_BYTES = 64 * 1024
@@ -95,7 +115,7 @@ class RankStep(NamedTuple):
 
 class Finding(NamedTuple):
     key: str           # find_unused | bucket_cap | last_bucket | comm_hook | bucket_view |
-                       # broadcast_buffers | straggler
+                       # broadcast_buffers | straggler | at_the_end
     title: str
     change: str
     saving_ms: float
@@ -150,11 +170,20 @@ def last_launches(events: Sequence[Event]) -> dict[int, float]:
     return {it.iteration: it.t0 + it.buckets[-1].launch / 1e3 for it in iteration_times(events)}
 
 
-def rank_steps(events: Sequence[Event], gate: dict[int, float] | None = None) -> list[RankStep]:
+def bucket_launches(events: Sequence[Event]) -> dict[tuple[int, int], float]:
+    """(iteration, bucket) -> absolute time this rank launched that bucket."""
+    return {(it.iteration, b.bucket): it.t0 + b.launch / 1e3
+            for it in iteration_times(events) for b in it.buckets}
+
+
+def rank_steps(events: Sequence[Event], gate: dict[int, float] | None = None,
+               bucket_gate: dict[tuple[int, int], float] | None = None) -> list[RankStep]:
     """Every complete step of one rank's events ([Note: the step breakdown]).
 
     ``gate[it]``: when the slowest rank launched iteration ``it``'s last
-    bucket (same clock as the events); None: this rank alone."""
+    bucket (same clock as the events); ``bucket_gate[(it, b)]``: when the
+    slowest rank launched bucket ``b`` (used when every bucket was reduced
+    after the backward); None: this rank alone."""
     gate = gate or {}
     its = recent(iteration_times(events), 0)
     fwd = _sorted_times(events, "forward_start")
@@ -179,7 +208,7 @@ def rank_steps(events: Sequence[Event], gate: dict[int, float] | None = None) ->
                 if e is not None:
                     opt += e - s
         step = (f1 - f0) * 1e3
-        wait, last, other_comm = _split_exposed(it, gate.get(it.iteration))
+        wait, last, other_comm = _split_exposed(it, gate.get(it.iteration), bucket_gate)
         forward = (fe - f0) * 1e3
         exposed_all = wait + last + other_comm
         rest = step - forward - it.backward_ms - exposed_all - opt * 1e3
@@ -189,12 +218,30 @@ def rank_steps(events: Sequence[Event], gate: dict[int, float] | None = None) ->
     return out
 
 
-def _split_exposed(it: IterationTimes, gate: float | None) -> tuple[float, float, float]:
+def _split_exposed(it: IterationTimes, gate: float | None,
+                   bucket_gate: dict[tuple[int, int], float] | None = None,
+                   ) -> tuple[float, float, float]:
     """(wait, last bucket, other buckets) parts of ``it.exposed_ms``."""
     exposed = it.exposed_ms
     if exposed <= 0:
         return 0.0, 0.0, 0.0
     back = it.backward_ms
+    if bucket_gate and all(b.launch >= back for b in it.buckets):
+        # Reduced after the backward, one bucket after the other: each bucket's
+        # collective waits for the slowest rank to launch *that* bucket.
+        wait = last_part = 0.0
+        for k, b in enumerate(it.buckets):
+            lo, hi = max(b.start, back), b.done
+            if hi <= lo:
+                continue
+            g = bucket_gate.get((it.iteration, b.bucket))
+            w = 0.0 if g is None else min(hi - lo, max(0.0, (g - it.t0) * 1e3 - lo))
+            wait += w
+            if k == len(it.buckets) - 1:
+                last_part = hi - lo - w
+        wait = min(wait, exposed)
+        last_part = min(last_part, exposed - wait)
+        return wait, last_part, max(0.0, exposed - wait - last_part)
     wait = 0.0 if gate is None else min(exposed, max(0.0, (gate - it.t0) * 1e3 - back))
     lo, hi = back + wait, back + exposed
     last = it.buckets[-1]
@@ -212,18 +259,35 @@ def _medians(steps: Sequence[RankStep]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ analysis
-def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
-    """Explain a run from every rank's ``rank_record`` (or what ``load`` read back)."""
+def record_events(records: Sequence[dict[str, Any]]) -> dict[int, list[Event]]:
+    """Rank -> its events, on its own clock (add ``record["clock_offset"]`` for the wall
+    clock; records written before it existed hold wall-clock times and no offset)."""
+    return {r["rank"]: [Event(int(a), str(b), int(c), float(d)) for a, b, c, d in r["events"]]
+            for r in records}
+
+
+def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> Explanation:
+    """Explain a run from every rank's ``rank_record`` (or what ``load`` read back):
+    medians over the newest ``last_n`` steady steps (0: all of them)."""
     if not records:
         raise ValueError("explain needs at least one rank's record")
     records = sorted(records, key=lambda r: r["rank"])
-    events = {r["rank"]: [Event(int(a), str(b), int(c), float(d)) for a, b, c, d in r["events"]]
-              for r in records}
+    events = record_events(records)
+    # Gates on the wall clock (each rank's times + its clock offset), then back on each
+    # rank's own clock: the rank's times are used as recorded ([Note: exposed communication]).
+    offset = {r["rank"]: float(r.get("clock_offset", 0.0)) for r in records}
     gate: dict[int, float] = {}
-    for evs in events.values():
+    bucket_gate: dict[tuple[int, int], float] = {}
+    for rank, evs in events.items():
         for it, t in last_launches(evs).items():
-            gate[it] = max(gate.get(it, t), t)
-    per_rank = {rank: rank_steps(evs, gate if len(events) > 1 else None)
+            gate[it] = max(gate.get(it, t + offset[rank]), t + offset[rank])
+        for key, t in bucket_launches(evs).items():
+            bucket_gate[key] = max(bucket_gate.get(key, t + offset[rank]), t + offset[rank])
+    many = len(events) > 1
+    per_rank = {rank: rank_steps(evs, {k: g - offset[rank] for k, g in gate.items()}
+                                 if many else None,
+                                 {k: g - offset[rank] for k, g in bucket_gate.items()}
+                                 if many else None)
                 for rank, evs in events.items()}
     common = set.intersection(*({s.iteration for s in v} for v in per_rank.values()))
     keep = sorted(common)[-last_n:] if last_n > 0 else sorted(common)
@@ -232,6 +296,13 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
                          "its forward, backward and the next forward): train at least 3 steps")
     chosen = {rank: [s for s in v if s.iteration in keep] for rank, v in per_rank.items()}
     parts = {rank: _medians(v) for rank, v in chosen.items()}
+    for rank, evs in events.items():  # the one figure ([Note: exposed communication])
+        exposed = exposed_comm(iteration_times(evs), last_n)
+        parts[rank]["exposed_total"] = exposed.ms
+        parts[rank]["exposed_iterations"] = float(len(exposed.iterations))
+        # The unindented rows add up to the step: "other" is what the rest leaves.
+        p = parts[rank]
+        p["other"] = max(0.0, p["step"] - sum(p[k] for k in UNINDENTED))
     facts = records[0]["facts"]
     curve_doc = next((r.get("curve") for r in records if r.get("curve")), None)
     curve = CommCurve(curve_doc["sizes"], curve_doc["times_ms"]) if curve_doc else None
@@ -248,7 +319,7 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = 20) -> Explanation:
             f"the biggest difference is in {straggler['part']} "
             f"(+{straggler['part_excess_ms']:.2f} ms)"))
     step = max(p["step"] for p in parts.values())
-    findings = [f for f in findings if _worth(f.saving_ms, step)
+    findings = [f for f in findings if _worth(f.saving_ms, step) or f.key in ALWAYS
                 or (f.key in NO_TRADEOFF and f.saving_ms >= NO_TRADEOFF_MIN_MS)]
     findings.sort(key=lambda f: -f.saving_ms)
     notes = [] if curve is not None else [
@@ -376,6 +447,8 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
         p_last = max(parts.values(), key=lambda q: q["last_bucket"])
         if facts.get("overlap", True):  # the step model's buckets overlap the backward
             out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
+        else:
+            out.append(_at_the_end_finding(p, facts, buckets))
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -386,6 +459,37 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
                 f"its {len(buckets)} bucket(s) take {hook:.2f} ms/step from start to done; "
                 f"plain all-reduces of the same bytes measured {plain:.2f} ms on this link"))
     return out
+
+
+def overlapped_exposed_ms(buckets: Sequence[dict[str, float]], backward_ms: float) -> float:
+    """Exposed time had each bucket launched when ready: bucket k starts at the
+    later of its ready time and bucket k-1's end and runs its measured ``run``;
+    what ends after ``backward_ms`` is exposed (``buckets`` as ``_bucket_stats``)."""
+    end = 0.0
+    for b in buckets:
+        end = max(b["ready"], end) + b["run"]
+    return max(0.0, end - backward_ms)
+
+
+def _at_the_end_finding(p: dict[str, float], facts: dict[str, Any],
+                        buckets: Sequence[dict[str, float]]) -> Finding:
+    """Every bucket was reduced after the backward ([Note: overlap needs a free core]
+    in reducer/overlap_policy.py): say so, and what launching at ready time would save."""
+    why = facts.get("overlap_why", "")
+    reason = "because no core is free" if NO_FREE_CORE in why else f"({why})"
+    own = p["last_bucket"] + p["exposed"]  # the exposed time less waiting for peers
+    pred = overlapped_exposed_ms(buckets, p["backward"])
+    ready = ", ".join(f"{b['ready']:.2f}" for b in buckets)
+    return Finding(
+        "at_the_end", f"buckets were reduced after the backward {reason}",
+        "free a core for the comm thread (fewer ranks x intra-op threads than cores on the "
+        "host), then buckets launch as they become ready; GRADRING_OVERLAP=1 forces it, at "
+        "the cost of a core taken from a backward when none is free",
+        max(0.0, own - pred),
+        f"{len(buckets)} bucket(s) ran {own:.2f} ms/step of collectives after the backward "
+        f"(waiting for peers left out; the reducer: {why}); launched when ready (at "
+        f"{ready} ms of a {p['backward']:.2f} ms backward) with the same run times, "
+        f"{pred:.2f} ms would be left exposed if a core were free")
 
 
 def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str, Any],
@@ -444,19 +548,22 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
 # ------------------------------------------------------------------ text
 def format_explanation(x: Explanation) -> str:
     ranks = x.ranks
-    lines = [f"gradring explain: {len(ranks)} rank(s), medians over {x.steps} step(s)",
+    n_exposed = int(x.parts[ranks[0]].get("exposed_iterations", x.steps))
+    lines = [f"gradring explain: {len(ranks)} rank(s), medians over {x.steps} step(s) "
+             f"(exposed comm: over {n_exposed} steady iteration(s))",
              f"{'ms per step':<17}" + "".join(f"{'rank ' + str(r):>16}" for r in ranks)]
     for key, label in TABLE_ROWS:
         row = f"{label:<17}"
         for r in ranks:
             part = x.parts[r]
-            v = sum(part[k] for k in EXPOSED_PARTS) if key == "exposed_total" else part[key]
+            v = part[key]
             s = part["step"]
             row += f"{v:>9.2f} {v / s:>5.0%}" if key != "step" and s > 0 else f"{v:>9.2f}      "
         lines.append(row)
-    lines.append("(exposed comm: collectives still running after the backward, as in "
-                 "overlap_stats() and the demo; forward includes buffer sync and the graph "
-                 "walk; other: loss, zero_grad, data, copies into .grad)")
+    lines.append("(exposed comm: collectives still running after the backward, the same "
+                 "figure as overlap_stats(), the demo and gradring timeline; its three parts "
+                 "are medians of their own; forward includes buffer sync and the graph walk; "
+                 "other: loss, zero_grad, data, copies into .grad)")
     s = x.straggler
     if s is None:
         lines.append(f"stragglers: none (compute within {STRAGGLER_FRACTION:.0%} across ranks)"
@@ -491,7 +598,7 @@ def measure_link(ddp: Any) -> CommCurve:
     return measure_allreduce(ddp.comm, curve_sizes(total))
 
 
-def explain_ddp(ddp: Any, *, last_n: int = 20, measure: bool = True) -> Explanation:
+def explain_ddp(ddp: Any, *, last_n: int = STEADY_LAST_N, measure: bool = True) -> Explanation:
     """Explain a live gradring DDP model. Collective: call it on every rank at the same
     point (it gathers every rank's trace and, with ``measure``, times a few
     all-reduces on the model's group). Every rank gets the same answer."""

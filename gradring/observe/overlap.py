@@ -37,13 +37,28 @@ Per iteration, with times taken from the reducer's events:
   buckets into ``.grad``); ``tail_ms >= exposed_ms``.
 
 Only complete iterations count (both backward marks and, for every launched
-bucket, its done time). Summaries are medians over the most recent ``last_n``
-complete iterations whose bucket layout equals the newest one's, leaving out
-iteration 0 when later ones exist: the iteration before the bucket rebuild
-(and the first one, which also pays for connecting the transport) must not
-blur the table, and a median shrugs off the odd step in which the OS
+bucket, its done time). Summaries are medians over the *steady* iterations
+(``steady_iterations``): every complete iteration whose bucket layout equals
+the newest one's, leaving out iteration 0 when later ones exist (the
+iteration before the bucket rebuild, and the first one, which also pays for
+connecting the transport, must not blur the table), the newest ``last_n`` of
+them when ``last_n`` > 0, all of those still in the ring buffer by default
+(``STEADY_LAST_N``). A median shrugs off the odd step in which the OS
 descheduled a rank -- common on a shared CPU machine, where a mean of ten
 steps can exceed the median step time.
+
+[Note: exposed communication]
+One definition, in one function (``exposed_comm``), read by every report:
+``ddp.overlap_stats()["exposed_ms"]``, the demo's "exposed communication",
+``gradring explain``'s "exposed comm" row and ``gradring timeline``'s report.
+Per rank: the median, over that rank's steady iterations, of each
+iteration's ``exposed_ms`` (the in-flight time of collectives after
+backward_end, defined above). Each report computes it from the same events,
+the reducer's own ``perf_counter`` times (``record.rank_record`` keeps them
+as they are, with the rank's clock offset beside them), so for one run and
+one rank they give the same float. explain splits the figure into parts (waiting for
+peers, the last bucket, earlier buckets), but those are medians of their own
+and need not add up to it; the row above them is this figure.
 
 [Note: trace clocks]
 The reducer stamps ``time.perf_counter()``. A per-rank trace file stores its
@@ -185,6 +200,10 @@ def _layout(it: IterationTimes) -> tuple[int, ...]:
     return tuple(b.bucket for b in it.buckets)
 
 
+#: How many of the newest steady iterations the reports take; 0: every one recorded.
+STEADY_LAST_N = 0
+
+
 def recent(iterations: Sequence[IterationTimes], last_n: int = 10) -> list[IterationTimes]:
     """The newest ``last_n`` iterations that share the newest one's bucket layout.
 
@@ -199,6 +218,32 @@ def recent(iterations: Sequence[IterationTimes], last_n: int = 10) -> list[Itera
     return same[-last_n:] if last_n > 0 else same
 
 
+def steady_iterations(iterations: Sequence[IterationTimes],
+                      last_n: int = STEADY_LAST_N) -> list[IterationTimes]:
+    """The iterations every report summarises (see [Note: what the overlap numbers
+    mean]): same layout as the newest, iteration 0 left out, the newest ``last_n``
+    (0: all)."""
+    return recent(iterations, last_n)
+
+
+class ExposedComm(NamedTuple):
+    """The exposed communication of one rank ([Note: exposed communication])."""
+
+    ms: float                            # median over the steady iterations
+    iterations: tuple[int, ...]          # which iterations
+    per_iteration_ms: tuple[float, ...]  # each one's exposed_ms, in that order
+
+
+def exposed_comm(iterations: Sequence[IterationTimes],
+                 last_n: int = STEADY_LAST_N) -> ExposedComm:
+    """The one definition of exposed communication ([Note: exposed communication]):
+    the median of ``exposed_ms`` over ``steady_iterations(iterations, last_n)``."""
+    chosen = steady_iterations(iterations, last_n)
+    per = tuple(it.exposed_ms for it in chosen)
+    return ExposedComm(statistics.median(per) if per else 0.0,
+                       tuple(it.iteration for it in chosen), per)
+
+
 class BucketInfo(NamedTuple):
     """What the stats say about a bucket besides its timings."""
 
@@ -207,19 +252,20 @@ class BucketInfo(NamedTuple):
 
 
 def summarize(iterations: Sequence[IterationTimes], buckets: Sequence[BucketInfo] = (),
-              last_n: int = 10) -> dict[str, Any]:
-    """Medians over the recent iterations, plus a per-bucket table.
+              last_n: int = STEADY_LAST_N) -> dict[str, Any]:
+    """Medians over the steady iterations (newest ``last_n``; 0: all), plus a per-bucket table.
 
     ``buckets[k]`` describes bucket k (its size and parameter names); buckets
     without an entry get ``nbytes`` 0 and no names. Keys are documented in
     docs/overlap.md; all times are milliseconds.
     """
-    chosen = recent(iterations, last_n)
+    chosen = steady_iterations(iterations, last_n)
     if not chosen:
         return {"iterations": 0, "backward_ms": 0.0, "comm_ms": 0.0, "exposed_ms": 0.0,
                 "tail_ms": 0.0, "overlap_ratio": 1.0, "exposed_per_iteration_ms": [],
-                "buckets": []}
+                "exposed_iterations": [], "buckets": []}
     med = statistics.median
+    exposed = exposed_comm(iterations, last_n)
     table = []
     for k, bucket in enumerate(chosen[-1].buckets):
         rows = [it.buckets[k] for it in chosen]
@@ -242,10 +288,11 @@ def summarize(iterations: Sequence[IterationTimes], buckets: Sequence[BucketInfo
         "iterations": len(chosen),
         "backward_ms": med([it.backward_ms for it in chosen]),
         "comm_ms": med([it.comm_ms for it in chosen]),
-        "exposed_ms": med([it.exposed_ms for it in chosen]),
+        "exposed_ms": exposed.ms,
         "tail_ms": med([it.tail_ms for it in chosen]),
         "overlap_ratio": med([it.overlap_ratio for it in chosen]),
-        "exposed_per_iteration_ms": [it.exposed_ms for it in chosen],
+        "exposed_per_iteration_ms": list(exposed.per_iteration_ms),
+        "exposed_iterations": list(exposed.iterations),
         "buckets": table,
     }
 
@@ -257,7 +304,7 @@ def bucket_infos(ddp: Any) -> list[BucketInfo]:
             for b in reducer.buckets]
 
 
-def ddp_overlap_stats(ddp: Any, last_n: int = 10) -> dict[str, Any]:
+def ddp_overlap_stats(ddp: Any, last_n: int = STEADY_LAST_N) -> dict[str, Any]:
     """``summarize`` over a gradring DDP model's trace (what ``ddp.overlap_stats()`` returns),
     with ``launch_when_ready`` and ``launch_why``: whether buckets were launched as
     they became ready or all at the end of the backward, and why (see [Note:

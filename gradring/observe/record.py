@@ -70,10 +70,16 @@ def facts_of(ddp: Any) -> dict[str, Any]:
 
 
 def rank_record(ddp: Any, curve: CommCurve | None = None) -> dict[str, Any]:
-    """This rank's events on the wall clock, its facts and an optional measured curve."""
-    off = clock_offset()
+    """This rank's events, its facts and an optional measured curve.
+
+    The events keep the reducer's own ``perf_counter`` times, the very floats
+    ``ddp.overlap_stats()`` reads, so every report computes the same exposed
+    time from them ([Note: exposed communication] in ``overlap.py``);
+    ``clock_offset`` puts them on the wall clock, to line the ranks up. (Adding
+    the offset first would round each time to about 0.2 us, the spacing of
+    doubles near 1.7e9 seconds, and the figures would differ in the last digits.)"""
     return {"rank": ddp.comm.rank, "facts": facts_of(ddp),
-            "events": [[e.iteration, e.kind, e.bucket, e.t + off]
-                       for e in list(ddp.reducer.trace.events)],
+            "events": [list(e) for e in list(ddp.reducer.trace.events)],
+            "clock_offset": clock_offset(),
             "curve": None if curve is None else {"sizes": list(curve.sizes),
                                                  "times_ms": list(curve.times_ms)}}

@@ -1,26 +1,35 @@
-"""``gradring timeline``: draw a merged trace as a Gantt chart of compute and communication.
+"""``gradring timeline``: draw a merged trace: every phase of the step, and the buckets.
 
     gradring timeline merged.json -o timeline.png            # the last 3 iterations
     gradring timeline merged.json -o all.png --last 0        # every iteration in the file
 
 The input is a Chrome trace written by ``gradring.observe.overlap.merge_traces`` (or
-one rank's ``export_chrome_trace``). Each rank gets two lanes, like the
-chapter's figure of the overlapped backward: *compute*, where the backward is cut at the moments
-buckets became ready and each piece has its bucket's colour (the work that
-produced that bucket's gradients), and *comm*, where each bucket's all-reduce
-is drawn in the same colour. Whatever of the comm lane sticks out past the
-end of the backward is the exposed communication; the hatched box on the
-compute lane (``finalize``) is the time ``backward()`` spent waiting for it and
-copying the results into ``.grad``. See docs/overlap.md.
+one rank's ``export_chrome_trace``). From the step records it carries, every
+instant of a step (one forward's start to the next one's) is cut into one of
+``PHASES`` (``step_segments``): forward, backward, waiting for peers, exposed
+communication, copying into ``.grad``, optimizer, and a labelled "other"
+(loss, zero_grad, data, gaps). Up to ``GANTT_MAX`` steps each rank gets two
+lanes, like the chapter's figure of the overlapped backward: the *step*, with
+the backward cut at the moments buckets became ready (each piece in its
+bucket's shade), and *comm*, each bucket's all-reduce in the same shade. Longer
+runs are drawn as a summary: one stacked bar per step (or bin of steps) and
+the median step, in a figure of fixed size. The command also prints each
+rank's exposed communication, the figure of [Note: exposed communication] in
+``overlap.py``, and each phase's share. Traces without step records (a
+stand-in DDP) get the backward and bucket lanes alone. See docs/overlap.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+from gradring.observe.overlap import ExposedComm, exposed_comm, iteration_times, recent
+from gradring.observe.trace import Event
 
 REST_COLOUR = "#c8c8c8"      # backward after the last bucket was ready
 FINALIZE_COLOUR = "#333333"  # the tail after the backward: exposed communication + copies
@@ -66,9 +75,352 @@ def iteration_labels(starts: Sequence[tuple[float, int]], width: float,
     return out
 
 
+# ------------------------------------------------------------------ phases of the step
+#: The phases a step is cut into, in drawing order, and their colours. Every instant of
+#: a step (one forward's start to the next one's) belongs to exactly one of them.
+PHASES = ("forward", "backward", "wait (peers)", "exposed comm", "copy into .grad",
+          "optimizer", "other")
+PHASE_COLOUR = {"forward": "#4c72b0", "backward": "#55a868", "wait (peers)": "#e5ae38",
+                "exposed comm": "#c44e52", "copy into .grad": "#8172b2",
+                "optimizer": "#64b5cd", "other": "#e8e8e8"}
+#: What "other" holds (it is labelled so in the legend and the report).
+OTHER_MEANS = "other: loss, zero_grad, data, autograd before the first gradient, gaps"
+#: Up to this many iterations the timeline draws every event; beyond, a summary.
+GANTT_MAX = 8
+#: The summary draws at most this many bars per rank (iterations binned beyond it).
+SUMMARY_MAX_BARS = 64
+
+
+class Segment(NamedTuple):
+    """One piece of one rank's step: ``phase`` from ``t0`` to ``t1`` (seconds, the rank's
+    own clock); ``bucket`` is the bucket whose gradients a backward piece produced (-1:
+    none, or work after the last bucket was ready)."""
+
+    iteration: int
+    phase: str
+    t0: float
+    t1: float
+    bucket: int = -1
+
+
+def _tile(f0: float, f1: float, marked: Sequence[tuple[int, float, float, str, int]]
+          ) -> list[tuple[float, float, str, int]]:
+    """Cut [f0, f1) into pieces, each taking the highest-priority mark covering it (lower
+    number first), "other" where none does; neighbours with one label merge."""
+    cuts = sorted({f0, f1, *(min(max(x, f0), f1) for m in marked for x in m[1:3])})
+    out: list[tuple[float, float, str, int]] = []
+    for a, b in zip(cuts, cuts[1:]):
+        if b <= a:
+            continue
+        mid = (a + b) / 2
+        cover = [m for m in marked if m[1] <= mid < m[2]]
+        label, bucket = (min(cover)[3], min(cover)[4]) if cover else ("other", -1)
+        if out and out[-1][2] == label and out[-1][3] == bucket and out[-1][1] == a:
+            out[-1] = (out[-1][0], b, label, bucket)
+        else:
+            out.append((a, b, label, bucket))
+    return out
+
+
+def step_segments(events: Sequence[Event], gate: dict[int, float] | None = None,
+                  bucket_gate: dict[tuple[int, int], float] | None = None
+                  ) -> dict[int, list[Segment]]:
+    """Iteration -> its step tiled into ``PHASES`` (steady steps with a next forward).
+
+    Priority where marks overlap: waiting for peers, exposed communication (the
+    collectives in flight after the backward, as ``exposed_ms``), the backward,
+    the forward, the optimizer, copying into .grad (the rest of ``backward()`` after
+    autograd), then "other". Gates as in ``explain.rank_steps`` (this rank's clock)."""
+    from gradring.observe.explain import _first_after, _last_before, _sorted_times
+
+    fwd, fwd_e = _sorted_times(events, "forward_start"), _sorted_times(events, "forward_end")
+    opt_s, opt_e = _sorted_times(events, "optimizer_start"), _sorted_times(events, "optimizer_end")
+    out: dict[int, list[Segment]] = {}
+    for it in recent(iteration_times(events), 0):
+        t0, back = it.t0, it.t0 + it.backward_ms / 1e3
+        written = t0 + (it.backward_ms + it.tail_ms) / 1e3
+        f0, f1 = _last_before(fwd, t0), _first_after(fwd, written)
+        if f0 is None or f1 is None:
+            continue
+        fe = _first_after(fwd_e, f0, t0)
+        at = lambda ms, t0=t0: t0 + ms / 1e3  # noqa: E731
+        marks: list[tuple[int, float, float, str, int]] = []
+        # wait for peers: the in-flight time after the backward before the slowest rank
+        # launched the last bucket (or, reduced after the backward, each bucket)
+        at_end = all(b.launch >= it.backward_ms for b in it.buckets)
+        for b in it.buckets:
+            lo, hi = max(at(b.launch), back), at(b.done)
+            if hi <= lo:
+                continue
+            marks.append((1, lo, hi, "exposed comm", b.bucket))
+            g = (bucket_gate or {}).get((it.iteration, b.bucket)) if at_end else \
+                (gate or {}).get(it.iteration)
+            if g is not None and g > lo:
+                marks.append((0, lo, min(hi, g), "wait (peers)", -1))
+        prev = 0.0
+        for b in sorted(it.buckets, key=lambda x: x.ready):
+            end = min(max(b.ready, prev), it.backward_ms)
+            marks.append((2, at(prev), at(end), "backward", b.bucket))
+            prev = end
+        marks.append((2, at(prev), back, "backward", -1))
+        if fe is not None:
+            marks.append((3, f0, fe, "forward", -1))
+        for s in opt_s:
+            if written <= s < f1:
+                e = _first_after(opt_e, s, f1)
+                if e is not None:
+                    marks.append((4, s, e, "optimizer", -1))
+        marks.append((5, back, written, "copy into .grad", -1))
+        out[it.iteration] = [Segment(it.iteration, label, a, b, bucket)
+                             for a, b, label, bucket in _tile(f0, f1, marks)]
+    return out
+
+
+class TimelineReport(NamedTuple):
+    """What ``timeline_report`` found: how the image is drawn and what each rank's step is."""
+
+    mode: str                                      # "gantt" (every event) or "summary"
+    iterations: list[int]                          # drawn (common to every rank)
+    segments: dict[int, dict[int, list[Segment]]]  # rank -> iteration -> its tiled step
+    offsets: dict[int, float]                      # rank -> clock offset (s) to the wall clock
+    exposed: dict[int, ExposedComm]                # rank -> [Note: exposed communication]
+    phase_ms: dict[int, dict[str, float]]          # rank -> phase -> median ms per step
+    step_ms: dict[int, float]                      # rank -> median step
+    comm: dict[int, list[tuple[int, int, float, float]]]  # rank -> (it, bucket, start, done)
+
+    def shares(self, rank: int) -> dict[str, float]:
+        """Each phase's share of the drawn steps' total time on ``rank`` (sums to 1)."""
+        total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        for it in self.iterations:
+            for s in self.segments[rank][it]:
+                total[s.phase] += s.t1 - s.t0
+        whole = sum(total.values()) or 1.0
+        return {k: v / whole for k, v in total.items()}
+
+    @property
+    def text(self) -> str:
+        lines = [f"timeline: {len(self.iterations)} iteration(s) drawn as "
+                 + ("every event" if self.mode == "gantt" else
+                    "a summary (one bar per iteration or bin, and the median step)")]
+        for rank in sorted(self.segments):
+            ex = self.exposed[rank]
+            lines.append(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (median over "
+                         f"{len(ex.iterations)} steady iteration(s), as overlap_stats() and "
+                         f"gradring explain); median step {self.step_ms[rank]:.2f} ms")
+            shares = self.shares(rank)
+            lines.append("  " + ", ".join(f"{k} {shares[k]:.0%}" for k in PHASES))
+        lines.append(f"({OTHER_MEANS})")
+        return "\n".join(lines)
+
+
+def _records(doc: Any) -> list[dict[str, Any]]:
+    other = doc.get("otherData", {}) if isinstance(doc, dict) else {}
+    got = other.get("gradring_explain")
+    if not got:
+        return []
+    return list(got) if isinstance(got, list) else [got]
+
+
+def timeline_report(trace: str | dict[str, Any], last: int = 3) -> TimelineReport | None:
+    """Every rank's steps tiled into phases, from the step records in ``trace`` (None
+    when it carries none: traces of stand-ins, or written before the records)."""
+    from gradring.observe.explain import bucket_launches, last_launches, record_events
+
+    if isinstance(trace, dict):
+        doc = trace
+    else:
+        with open(trace) as f:
+            doc = json.load(f)
+    records = _records(doc)
+    if not records:
+        return None
+    events = record_events(records)
+    offset = {r["rank"]: float(r.get("clock_offset", 0.0)) for r in records}
+    gate: dict[int, float] = {}
+    bucket_gate: dict[tuple[int, int], float] = {}
+    for rank, evs in events.items():
+        for k, t in last_launches(evs).items():
+            gate[k] = max(gate.get(k, t + offset[rank]), t + offset[rank])
+        for kb, t in bucket_launches(evs).items():
+            bucket_gate[kb] = max(bucket_gate.get(kb, t + offset[rank]), t + offset[rank])
+    many = len(events) > 1
+    segs = {rank: step_segments(
+        evs, {k: g - offset[rank] for k, g in gate.items()} if many else None,
+        {k: g - offset[rank] for k, g in bucket_gate.items()} if many else None)
+        for rank, evs in events.items()}
+    common = sorted(set.intersection(*(set(v) for v in segs.values())))
+    chosen = common[-last:] if last > 0 else common
+    if not chosen:
+        return None
+    med = statistics.median
+    phase_ms: dict[int, dict[str, float]] = {}
+    step_ms: dict[int, float] = {}
+    for rank, per in segs.items():
+        rows = []
+        for it in chosen:
+            row = dict.fromkeys(PHASES, 0.0)
+            for s in per[it]:
+                row[s.phase] += (s.t1 - s.t0) * 1e3
+            rows.append(row)
+        phase_ms[rank] = {k: med([r[k] for r in rows]) for k in PHASES}
+        step_ms[rank] = med([sum(r.values()) for r in rows])
+    comm = {r: [(it.iteration, b.bucket, it.t0 + b.start / 1e3, it.t0 + b.done / 1e3)
+                for it in iteration_times(events[r]) if it.iteration in set(chosen)
+                for b in it.buckets] for r in events}
+    return TimelineReport("gantt" if len(chosen) <= GANTT_MAX else "summary", chosen,
+                          {r: {it: segs[r][it] for it in chosen} for r in segs}, offset,
+                          {r: exposed_comm(iteration_times(events[r])) for r in events},
+                          phase_ms, step_ms, comm)
+
+
 def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
                   title: str | None = None) -> str:
-    """Render ``trace`` (a path or a loaded Chrome-trace dict) to the image ``out``."""
+    """Render ``trace`` (a path or a loaded Chrome-trace dict) to the image ``out``:
+    every phase of the newest ``last`` steps (0: all), as a Gantt chart up to
+    ``GANTT_MAX`` steps and as a summary beyond (``timeline_report`` says which)."""
+    report = timeline_report(trace, last)
+    if report is None:
+        return _draw_spans(trace, out, last=last, title=title)
+    if report.mode == "gantt":
+        return _draw_gantt(report, out, title)
+    return _draw_summary(report, out, title)
+
+
+def _legend(ax: Any, extra: Sequence[Any] = (), rename: dict[str, str] | None = None) -> None:
+    from matplotlib.patches import Patch
+
+    names = {"other": OTHER_MEANS, **(rename or {})}
+    handles = list(extra) + [Patch(facecolor=PHASE_COLOUR[p], edgecolor="#999999",
+                                   label=names.get(p, p)) for p in PHASES]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              frameon=False)
+
+
+def _draw_gantt(report: TimelineReport, out: str, title: str | None) -> str:
+    """Two lanes per rank: the step's phases (the backward in its buckets' colours) and
+    each bucket's all-reduce."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted(report.segments)
+    wall = {r: [(s.t0 + report.offsets[r], s.t1 + report.offsets[r], s)
+                for it in report.iterations for s in report.segments[r][it]] for r in ranks}
+    t0 = min(a for r in ranks for a, _, _ in wall[r])
+    t_end = max(b for r in ranks for _, b, _ in wall[r])
+    buckets = sorted({s.bucket for r in ranks for _, _, s in wall[r] if s.bucket >= 0}
+                     | {b for r in ranks for _, b, _, _ in report.comm[r]})
+    # shades of the backward's green, one per bucket: no bucket looks like another phase
+    greens = plt.get_cmap("Greens")
+    colour = {b: greens(0.3 + 0.65 * i / max(1, len(buckets) - 1))
+              for i, b in enumerate(buckets)}
+    lane_h, gap = 0.8, 0.6
+    fig_h = 1.2 + len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
+    fig, ax = plt.subplots(figsize=(13, max(2.5, fig_h)))
+    yticks, ylabels = [], []
+    for i, rank in enumerate(ranks):
+        base = (len(ranks) - 1 - i) * (2 * (lane_h + 0.25) + gap)
+        y_comm, y_comp = base, base + lane_h + 0.25
+        yticks += [y_comp + lane_h / 2, y_comm + lane_h / 2]
+        ylabels += [f"rank {rank} step", f"rank {rank} comm"]
+        for a, b, s in wall[rank]:
+            x, w = (a - t0) * 1e3, (b - a) * 1e3
+            face = colour[s.bucket] if s.phase == "backward" and s.bucket >= 0 \
+                else PHASE_COLOUR[s.phase]
+            ax.broken_barh([(x, w)], (y_comp, lane_h), facecolors=face,
+                           edgecolor="white" if s.phase == "backward" else "none", linewidth=0.3)
+        for _it, b, a, d in report.comm[rank]:
+            ax.broken_barh([((a + report.offsets[rank] - t0) * 1e3, (d - a) * 1e3)],
+                           (y_comm, lane_h), facecolors=colour[b], edgecolor="black",
+                           linewidth=0.4)
+    top = len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
+    ax.set_ylim(-0.3, top + 0.2)
+    starts = [((min(s.t0 for s in report.segments[ranks[0]][it]) + report.offsets[ranks[0]]
+                - t0) * 1e3, it) for it in report.iterations]
+    for x, _it in starts:
+        ax.axvline(x, color="#888888", linestyle=":", linewidth=0.8)
+    for x, text in iteration_labels(starts, (t_end - t0) * 1e3):
+        ax.text(x, top + 0.2, text, fontsize=7, va="bottom", color="#555555")
+    ax.set_yticks(yticks, ylabels)
+    ax.set_xlabel("time (ms)")
+    ex = report.exposed[ranks[0]]
+    ax.set_title(title or f"gradring: every phase of the step; rank {ranks[0]}'s exposed "
+                 f"communication {ex.ms:.2f} ms/step")
+    _legend(ax, [Patch(facecolor=colour[b], label=f"backward -> bucket {b}")
+                 for b in buckets[:20]],
+            {"backward": "backward after the last bucket was ready"})
+    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _draw_summary(report: TimelineReport, out: str, title: str | None) -> str:
+    """Per rank, one stacked bar per iteration (bins of iterations beyond
+    ``SUMMARY_MAX_BARS``: their mean per phase), then the median step's bar (each
+    phase's median; "other" the remainder). The figure's size does not grow with the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted(report.segments)
+    its = report.iterations
+    per_bin = -(-len(its) // SUMMARY_MAX_BARS)
+    bins = [its[k:k + per_bin] for k in range(0, len(its), per_bin)]
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(13, 1.2 + 2.4 * len(ranks)), squeeze=False)
+    for ax, rank in zip(axes[:, 0], ranks):
+        rows = []
+        for group in bins:
+            acc = dict.fromkeys(PHASES, 0.0)
+            for it in group:
+                for s in report.segments[rank][it]:
+                    acc[s.phase] += (s.t1 - s.t0) * 1e3 / len(group)
+            rows.append(acc)
+        med = dict(report.phase_ms[rank])
+        med["other"] = max(0.0, report.step_ms[rank] - sum(v for k, v in med.items()
+                                                            if k != "other"))
+        rows.append(med)
+        xs = list(range(len(bins))) + [len(bins) + 1]
+        bottom = [0.0] * len(rows)
+        for phase in PHASES:
+            h = [r[phase] for r in rows]
+            ax.bar(xs, h, bottom=bottom, color=PHASE_COLOUR[phase], width=0.85,
+                   edgecolor="none")
+            bottom = [b + v for b, v in zip(bottom, h)]
+        # a few descheduled steps must not flatten the rest: clip at 3 median steps, say so
+        top = 3 * report.step_ms[rank]
+        if max(bottom) > top > 0:
+            ax.set_ylim(0, top * 1.08)
+            for x, total in zip(xs, bottom):
+                if total > top:
+                    ax.text(x, top * 1.01, f"{total:.0f}", fontsize=6, ha="center",
+                            va="bottom", color="#444444")
+        labels = [str(g[0]) if per_bin == 1 else f"{g[0]}-{g[-1]}" for g in bins]
+        step = max(1, len(bins) // 16)
+        ax.set_xticks([x for x in xs[:-1]][::step] + [xs[-1]],
+                      labels[::step] + ["median"], fontsize=7)
+        ex = report.exposed[rank]
+        ax.set_ylabel(f"rank {rank}\nms per step")
+        ax.set_title(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (median over "
+                     f"{len(ex.iterations)} steady iterations), median step "
+                     f"{report.step_ms[rank]:.2f} ms", fontsize=9)
+        ax.grid(axis="y", linewidth=0.3, alpha=0.5)
+    _legend(axes[0, 0])
+    axes[-1, 0].set_xlabel("iteration" + ("" if per_bin == 1 else f" (bins of {per_bin})"))
+    fig.suptitle(title or f"gradring: {len(its)} steps, every phase per step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _draw_spans(trace: str | dict[str, Any], out: str, *, last: int = 3,
+                title: str | None = None) -> str:
+    """The backward and bucket spans alone: traces that carry no step record."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,9 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         draw_timeline(a.trace, a.output, last=a.last, title=a.title)
+        report = timeline_report(a.trace, a.last)
     except (OSError, ValueError, KeyError) as exc:
         print(f"gradring timeline: {exc}", file=sys.stderr)
         return 1
+    if report is not None:
+        print(report.text)
     print(f"wrote {a.output}")
     return 0
 

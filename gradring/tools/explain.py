@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gradring explain", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", help="merged trace JSON, one rank's trace, or a folder of them")
-    ap.add_argument("--last", type=int, default=20,
-                    help="medians over the newest N complete steps (0: all; default 20)")
+    ap.add_argument("--last", type=int, default=0,
+                    help="medians over the newest N steady steps (default 0: every one "
+                         "recorded after the first, as overlap_stats() and the demo)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     a = ap.parse_args(argv)
     from gradring.observe.explain import analyse, load

@@ -126,7 +126,7 @@ class SegmentBook:
                 segno, name, (raw, mm) = self._fresh(
                     lambda name: segments.user_segment(name, nbytes), nbytes)
             except segments.ShmFull as exc:  # ordinary memory: collectives on it are staged
-                space.warn_once(space.explain(exc, self.reserved, self.world_size)
+                space.warn_once(space.explain(exc, self.reserved, self.world_size, self.rank)
                                 + "; comm.empty() returns ordinary memory meanwhile (and "
                                 "collectives fall back to the process group if staging "
                                 "does not fit either)")

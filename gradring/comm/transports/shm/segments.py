@@ -28,6 +28,30 @@ prefix (:func:`remove_dead_owners`; the owner's pid is in the name and the
 host was checked at connect). Whatever still remains is removed by the next
 process that starts a shm transport: :func:`remove_stale_segments` deletes
 every ``gradring-*`` segment of this pid namespace whose owner is dead.
+
+[Note: whose segment is stale]
+Several jobs share one /dev/shm, and every process of every job sweeps it at
+its first connect, so a sweep must never take a live job's segment. The sweep
+trusts one fact only: the owner's pid and pid namespace in the name. Not the
+store, not the job, not the boot id (/dev/shm is emptied at boot). A name is
+stale when its namespace is this process's and no live (non-zombie) process
+has its pid. A live job's segments all carry a live owner's pid: the rank that
+created them, which holds them until it closes or dies. Two rules keep this
+true when pids are reused (``pid_max`` may be as low as 32768):
+
+- The directory is listed *before* the owner is judged dead. Every listed
+  name was created by a process with that pid before the listing; if no
+  process has the pid afterwards, that creator is gone. Judged first and
+  listed after, a process given the same pid in between (another job's rank,
+  whose first transport has the same ``<pid>-<ns>-0`` prefix) could lose
+  its fresh segments.
+- A live pid is never judged dead. A reused pid can make a dead owner look
+  alive; then its names stay (a leak until that pid ends), never the reverse.
+
+A process whose pid namespace cannot be read (0) sweeps nothing: it cannot
+tell its own pids from another namespace's that shares /dev/shm.
+``tests/test_concurrent_jobs.py`` runs jobs that start, crash and end among
+each other while the test process sweeps in a loop.
 """
 
 from __future__ import annotations
@@ -134,11 +158,16 @@ def owner_of(name: str) -> tuple[int, int] | None:
 
 
 def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
-    """Unlink every gradring segment of this pid namespace whose owner is dead."""
+    """Unlink every gradring segment of this pid namespace whose owner is dead.
+
+    Safe beside other jobs (see [Note: whose segment is stale]): nothing
+    when this process's pid namespace is unknown."""
     ns = pid_namespace()
-    removed = []
+    removed: list[str] = []
+    if ns == 0:
+        return removed
     try:
-        names = os.listdir(directory)
+        names = os.listdir(directory)  # listed before any owner is judged dead
     except OSError:
         return removed
     for name in names:
@@ -157,12 +186,14 @@ def remove_dead_owners(base: str, directory: str = SHM_DIR) -> list[str]:
     """Unlink every segment of this user named ``<base>-...`` whose owner is dead: what a
     dead peer of this job left (``base`` came through the rendezvous)."""
     owner = owner_of(base)
-    if owner is None or pid_alive(owner[0]):
-        return []
-    removed = []
-    try:
+    removed: list[str] = []
+    if owner is None:
+        return removed
+    try:  # list first, then judge the owner: see [Note: whose segment is stale]
         names = [n for n in os.listdir(directory) if n.startswith(base + "-")]
     except OSError:
+        return removed
+    if pid_alive(owner[0]):
         return removed
     for name in names:
         path = os.path.join(directory, name)

@@ -16,7 +16,9 @@ as a SIGBUS later. What happens then:
   every rank and re-runs the collective (and all later ones) over the process
   group -- or, with ``GRADRING_TRANSPORT=shm``, fails it on every rank.
 
-The user is told once per process how much was needed and how to raise it.
+The user is told once per process how much the job needs, the same figure on every
+rank, and whether to raise the mount's size or free it (see [Note: one figure, two
+causes]).
 """
 
 from __future__ import annotations
@@ -40,22 +42,74 @@ class ShmExhausted(CollectiveError):
         self.needed = needed
 
 
-def advice(needed: int, in_use: int, local_ranks: int) -> str:
-    """How much /dev/shm is needed and how to get it, in words."""
-    free, total = segments.shm_space()
-    want = -(-((in_use + needed) * max(1, local_ranks) + 4 * _MiB) // _MiB)
-    return (f"{segments.SHM_DIR} is too small for gradring's shared-memory transport: a "
-            f"segment of {needed / _MiB:.1f} MiB did not fit ({free / _MiB:.1f} MiB free of "
-            f"{total / _MiB:.1f} MiB); these {local_ranks} rank(s) need about {want} MiB. "
+def job_need(needed: int, in_use: int, local_ranks: int) -> int:
+    """Bytes of /dev/shm the job's ranks on this host need (whole MiB): each holds
+    ``in_use`` and wants ``needed`` more, plus 4 MiB to spare. Callers pass figures
+    every rank shares (the largest of the ranks'), so that every rank prints the
+    same figure: see [Note: one figure, two causes]."""
+    return -(-((in_use + needed) * max(1, local_ranks) + 4 * _MiB) // _MiB) * _MiB
+
+
+#: :func:`cause`'s answers: the mount holds less than the job needs, or enough
+#: but other processes (other jobs, files of crashed ones) fill it.
+TOO_SMALL, TAKEN = "too small", "taken"
+
+
+def cause(need: int, free: int, total: int) -> str:
+    """Why a segment did not fit, from the mount's figures (``statvfs``) and the job's
+    ``need`` (:func:`job_need`): :data:`TOO_SMALL` when the mount's total is below
+    ``need`` (or unknown: 0), else :data:`TAKEN`.
+
+    [Note: one figure, two causes]
+    Raising ``--shm-size`` is the answer only when the mount is smaller than
+    what the job needs; when it is large enough, others hold its free space
+    (another job, files a crashed job left) and raising it only hides that.
+    The need is computed from figures every rank shares (the rendezvous
+    publishes each rank's shortfall; a collective that runs out compares the
+    largest staging buffer and the largest holding of the ranks), so every
+    rank prints the same figure. ``comm.empty`` running out is one rank's own
+    event (the ranks race for the free space and stop at different buffers),
+    so there only rank 0 gives the job's figure; the others say what did not
+    fit.
+    """
+    if total <= 0 or total < need:
+        return TOO_SMALL
+    return TAKEN
+
+
+def advice(needed: int, in_use: int, local_ranks: int,
+           space: tuple[int, int] | None = None) -> str:
+    """How much /dev/shm is needed and what to do, in words: raise the size when the
+    mount is too small for the job, free it when others fill it (see :func:`cause`).
+    ``space``: ``(free, total)`` bytes, else the mount's own."""
+    free, total = segments.shm_space() if space is None else space
+    need = job_need(needed, in_use, local_ranks)
+    want = need // _MiB
+    what = (f"a segment of {needed / _MiB:.1f} MiB did not fit ({free / _MiB:.1f} MiB free "
+            f"of {total / _MiB:.1f} MiB)")
+    if cause(need, free, total) == TAKEN:
+        return (f"{segments.SHM_DIR} is large enough for gradring's shared-memory transport "
+                f"({total / _MiB:.0f} MiB; these {local_ranks} rank(s) need about {want} MiB) "
+                f"but other processes fill it: {what}. Free it: files of other or crashed "
+                f"jobs (`ls -la {segments.SHM_DIR}`, `df -h {segments.SHM_DIR}`); raise its "
+                f"size only if they must stay")
+    return (f"{segments.SHM_DIR} is too small for gradring's shared-memory transport: "
+            f"{what}; these {local_ranks} rank(s) need about {want} MiB. "
             f"Raise it: `docker run --shm-size={want}m ...` (Docker's default is 64 MiB), "
             f"`shm_size` in docker-compose, a larger `emptyDir: {{medium: Memory}}` on "
             f"Kubernetes, or `mount -o remount,size={want}m {segments.SHM_DIR}`")
 
 
-def explain(exc: segments.ShmFull, in_use: int, local_ranks: int) -> str:
-    """Why a segment could not be made, in words: taken names, else :func:`advice`."""
+def explain(exc: segments.ShmFull, in_use: int, local_ranks: int, rank: int = 0) -> str:
+    """Why a segment could not be made, in words: taken names, else :func:`advice`
+    (on rank 0; another rank says what did not fit: see [Note: one figure, two causes])."""
     if isinstance(exc, segments.NamesTaken):
         return str(exc)
+    if rank != 0:
+        free, total = segments.shm_space()
+        return (f"a segment of {exc.needed / _MiB:.1f} MiB did not fit in {segments.SHM_DIR} "
+                f"({free / _MiB:.1f} MiB free of {total / _MiB:.1f} MiB; rank 0 tells how "
+                f"much the job needs if it runs short too)")
     return advice(exc.needed, in_use, local_ranks)
 
 

@@ -1,0 +1,136 @@
+"""Settings every rank of a group must share, agreed once when the group's state is made.
+
+[Note: agreed settings]
+``GRADRING_TRANSPORT``, ``GRADRING_ALGO`` and ``GRADRING_CHECK`` decide what
+a rank does inside a collective: whose rendezvous it joins (shared memory or
+none), which algorithm's messages it sends, whether it sends a fingerprint
+ahead of the data or compares shapes. A rank whose value differs from its
+peers' used to wait in a rendezvous nobody else joined until the deadline
+(``DistStoreError ... gradring/shm/0/info/0``, "rank 1 posted nothing"), or
+to report a desync that was none ("[shape differ]" for identical shapes).
+
+So when a group's state is made -- its first gradring call, which every
+rank makes (a collective, or ``comm.empty``) -- each rank publishes these
+values in the group's store and reads everyone's: one store round per group
+instance (an atomic add, a set, a wait, W gets), never per collective. When
+they differ, every rank raises :class:`SettingsMismatch` naming the variable
+and each rank's value, and the group refuses later collectives (as after any
+failure) until ``comm.shutdown()``. Values are compared as parsed
+(``GRADRING_CHECK=yes`` equals ``1``; unset ``GRADRING_TRANSPORT`` differs
+from ``shm``: on a full /dev/shm the first falls back, the second raises).
+
+The other knobs may differ per rank: ``GRADRING_TIMEOUT`` is each rank's own
+deadline, the flight recorder's folder and size and ``GRADRING_SHM_YIELD_US``
+only concern the rank itself, and ``GRADRING_OVERLAP``'s choice travels with
+rank 0's bucket assignment (``reducer/overlap_policy.py``).
+
+The three are re-read per collective (benchmarks switch them between calls,
+see [Note: when the environment is read] in ``config.py``); the agreement
+covers their values when the group's state is made. Switching one later is
+the caller's to do alike on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from gradring import config
+from gradring.comm.store import instance_prefix
+from gradring.comm.transport import CollectiveError
+
+#: The :class:`~gradring.config.Config` fields every rank of a group must set alike.
+AGREED = ("transport", "algo", "check")
+_VARS = {f: config.Config.__dataclass_fields__[f].metadata["env"] for f in AGREED}
+
+
+class SettingsMismatch(config.ConfigError):
+    """Ranks of one group set a variable of :data:`AGREED` to different values."""
+
+
+def published(cfg: config.Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What a rank publishes: per agreed variable, ``[parsed value, raw text or None]``."""
+    env = os.environ if environ is None else environ
+    return {v: [getattr(cfg, f), env.get(v)] for f, v in _VARS.items()}
+
+
+def _spell(raw: Any) -> str:
+    return "it unset" if raw is None else repr(raw)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 1, 2``, ``ranks 0-5, 7``."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else
+                     f"{start}, {prev}" if prev == start + 1 else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def mismatches(values: list[Any]) -> list[str]:
+    """One sentence per agreed variable whose parsed values differ between the ranks
+    whose ``published`` dicts are ``values`` (index: rank); empty when all agree."""
+    found = []
+    for var in _VARS.values():
+        # parsed value -> (the first rank's raw spelling, ranks), in order of first rank
+        seen: dict[str, tuple[Any, list[int]]] = {}
+        for rank, v in enumerate(values):
+            pair = v.get(var) if isinstance(v, dict) else None
+            parsed, raw = (pair[0], pair[1]) if isinstance(pair, list) and len(pair) == 2 \
+                else ("?", "?")
+            key = json.dumps(parsed)
+            if key not in seen:
+                seen[key] = (raw, [])
+            seen[key][1].append(rank)
+        if len(seen) > 1:
+            has = [f"{_ranks(rs)} {'has' if len(rs) == 1 else 'have'} {_spell(raw)}"
+                   for raw, rs in seen.values()]
+            found.append(f"{var} differs across ranks: {', '.join(has)}")
+    return found
+
+
+def agree(store: Any, rank: int, world_size: int, timeout: float, group: str) -> None:
+    """Publish this rank's agreed settings in ``store`` (private to the group), read
+    every rank's, and raise :class:`SettingsMismatch` on every rank when they differ
+    (see [Note: agreed settings]); collective: every rank of the group calls it once
+    per group instance. A rank that does not publish within ``timeout`` seconds is a
+    :class:`~gradring.comm.transport.CollectiveError` naming it."""
+    if world_size <= 1:
+        return
+    prefix = instance_prefix(store, "settings", world_size)
+    store.set(f"{prefix}{rank}", json.dumps(published(config.current())))
+    keys = [f"{prefix}{p}" for p in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - torch's DistStoreError (or a closed store)
+        try:
+            missing = [p for p, k in enumerate(keys) if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store itself is gone
+            missing = []
+        who = f"ranks {missing}" if missing else "some ranks"
+        raise CollectiveError(
+            f"gradring group {group}: {who} did not make their first gradring call on this "
+            f"group within {timeout:g}s; rank {rank} waited there to agree on "
+            f"{', '.join(_VARS.values())} (a rank that is gone or stuck before it, or that "
+            f"issues a collective of another group or of torch first). Store: {exc}"
+        ) from None
+    values = []
+    for k in keys:
+        try:
+            values.append(json.loads(store.get(k)))
+        except ValueError:
+            values.append(None)
+    found = mismatches(values)
+    if found:
+        raise SettingsMismatch(f"gradring group {group}: " + "; ".join(found)
+                               + "; set " + ("it" if len(found) == 1 else "them")
+                               + " the same on every rank")
