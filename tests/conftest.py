@@ -26,6 +26,7 @@ SLOW_FILES = {
     "tests/jobs/test_elastic.py": "torchrun with elastic restarts",
     "tests/jobs/test_soak.py": "thousands of steps",
     "tests/jobs/test_concurrent_jobs.py": "several small jobs at once, some crashing",
+    "tests/jobs/test_orphans.py": "torchrun jobs whose ranks or agent are killed or stopped",
     "tests/multihost/test_netns.py": "torchrun across network namespaces",
     "tests/integrations/test_lightning.py": "Lightning trainers and Fabric",
     "tests/integrations/test_accelerate.py": "Accelerate",

@@ -40,7 +40,8 @@ How it is built (details in docs/collectives.md), module by module:
   owns), ``layout`` (every offset of the control segment), ``mailbox``,
   ``status``, ``verdict`` (sticky failures and the group lock), ``segments``
   (names, reservation, safe opening), ``space`` (a small /dev/shm: the
-  collective fallback), ``sigterm``, ``futex``, ``rendezvous``;
+  collective fallback), ``sigterm``, ``orphans`` (workers whose torchrun
+  agent died), ``futex``, ``rendezvous``;
 - reliability (docs/reliability.md): ``watchdog`` (deadlines of what cannot be
   interrupted), ``board`` (the peers' markers), ``recorder`` (the flight
   recorder, ``GRADRING_FLIGHT_RECORDER``; ``label("bucket 3")`` names the

@@ -35,6 +35,8 @@ from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.registry import GROUPS
 from gradring.comm.store import group_store
 from gradring.comm.transports.group import GroupTransports
+from gradring.comm.transports.shm import orphans, sigterm
+from gradring.comm.transports.shm.transport import live_transports
 from gradring.comm.watchdog import WATCHDOG
 
 #: torch's default for non-NCCL groups, used when the group's timeout is unknown.
@@ -164,8 +166,14 @@ def context(group: Any) -> GroupContext | None:
         _close_destroyed()
         ctx = GROUPS.get_or_make(group, GroupContext)
         root_cause.install()  # runs before the groups close at exit ([Note: torchrun's root cause])
+        # Before any connect, which may run in another thread: see [Note: installing
+        # the SIGTERM handler from the main thread] in transports/shm/sigterm.py.
+        sigterm.install(live_transports)
+        orphans.watch(live_transports, dist.get_rank())  # [Note: orphaned workers]
         # Outside the registry's lock: it waits for the peers' first call on the group.
         ctx.agree_settings()  # type: ignore[attr-defined]
+    elif sigterm.deferred is not None:
+        sigterm.install_deferred()
     return ctx  # type: ignore[return-value] # the registry holds GroupContexts only
 
 

@@ -16,6 +16,8 @@ offset                contents
 384                   verdict (read in rank 0's segment only): the first rank
                       that failed a collective of the group, and which one
                       (``verdict.py``)
+392                   lock holder (rank 0's segment only): which rank holds
+                      the group lock (``verdict.py``)
 448                   retired-segment ring (segments peers may unmap)
 640                   why this rank failed, in words (``verdict.py``)
 1024 + 192·d          towards rank d: mailbox sent, acked, lengths; highest
@@ -84,6 +86,9 @@ def desc_offset(slot: int) -> int:
 #: In rank 0's segment: 1 + the rank that failed first (0: none yet), then the low
 #: 32 bits of that collective's sequence number. Written under the group's lock.
 VERDICT_WORD = 384 // 4
+#: In rank 0's segment: 1 + the rank holding the group's lock (0: nobody), written by
+#: the holder, so that a rank that cannot get the lock can name (and check) its holder.
+LOCK_HOLDER_WORD = 392 // 4
 #: This rank's own failure, in words: byte length (u32), then UTF-8 text.
 REASON_OFF = 640
 REASON_BYTES = 384
@@ -128,6 +133,7 @@ def control_size(world_size: int) -> int:
 
 
 assert HEADER.size <= KEY_OFF and KEY_OFF + KEY_BYTES <= BARRIER_WORD * 4, "key overlaps"
+assert VERDICT_WORD + 2 <= LOCK_HOLDER_WORD < RETIRED_WORD, "lock holder overlaps"
 assert RETIRED_WORD * 4 + 4 * (1 + RETIRED_RING) <= REASON_OFF, "retired ring overlaps reason"
 assert REASON_OFF + REASON_BYTES <= CHAN_OFF, "reason text overlaps the channels"
 assert STATUS_OFF + 44 <= DESC_OFF, "status block overlaps the descriptors"

@@ -104,6 +104,23 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def pid_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (``/proc/<pid>/stat``): ``T`` stopped
+    (SIGSTOP), ``t`` stopped by a debugger, ``Z`` zombie...; "" if unknown or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        end = stat.rindex(b")")
+        return stat[end + 2:end + 3].decode("ascii", "replace")
+    except (OSError, ValueError):
+        return ""
+
+
+def pid_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped (SIGSTOP, SIGTSTP, or held by a debugger)."""
+    return pid_state(pid) in ("T", "t")
+
+
 def segment_base(pid: int, ns: int, transport: int) -> str:
     """Common prefix of one transport's segments (see :func:`segment_name`)."""
     return f"{PREFIX}{pid}-{ns}-{transport}"

@@ -4,8 +4,7 @@ Launchers end the survivors of a failed job with SIGTERM (torchrun does,
 right after one rank died) -- often before gradring noticed the dead peer and
 printed its error, and the default action kills the process without running
 exit hooks, so its named segments would stay in /dev/shm (RAM) until the next
-gradring job removes them. The handler, installed when the first shm
-transport connects (from the main thread; Python runs handlers there):
+gradring job removes them. The handler (installed as described below):
 
 1. unlinks the names of every segment this process owns, and those a
    ``kill -9``'d peer of its groups left, and marks its control segments
@@ -16,6 +15,23 @@ transport connects (from the main thread; Python runs handlers there):
 3. defers to what was there before: the previous Python handler is called,
    ``SIG_IGN`` ignores, and the default is restored and the signal sent
    again, so the process still dies of SIGTERM (exit status -15 / 143).
+
+[Note: installing the SIGTERM handler from the main thread]
+Python lets only the main thread call ``signal.signal``, and the first shm
+connect runs in whichever thread issues the group's first collective
+(``GroupContext.self_enforced`` connects; asynchronous collectives too, before
+the engine thread takes them): a training loop or a model built in a thread of
+the user's connects there. So the handler is installed at the first of these
+that runs on the main thread: the creation of a group's context
+(``comm.context``: DDP's construction, any collective or ``comm.empty``), the
+first connect, or -- when both of those ran on other threads -- the next time
+the main thread enters gradring (``context`` calls :func:`install_deferred`,
+one global read when nothing is pending). A
+process whose main thread never enters gradring gets no handler: nothing in
+Python can catch SIGTERM without the main thread. Its segments are then removed
+by its peers (a survivor whose collective fails on it, or that closes or gets
+SIGTERM itself, unlinks a dead peer's names) or by the next gradring job on the
+host (``segments.remove_stale_segments``).
 """
 
 from __future__ import annotations
@@ -29,14 +45,27 @@ from typing import Any
 
 _installed_in: int | None = None  # pid that installed the handler
 _previous: Any = signal.SIG_DFL
+#: What to install once the main thread comes by (set by an install off the main
+#: thread; see [Note: installing the SIGTERM handler from the main thread]).
+deferred: Callable[[], Iterable[Any]] | None = None
+
+
+def installed() -> bool:
+    """Whether this process has the handler."""
+    return _installed_in == os.getpid()
 
 
 def install(transports: Callable[[], Iterable[Any]]) -> None:
-    """Install the handler once per process (main thread only; elsewhere nothing).
-    ``transports()`` lists the live shm transports."""
-    global _installed_in, _previous
-    if _installed_in == os.getpid() or threading.current_thread() is not threading.main_thread():
+    """Install the handler once per process; off the main thread, remember to do it at
+    the main thread's next :func:`install_deferred`. ``transports()`` lists the live
+    shm transports."""
+    global _installed_in, _previous, deferred
+    if _installed_in == os.getpid():
         return
+    if threading.current_thread() is not threading.main_thread():
+        deferred = transports
+        return
+    deferred = None
     try:
         prev = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, lambda signum, frame: _handle(transports, signum, frame))
@@ -44,6 +73,14 @@ def install(transports: Callable[[], Iterable[Any]]) -> None:
         return
     _previous = signal.SIG_DFL if prev is None else prev
     _installed_in = os.getpid()
+
+
+def install_deferred() -> None:
+    """On the main thread: install the handler an earlier :func:`install` from another
+    thread asked for (cheap when there is none)."""
+    wanted = deferred
+    if wanted is not None and threading.current_thread() is threading.main_thread():
+        install(wanted)
 
 
 def _handle(transports: Callable[[], Iterable[Any]], signum: int, frame: Any) -> None:
@@ -59,7 +96,7 @@ def _handle(transports: Callable[[], Iterable[Any]], signum: int, frame: Any) ->
         if note:
             notes.append(note)
     if notes:
-        print(f"gradring: SIGTERM on pid {os.getpid()} with a collective pending; "
+        print(f"gradring: SIGTERM on pid {os.getpid()}: "
               + " | ".join(notes), file=sys.stderr, flush=True)
     prev = _previous
     if callable(prev):
@@ -69,3 +106,13 @@ def _handle(transports: Callable[[], Iterable[Any]], signum: int, frame: Any) ->
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _reset_in_child() -> None:
+    """A forked child (a DataLoader worker) owns no transport: no deferred install."""
+    global deferred
+    deferred = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)

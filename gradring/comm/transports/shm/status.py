@@ -84,8 +84,10 @@ def read(mm: Any, words: Any) -> Status:
     return status
 
 
-def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int) -> str:
-    """Rank ``rank``'s situation as seen by a rank waiting in collective ``seq``."""
+def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int,
+             stopped: bool = False) -> str:
+    """Rank ``rank``'s situation as seen by a rank waiting in collective ``seq``;
+    ``stopped``: its process is stopped (SIGSTOP or a debugger), so it cannot move."""
     who, last = f"rank {rank} (pid {pid})", status.last()
     skipped = f", so it skipped #{seq}" if status.seq < seq else ""
     if not alive:
@@ -94,5 +96,8 @@ def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int) -> s
         return f"{who} left: it shut gradring down after starting {last}{skipped}"
     if status.state == FAILED:
         return f"{who} {status.reason()} in {last}"
+    if stopped:
+        return f"{who} is stopped (SIGSTOP or a debugger: process state T), last started " \
+            f"{last}" + (" (it has not reached this collective)" if status.seq < seq else "")
     return f"{who} is alive and last started {last}" + \
         (" (it has not reached this collective)" if status.seq < seq else "")

@@ -130,7 +130,8 @@ class ShmTransport:
                                fail=self._fail, block=self._block)
         # The group's verdict (rank 0's words) and its lock: see [Note: sticky failures].
         self._leader = self._words[0]
-        self._glock = verdict.GroupLock(self._ctls[0].fd)  # type: ignore[union-attr]
+        self._glock = verdict.GroupLock(self._ctls[0].fd,  # type: ignore[union-attr]
+                                        self._leader, rank)
         # While a barrier wait runs: "has everybody arrived?", re-checked under the lock
         # before this rank fails the barrier.
         self._settle: Any = None
@@ -213,7 +214,7 @@ class ShmTransport:
         """Rank ``p``'s situation in words, with its own reason if it failed."""
         st = self._status(p)
         note = shm_status.describe(p, self._pids[p], st, alive=segments.pid_alive(self._pids[p]),
-                                   seq=seq)
+                                   seq=seq, stopped=segments.pid_stopped(self._pids[p]))
         if st.state == shm_status.FAILED:
             text = verdict.read_reason(self._ctls[p].mm)
             note += f": {text}" if text else ""
@@ -331,17 +332,33 @@ class ShmTransport:
 
     # -- SIGTERM (sigterm.py) -------------------------------------------------------------
     def pending_error(self) -> str:
-        """A failure not raised yet, or the collective in flight and where every peer is."""
+        """A failure not raised yet, or the collective in flight and where every peer is;
+        peers whose process is gone come first, in flight or not (torchrun's SIGTERM
+        often comes before this rank saw the death itself)."""
         if self._ctl is None:
             return ""
+        seq = self._info.seq if self._info else 0
+        # Peers that died without ending gradring: a peer that marked itself closed or
+        # failed first is a survivor stopped by the same SIGTERM, or one that exited
+        # after its own error -- not the cause.
+        dead = [p for p in self._dead_peers()
+                if self._status(p).state == shm_status.RUNNING]
+        gone = "; ".join(self._note(p, seq) for p in dead)
         if self._broken is not None:
-            return self._broken
+            return self._broken if not gone or all(
+                f"rank {p} (pid {self._pids[p]})" in self._broken for p in dead) \
+                else f"{gone}; {self._broken}"
         if not self._busy or self._info is None:
-            return ""
-        seq = self._info.seq
-        return (f"gradring {self._info.describe()} was in flight on rank {self.rank}: "
+            if not gone:
+                return ""
+            last = f"it last started {self._info.describe()}" if self._info else \
+                "it had not started a collective"
+            return (f"gradring on rank {self.rank}: {gone}; no collective was in flight "
+                    f"here ({last})")
+        return ((f"{gone}; " if gone else "")
+                + f"gradring {self._info.describe()} was in flight on rank {self.rank}: "
                 + "; ".join(self._note(p, seq) for p in range(self.world_size)
-                            if p != self.rank))
+                            if p != self.rank and p not in dead))
 
     def peer_progress(self) -> dict[int, dict[str, Any]]:
         """Each peer's status block as this rank reads it (for the flight recorder)."""
@@ -450,8 +467,7 @@ class ShmTransport:
         """Arrive at the next barrier -- under the group lock, and only while no rank
         has failed (see [Note: sticky failures])."""
         if not self._glock.acquire(self._deadline):
-            raise self._fail("waiting for the group's lock (held by a stopped rank?)",
-                             [], shm_status.TIMEOUT)
+            raise self._lock_timeout()
         try:
             first = verdict.read(self._leader)
             if first is None:
@@ -461,6 +477,20 @@ class ShmTransport:
             self._glock.release()
         if first is not None:
             raise self._fail_sticky(first)
+
+    def _lock_timeout(self) -> CollectiveError:
+        """The group's lock stayed taken to the deadline: fail, naming its holder and
+        whether that process is stopped (SIGSTOP, a debugger)."""
+        holder = self._glock.holder()
+        what = f"waiting for the group's lock, timed out after {self._timeout:g}s"
+        if not 0 <= holder < self.world_size or holder == self.rank:
+            return self._fail(f"{what} (its holder is unknown)", [], shm_status.TIMEOUT)
+        pid = self._pids[holder]
+        state = ("is stopped (SIGSTOP or a debugger: process state T)"
+                 if segments.pid_stopped(pid) else
+                 "is alive but did not release it" if segments.pid_alive(pid) else "has exited")
+        return self._fail(f"{what}: rank {holder} (pid {pid}) holds it and {state}",
+                          [holder], shm_status.TIMEOUT)
 
     def wait_arrivals(self, what: str = "at a barrier inside the collective") -> None:
         target = self._epoch

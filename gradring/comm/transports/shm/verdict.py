@@ -20,7 +20,9 @@ collective ends with such a barrier (the closing agreement, see
 ``ShmTransport.finish``), so ranks never disagree about whether it succeeded.
 The kernel drops a dead holder's lock; a lock held past the deadline (a
 holder stopped inside the few instructions it holds it for) counts as a
-timeout.
+timeout. The holder writes its rank next to the verdict
+(``layout.LOCK_HOLDER_WORD``), so that timeout names it, and says whether its
+process is stopped (SIGSTOP, a debugger), from ``/proc/<pid>/stat``.
 
 The failing rank also writes its reason in words into its own control segment
 (``layout.REASON_OFF``), so peers can name the exception that stopped it.
@@ -33,7 +35,12 @@ import os
 import time
 from typing import Any
 
-from gradring.comm.transports.shm.layout import REASON_BYTES, REASON_OFF, VERDICT_WORD
+from gradring.comm.transports.shm.layout import (
+    LOCK_HOLDER_WORD,
+    REASON_BYTES,
+    REASON_OFF,
+    VERDICT_WORD,
+)
 
 _MASK = 0xFFFFFFFF
 
@@ -41,9 +48,16 @@ _MASK = 0xFFFFFFFF
 class GroupLock:
     """``flock`` on rank 0's control segment, with a deadline (never blocks forever)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, leader_words: Any = None, rank: int = -1) -> None:
         self._fd = fd
         self._held = 0
+        # Rank 0's words (the holder word lives there) and this rank, to record the holder.
+        self._leader = leader_words
+        self._rank = rank
+
+    def holder(self) -> int:
+        """The rank that holds the lock as far as the holder word says (-1: nobody)."""
+        return self._leader[LOCK_HOLDER_WORD] - 1 if self._leader is not None else -1
 
     def acquire(self, deadline: float) -> bool:
         """Take the lock (re-entrant); False if it was still held by another rank at
@@ -56,6 +70,8 @@ class GroupLock:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self._held = 1
+                if self._leader is not None:
+                    self._leader[LOCK_HOLDER_WORD] = self._rank + 1
                 return True
             except BlockingIOError:
                 pass
@@ -72,6 +88,8 @@ class GroupLock:
     def release(self) -> None:
         self._held -= 1
         if self._held == 0:
+            if self._leader is not None:
+                self._leader[LOCK_HOLDER_WORD] = 0
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 

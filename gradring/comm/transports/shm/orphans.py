@@ -1,0 +1,91 @@
+"""Workers whose launcher died: stop them, and leave nothing of the job in /dev/shm.
+
+[Note: orphaned workers]
+torchrun's agent starts the workers and, when one of them fails, ends the
+others with SIGTERM. When the agent itself dies (``kill -9``, the OOM killer)
+nobody does: the workers are reparented (to init or a subreaper) and go on
+training -- or wait for a store that is gone -- holding their segments in
+/dev/shm. So a worker started by torchrun (``TORCHELASTIC_RUN_ID`` is set)
+watches its parent from a daemon thread, started when its first group context
+is made: every ``POLL_S`` it compares ``os.getppid()`` with the parent it had
+then. Once the parent changed, the agent is gone, and the thread
+
+1. prints one line saying so (``gradring: pid P (rank R): the torchrun agent
+   that started this worker (pid A) is gone; ...``),
+2. unlinks the names of this process's segments and of its dead peers' (as
+   the SIGTERM handler does; mappings stay, so nothing running faults),
+3. sends the process SIGTERM: the handler (``sigterm.py``) prints what was
+   pending, and the process dies of SIGTERM as it would have under the agent.
+
+Every worker watches its own parent, so all of them stop within a poll or two,
+and each unlinks what it owns. Outside torchrun nothing is watched: a
+process started from a shell that exits afterwards is not an orphan to stop.
+
+``prctl(PR_SET_PDEATHSIG)`` is not used: the kernel sends it when the *thread*
+that forked the worker ends, not the process, so a launcher that starts
+workers from a short-lived thread would kill healthy workers; and it would not
+unlink anything in a process whose main thread never installed the handler.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+#: How often the watcher compares the parent pid (seconds).
+POLL_S = 0.2
+
+_watching: int | None = None  # pid whose watcher thread runs
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.elastic's agent) started this process."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def watch(transports: Callable[[], Iterable[Any]], rank: int = -1) -> None:
+    """Start this process's watcher once (only under torchrun). ``transports()`` lists
+    the live shm transports; ``rank`` is for the message."""
+    global _watching
+    if _watching == os.getpid() or not launched_by_torchrun():
+        return
+    parent = os.getppid()
+    if parent <= 1:
+        return  # already orphaned before anything was watched: nothing to compare
+    _watching = os.getpid()
+    threading.Thread(target=_loop, args=(parent, transports, rank),
+                     name="gradring-orphan-watch", daemon=True).start()
+
+
+def _loop(parent: int, transports: Callable[[], Iterable[Any]], rank: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    _orphaned(parent, transports, rank)
+
+
+def _orphaned(parent: int, transports: Callable[[], Iterable[Any]], rank: int) -> None:
+    who = f"pid {os.getpid()}" + (f" (rank {rank})" if rank >= 0 else "")
+    print(f"gradring: {who}: the torchrun agent that started this worker (pid {parent}) "
+          f"is gone; stopping this worker with SIGTERM and removing its shared memory, so "
+          f"that nothing of the job outlives it", file=sys.stderr, flush=True)
+    for t in list(transports()):
+        try:
+            t.release_names()
+        except Exception:  # noqa: BLE001 - the signal below must still go out
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _reset_in_child() -> None:
+    """A forked child has no watcher thread (and another parent)."""
+    global _watching
+    _watching = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
