@@ -20,7 +20,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository
 sys.path.insert(0, ROOT)
 
 import pytest  # noqa: E402
