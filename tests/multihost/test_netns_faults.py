@@ -99,6 +99,9 @@ def test_small_dev_shm_on_one_host_falls_back_and_trains(hosts):
     a, b = runs
     assert "is too small for gradring's shared-memory transport" in b.output, text
     assert "intra-host phases on host" in b.output, text
+    # One warning per rank of the small host, with one figure for the job's need.
+    needs = re.findall(r"these 2 rank\(s\) need about (\d+) MiB", b.output)
+    assert len(needs) == 2 and len(set(needs)) == 1, text
     assert "gradring warning" not in a.output, text
 
 

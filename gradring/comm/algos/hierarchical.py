@@ -96,8 +96,18 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
             _all_reduce_shared(h, info, flat, op)
             return
         except ShmExhausted as exc:  # the whole host, in this collective: see the Note
-            h.drop_local(exc)
+            h.drop_local(exc, _largest_holding(h))
     _all_reduce_p2p(h, flat, op)
+
+
+def _largest_holding(h: HostTransports) -> int:
+    """The most /dev/shm bytes any rank of this host holds, so that the host's ranks
+    print one figure (see [Note: one figure, two causes] in ``shm/space.py``): one
+    MAX all-reduce among them over point-to-point (all of them are here)."""
+    mine = getattr(getattr(h.local, "memory", None), "reserved", 0)
+    figures = torch.full((h.intra.world_size,), int(mine), dtype=torch.int64)
+    ring.all_reduce(h.intra, figures, Op("MAX"))
+    return int(figures.max())
 
 
 def _all_reduce_p2p(h: HostTransports, flat: torch.Tensor, op: Op) -> None:

@@ -116,11 +116,14 @@ class HostTransports:
         if mark is not None:
             mark(exc)
 
-    def drop_local(self, exc: space.ShmExhausted) -> None:
+    def drop_local(self, exc: space.ShmExhausted, in_use: int | None = None) -> None:
         """Every rank of this host raised ``exc`` in this collective: give the host's
-        shared memory up (its phases run over ``intra`` from now on) and warn once."""
+        shared memory up (its phases run over ``intra`` from now on) and warn once.
+        ``in_use``: the most /dev/shm bytes a rank of the host holds (default: this
+        rank's), for the warning's figure."""
         local, self.local = self.local, None
-        in_use = getattr(getattr(local, "memory", None), "reserved", 0)
+        if in_use is None:
+            in_use = getattr(getattr(local, "memory", None), "reserved", 0)
         release = getattr(local, "release_for_fallback", None)
         if release is not None:
             release()
