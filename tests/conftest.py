@@ -28,6 +28,7 @@ SLOW_FILES = {
     "tests/jobs/test_concurrent_jobs.py": "several small jobs at once, some crashing",
     "tests/jobs/test_orphans.py": "torchrun jobs whose ranks or agent are killed or stopped",
     "tests/multihost/test_netns.py": "torchrun across network namespaces",
+    "tests/multihost/test_netns_faults.py": "torchrun across namespaces: small /dev/shm, faults",
     "tests/integrations/test_lightning.py": "Lightning trainers and Fabric",
     "tests/integrations/test_accelerate.py": "Accelerate",
     "tests/integrations/test_transformers.py": "transformers' Trainer",

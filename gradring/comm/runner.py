@@ -98,6 +98,11 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
     except ShmExhausted:
         raise  # not a failure: run() falls back
     except CollectiveError as exc:
+        if label == select.HOSTS:
+            # An inter-host (or intra-host) failure of this rank fails its host's shared
+            # memory too: host peers stop and name it (see [Note: hierarchical closing
+            # agreement] in algos/hierarchical.py).
+            transport.mark_failed(exc)  # type: ignore[union-attr]
         # shm's own errors already say who is missing; elsewhere the board knows more.
         err = exc if label == "shm" else failures.with_board(exc)
         failures.record(entry, err)

@@ -198,11 +198,13 @@ class TwoHosts:
         return int(r.stdout)
 
     # -- running ------------------------------------------------------------------
-    def command(self, h: Host, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on host ``h``: its namespace, hostname and private /dev/shm."""
-        inner = 'hostname "$0" && mount -t tmpfs -o size=2g gradring-shm /dev/shm && exec "$@"'
+    def command(self, h: Host, argv: Sequence[str], shm_size: str = "2g") -> list[str]:
+        """``argv`` run on host ``h``: its namespace, hostname and private /dev/shm
+        (a tmpfs of ``shm_size``, in tmpfs ``size=`` syntax: ``2g``, ``4160k``)."""
+        inner = ('hostname "$0" && mount -t tmpfs -o size="$1" gradring-shm /dev/shm && '
+                 'shift && exec "$@"')
         return ["ip", "netns", "exec", h.ns, "unshare", "--uts", "--mount", "--propagation",
-                "private", "sh", "-c", inner, h.hostname, *argv]
+                "private", "sh", "-c", inner, h.hostname, shm_size, *argv]
 
     def torchrun_argv(self, h: Host, script: str, args: Sequence[str], nproc_per_node: int,
                       rdzv_id: str) -> list[str]:
@@ -213,8 +215,10 @@ class TwoHosts:
                 "--max-restarts=0", "--monitor-interval=0.2", script, *args]
 
     def torchrun(self, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 2,
-                 env: dict[str, str] | None = None, timeout: float = 120.0) -> list[Run]:
+                 env: dict[str, str] | None = None, timeout: float = 120.0,
+                 shm_sizes: dict[int, str] | None = None) -> list[Run]:
         """Run ``script`` under torchrun on both hosts at once; wait at most ``timeout`` s.
+        ``shm_sizes``: the /dev/shm size of some hosts by index (default 2g each).
 
         Returns one :class:`Run` per host; a host still running at the
         timeout is killed and gets ``returncode=None``.
@@ -232,7 +236,8 @@ class TwoHosts:
                 log = tempfile.TemporaryFile(mode="w+")
                 penv = dict(base, GLOO_SOCKET_IFNAME=h.veth)
                 argv = self.command(h, self.torchrun_argv(h, script, args, nproc_per_node,
-                                                          rdzv_id))
+                                                          rdzv_id),
+                                    (shm_sizes or {}).get(h.index, "2g"))
                 p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=penv,
                                      cwd=ROOT, start_new_session=True)
                 self._procs.append(p)

@@ -2,6 +2,13 @@
 
     torchrun --nnodes=2 --nproc-per-node=2 ... worker.py train   # DDP vs oracle, hier vs ring
     torchrun ... worker.py kill --victim 3 --at-step 3           # one rank SIGKILLs itself
+    torchrun ... worker.py raise --victim 1 --at-step 3          # one rank raises inside the
+                                                                 # intra-host phase
+    torchrun ... worker.py raise-late --victim 1 --at-step 3     # ... after the all-gather
+                                                                 # barrier
+``--linger S``: after an error, a rank waits S seconds before it exits (and says
+``MH_EXIT``), so the tests can tell whether its peers failed because of its error or
+only because it exited.
 
 Results go to stdout as ``MH_RESULT <json>`` lines (one per rank) and errors as
 ``MH_ERROR <json>``, which tests/multihost/test_netns.py parses.
@@ -53,7 +60,8 @@ def where() -> dict:
     hosts = ctx.transports.existing_hosts() if ctx is not None else None
     return {"rank": dist.get_rank(), "host": socket.gethostname(),
             "topology": hosts.topology.describe() if hosts is not None else None,
-            "local_rank": hosts.topology.local_rank if hosts is not None else None}
+            "local_rank": hosts.topology.local_rank if hosts is not None else None,
+            "shared_memory": hosts is not None and hosts.local is not None}
 
 
 def train(steps: int) -> None:
@@ -101,37 +109,85 @@ def train(steps: int) -> None:
          sum_err=(sums["hierarchical"] - sum(every)).abs().max().item())
 
 
-def kill(victim: int, at_step: int, steps: int) -> None:
+#: Set on the victim rank of ``raise`` for the step it fails in.
+_armed = False
+
+
+def _arm_intra_host_fault() -> None:
+    """Make the hierarchical all-reduce raise inside its first intra-host phase (staging
+    into shared memory) while ``_armed`` is set."""
+    from gradring.comm.algos import hierarchical
+
+    real = hierarchical._copy_except
+
+    def faulty(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+        if _armed:
+            raise RuntimeError(f"injected fault in the intra-host phase on rank {dist.get_rank()}")
+        real(dst, src, lo, hi)
+
+    hierarchical._copy_except = faulty
+
+
+def _arm_gather_fault() -> None:
+    """Make the hierarchical all-reduce raise right after its all-gather barrier (the
+    last barrier before the copies: today's closing agreement has to catch this) while
+    ``_armed`` is set; once."""
+    from gradring.comm.transports.shm.transport import ShmTransport
+
+    real = ShmTransport.wait_arrivals
+
+    def faulty(self: ShmTransport, what: str = "at a barrier inside the collective") -> None:
+        global _armed
+        real(self, what)
+        if _armed and what == "at a barrier inside the collective":
+            _armed = False
+            raise RuntimeError(f"injected fault after the all-gather barrier on rank "
+                               f"{dist.get_rank()}")
+
+    ShmTransport.wait_arrivals = faulty  # type: ignore[method-assign]
+
+
+def kill(victim: int, at_step: int, steps: int, linger: float, how: str = "kill") -> None:
+    global _armed
     rank = dist.get_rank()
     ddp = gradring.DistributedDataParallel(nn.Linear(256, 256))
     x = torch.randn(8, 256)
+    if how == "raise" and rank == victim:
+        _arm_intra_host_fault()
+    if how == "raise-late" and rank == victim:
+        _arm_gather_fault()
     try:
         for step in range(steps):
             if rank == victim and step == at_step:
                 emit("MH_VICTIM", **where(), step=step)
-                os.kill(os.getpid(), signal.SIGKILL)
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _armed = True
             ddp(x).sum().backward()
             comm.all_reduce(torch.ones(1))  # keep every rank in step with the others
     except Exception as exc:  # noqa: BLE001 - reported to the test, then exit non-zero
-        emit("MH_ERROR", **where(), error=f"{type(exc).__name__}: {exc}"[:2000], t=time.time())
+        emit("MH_ERROR", **where(), error=f"{type(exc).__name__}: {exc}"[:3000], t=time.time())
         sys.stdout.flush()
+        time.sleep(linger)
+        emit("MH_EXIT", rank=rank)
         os._exit(3)
     emit("MH_RESULT", **where(), finished=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("train", "kill"))
+    ap.add_argument("mode", choices=("train", "kill", "raise", "raise-late"))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--victim", type=int, default=3)
     ap.add_argument("--at-step", type=int, default=3)
+    ap.add_argument("--linger", type=float, default=0.0)
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     if a.mode == "train":
         train(a.steps)
     else:
-        kill(a.victim, a.at_step, a.steps)
+        kill(a.victim, a.at_step, a.steps, a.linger, a.mode)
     comm.shutdown()
     dist.destroy_process_group()
 

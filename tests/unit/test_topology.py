@@ -136,14 +136,19 @@ def info(seq: int, t: torch.Tensor) -> CollectiveInfo:
 class Hosts:
     """H simulated hosts: one ThreadedWorld each (shared memory) + one over all ranks."""
 
-    def __init__(self, hosts: tuple[tuple[int, ...], ...], timeout: float = 30.0) -> None:
+    def __init__(self, hosts: tuple[tuple[int, ...], ...], timeout: float = 30.0,
+                 p2p_hosts: tuple[int, ...] = ()) -> None:
         self.hosts = hosts
+        # Hosts that run without shared memory (as after /dev/shm ran out there).
+        self.p2p_hosts = p2p_hosts
         self.world_size = sum(len(h) for h in hosts)
         self.flat = ThreadedWorld(self.world_size, timeout=timeout)
         self.local = [ThreadedWorld(len(h), timeout=timeout) for h in hosts]
 
     def transports(self, flat_t) -> HostTransports:
         topo = Topology(self.hosts, flat_t.rank, tuple(f"h{i}" for i in range(len(self.hosts))))
+        if topo.host_index in self.p2p_hosts:
+            return HostTransports(topo, None, flat_t)
         local = self.local[topo.host_index].transport(topo.local_rank)
         return HostTransports(topo, local, flat_t)
 
@@ -179,6 +184,36 @@ def test_hierarchical_matches_oracle(layout):
         want = naive.oracle_all_reduce([rank_data(r, n, dt) for r in range(w)], op)
         for r in range(w):
             assert torch.equal(results[r][k], want), (layout, n, dt, op, r)
+
+
+@pytest.mark.parametrize("layout,p2p", [(((0, 1), (2, 3)), (1,)), (((0, 2), (1, 3)), (0,)),
+                                        (((0, 1, 2), (3, 4, 5)), (0, 1)),
+                                        (((0, 1), (2, 3), (4, 5)), (1,))])
+def test_hierarchical_with_a_host_off_shared_memory_matches_oracle(layout, p2p):
+    """A host that dropped its shared memory (its /dev/shm ran out) runs the intra-host
+    phases over point-to-point; the other hosts, still on shared memory, run unchanged
+    and every rank gets the exact result (see [Note: a host without room in /dev/shm])."""
+    sim = Hosts(layout, p2p_hosts=p2p)
+    w = sim.world_size
+    cases = [(n, dt, op) for n in (0, 1, 5, 1000, 10007)
+             for dt in (torch.float32, torch.int32) for op in OPS]
+
+    def body(h: HostTransports):
+        outs = []
+        for seq, (n, dt, op) in enumerate(cases, 1):
+            x = rank_data(h.rank, n, dt)
+            i = info(seq, x)
+            h.start(i)
+            hierarchical.all_reduce(h, i, x, op)
+            h.finish()
+            outs.append(x)
+        return outs
+
+    results = sim.run(body)
+    for k, (n, dt, op) in enumerate(cases):
+        want = naive.oracle_all_reduce([rank_data(r, n, dt) for r in range(w)], op)
+        for r in range(w):
+            assert torch.equal(results[r][k], want), (layout, p2p, n, dt, op, r)
 
 
 def test_hierarchical_zero_copy_and_bits_identical():

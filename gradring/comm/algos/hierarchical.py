@@ -25,6 +25,31 @@ everywhere and divides once, by W, after step 2.
 
 Errors from the shared-memory phases name *local* ranks; they are re-raised
 with the local-to-group rank map of the host appended.
+
+[Note: hierarchical closing agreement]
+A flat shm collective ends with the closing agreement (``ShmTransport.finish``,
+see [Note: sticky failures]): no rank of the group returns success while
+another fails it. Here the algorithm drives the host's shared memory itself,
+so the same holds per host in three ways: (a) the intra-host all-gather ends
+with a barrier (the closing agreement: a rank that fails while copying fails
+it for its host peers); (b) the runner passes every failure of this rank --
+an exception in any phase, or the inter-host phase's own error -- to
+``HostTransports.mark_failed``, which fails the host's shared memory, so host
+peers waiting at the all-gather barrier stop at their next slice and name the
+cause instead of timing out; (c) ``finish`` passes to the shared memory.
+Across hosts, the link carries failures: a rank that fails or dies breaks
+its inter-host peers' send/recv (and its report is on the peer board).
+
+[Note: a host without room in /dev/shm]
+If a host's /dev/shm cannot hold a staging buffer, all its ranks raise
+``ShmExhausted`` in the same collective (the start barrier's descriptor check).
+They drop that host's shared memory (``HostTransports.drop_local``, with the
+single /dev/shm warning) and run the collective again with the intra-host
+phases over the process group's point-to-point among the host's ranks: a
+ring reduce-scatter over the same chunks, then the same inter-host step, then
+a ring all-gather. Local rank ``l`` still owns chunk ``l`` and sends the same
+inter-host messages, so the other hosts (still on shared memory) run
+unchanged: every rank of the group keeps issuing the same collectives.
 """
 
 from __future__ import annotations
@@ -36,6 +61,7 @@ from gradring.comm.algos import ring, tree
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, Transport
 from gradring.comm.transports.hosts import HostTransports
+from gradring.comm.transports.shm.space import ShmExhausted
 
 
 def _copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
@@ -60,10 +86,50 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
     """Hierarchical all-reduce of ``flat`` in place; see [Note: hierarchical all-reduce].
 
     ``h`` is a :class:`HostTransports`: ``local`` (direct transport over the
-    host's ranks: shm, or threads in the unit tests), ``inter`` (point-to-point
-    among same-local-rank peers, one per host), ``world_size`` (all ranks).
+    host's ranks: shm, or threads in the unit tests; None after the host ran out
+    of /dev/shm), ``intra`` (point-to-point among the host's ranks), ``inter``
+    (point-to-point among same-local-rank peers, one per host), ``world_size``
+    (all ranks).
     """
+    if h.local is not None:
+        try:
+            _all_reduce_shared(h, info, flat, op)
+            return
+        except ShmExhausted as exc:  # the whole host, in this collective: see the Note
+            h.drop_local(exc, _largest_holding(h))
+    _all_reduce_p2p(h, flat, op)
+
+
+def _largest_holding(h: HostTransports) -> int:
+    """The most /dev/shm bytes any rank of this host holds, so that the host's ranks
+    print one figure (see [Note: one figure, two causes] in ``shm/space.py``): one
+    MAX all-reduce among them over point-to-point (all of them are here)."""
+    mine = getattr(getattr(h.local, "memory", None), "reserved", 0)
+    figures = torch.full((h.intra.world_size,), int(mine), dtype=torch.int64)
+    ring.all_reduce(h.intra, figures, Op("MAX"))
+    return int(figures.max())
+
+
+def _all_reduce_p2p(h: HostTransports, flat: torch.Tensor, op: Op) -> None:
+    """The same chunks and inter-host step, with the intra-host phases over
+    point-to-point (see [Note: a host without room in /dev/shm])."""
+    intra = h.intra
+    bounds = ops.chunk_bounds(flat.numel(), intra.world_size)
+    lo, hi = bounds[intra.rank]
+    inter_op = ops.SUM if op.divides else op
+    ring.reduce_scatter_inplace(intra, flat, inter_op, bounds)
+    shard = flat[lo:hi]
+    _inter_all_reduce(h.inter, shard, inter_op)
+    ops.finish(shard, op, h.world_size)
+    ring.all_gather_inplace(intra, flat, bounds)
+
+
+def _all_reduce_shared(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor,
+                       op: Op) -> None:
+    """The intra-host phases over the host's shared memory; ``flat`` is untouched
+    when ``ShmExhausted`` is raised (only the staging copy was written)."""
     local = h.local
+    assert local is not None
     n_local, r = local.world_size, local.rank
     bounds = ops.chunk_bounds(flat.numel(), n_local)
     lo, hi = bounds[r]
@@ -77,6 +143,8 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
         views: list[torch.Tensor] = ex.views  # type: ignore[assignment] # all exposed
         shard = mine[lo:hi]
         ops.reduce_into(shard, [flat[lo:hi]] + [views[p][lo:hi] for p in others], inter_op)
+    except ShmExhausted:
+        raise  # every rank of the host raised it: all_reduce falls back
     except CollectiveError as exc:
         raise h.local_error(exc) from exc
     _inter_all_reduce(h.inter, shard, inter_op)
@@ -89,7 +157,8 @@ def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: 
         for p in others:
             plo, phi = bounds[p]
             ops.copy(flat[plo:phi], views[p][plo:phi])
-        if ex.zero_copy:
-            local.barrier()
+        # The closing agreement (see [Note: hierarchical closing agreement]); with a
+        # zero-copy buffer also what keeps owners from changing it while peers read.
+        local.barrier()
     except CollectiveError as exc:
         raise h.local_error(exc) from exc

@@ -8,6 +8,13 @@ the other hosts through the group's point-to-point. The hierarchical
 all-reduce (``algos/hierarchical.py``) runs on them. :func:`connect` learns
 which ranks share a host (``topology.py``) and connects each host's shared
 memory.
+
+A host whose /dev/shm runs out inside a collective (every rank of that host
+raises ``ShmExhausted`` in the same collective, ``shm/space.py``) drops its
+shared memory (:meth:`HostTransports.drop_local`): its intra-host phases run
+over the process group's point-to-point among its own ranks from then on. The
+inter-host messages are the same either way, so the other hosts need not know
+and every rank still runs the same collectives.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch.distributed as dist
 
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, CollectiveInfo, DirectTransport, Transport
-from gradring.comm.transports.shm import rendezvous
+from gradring.comm.transports.shm import rendezvous, space
 from gradring.comm.transports.topology import Topology, exchange
 
 
@@ -65,15 +72,24 @@ class HostTransports:
 
     It is itself a point-to-point transport over the whole group (delegating
     to ``flat``), so ring, tree and broadcast still run on it unchanged.
+    ``finish`` and ``mark_failed`` pass to the host's shared memory, so the
+    runner's closing agreement covers the intra-host phases (see [Note: sticky
+    failures] in ``shm/verdict.py``).
     """
 
     name = "shm+torch"
 
-    def __init__(self, topology: Topology, local: DirectTransport, flat: Transport) -> None:
+    def __init__(self, topology: Topology, local: DirectTransport | None,
+                 flat: Transport) -> None:
         # Which ranks share a host; fixed for the group's lifetime.
         self.topology = topology
-        # Shared memory among this host's ranks (local ranks 0..L-1).
+        # Shared memory among this host's ranks (local ranks 0..L-1); None once the
+        # host's /dev/shm ran out (``drop_local``): then ``intra`` carries those phases.
         self.local = local
+        # Why ``local`` was dropped ("" while it is in use).
+        self.local_reason = ""
+        # Point-to-point among this host's ranks (local rank = index), over ``flat``.
+        self.intra = SubsetTransport(flat, topology.local_ranks)
         # Point-to-point over the whole group (the process group's send/recv).
         self.flat = flat
         # The same, restricted to this rank's same-local-rank peer on every host.
@@ -83,7 +99,39 @@ class HostTransports:
 
     def start(self, info: CollectiveInfo) -> None:
         self.flat.start(info)
-        self.local.start(info)
+        if self.local is not None:
+            self.local.start(info)
+
+    def finish(self) -> None:
+        """End of a collective: the host's closing agreement (``ShmTransport.finish``)."""
+        finish = getattr(self.local, "finish", None)
+        if finish is not None:
+            finish()
+
+    def mark_failed(self, exc: BaseException) -> None:
+        """This rank's collective failed (an exception in any phase, or the inter-host
+        phase's error): fail the host's shared memory too, so host peers waiting in an
+        intra-host phase stop at their next slice and name ``exc`` instead of timing out."""
+        mark = getattr(self.local, "mark_failed", None)
+        if mark is not None:
+            mark(exc)
+
+    def drop_local(self, exc: space.ShmExhausted, in_use: int | None = None) -> None:
+        """Every rank of this host raised ``exc`` in this collective: give the host's
+        shared memory up (its phases run over ``intra`` from now on) and warn once.
+        ``in_use``: the most /dev/shm bytes a rank of the host holds (default: this
+        rank's), for the warning's figure."""
+        local, self.local = self.local, None
+        if in_use is None:
+            in_use = getattr(getattr(local, "memory", None), "reserved", 0)
+        release = getattr(local, "release_for_fallback", None)
+        if release is not None:
+            release()
+        self.local_reason = str(exc)
+        topo = self.topology
+        space.warn_once(space.advice(exc.needed, in_use, topo.local_size)
+                        + f"; gradring now runs the intra-host phases on host "
+                        f"{self._host_name()!r} over the process group instead (slower)")
 
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
         return self.flat.isend(buf, dst)
@@ -96,14 +144,19 @@ class HostTransports:
 
     def close(self) -> None:
         """Close the host's shared memory; ``flat`` belongs to the group context."""
-        self.local.close()
+        if self.local is not None:
+            self.local.close()
+
+    def _host_name(self) -> str:
+        topo = self.topology
+        return topo.names[topo.host_index] if topo.names else f"host{topo.host_index}"
 
     def local_error(self, exc: CollectiveError) -> CollectiveError:
         """``exc`` (naming local ranks) with this host's local-to-group rank map."""
         topo = self.topology
         legend = ", ".join(f"local {i} = rank {r}" for i, r in enumerate(topo.local_ranks))
-        name = topo.names[topo.host_index] if topo.names else f"host{topo.host_index}"
-        return CollectiveError(f"{exc} [ranks above are local to host {name!r}: {legend}]")
+        return CollectiveError(f"{exc} [ranks above are local to host {self._host_name()!r}: "
+                               f"{legend}]")
 
 
 def connect(store: Any, rank: int, world_size: int, timeout: float,

@@ -14,7 +14,11 @@ as a SIGBUS later. What happens then:
   so all ranks see the flag in the same collective and raise
   :class:`ShmExhausted` together. The runner then drops the shm transport on
   every rank and re-runs the collective (and all later ones) over the process
-  group -- or, with ``GRADRING_TRANSPORT=shm``, fails it on every rank.
+  group -- or, with ``GRADRING_TRANSPORT=shm``, fails it on every rank. In a
+  multi-host (hierarchical) group only that host's ranks raise it: they drop
+  the host's shared memory and run its intra-host phases over the process
+  group (``HostTransports.drop_local``; see [Note: a host without room in
+  /dev/shm] in ``algos/hierarchical.py``).
 
 The user is told once per process how much the job needs, the same figure on every
 rank, and whether to raise the mount's size or free it (see [Note: one figure, two
