@@ -347,19 +347,22 @@ def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> No
 
 
 def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
-    # World 3, rank 1 killed in the middle of a backward at three points (the jobs run
-    # side by side). Before, a survivor could name the other survivor that failed
-    # first ("failed on rank 2: rank 0 gave up ..."), never the dead rank.
+    # Rank 1 killed in the middle of a backward: at world 3 at three points, at world 4
+    # between buckets (the jobs run side by side, so each competes with the others for
+    # the 2 cores). Before, a survivor could name the other survivor that failed first
+    # ("failed on rank 2: rank 0 gave up ..."), never the dead rank.
     from concurrent.futures import ThreadPoolExecutor
 
-    points = ["2.weight", "0.bias", "forward"]  # first bucket, last bucket, before
-    with ThreadPoolExecutor(len(points)) as pool:
-        jobs = list(pool.map(lambda pt: _run_job("kill_backward", 3, str(tmp_path),
-                                                 victim=1, cases=pt, timeout=150), points))
-    for point, (reports, codes) in zip(points, jobs):
+    # first bucket, last bucket, before the backward; world 4 between buckets
+    cases = [(3, "2.weight"), (3, "0.bias"), (3, "forward"), (4, "0.bias")]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        jobs = list(pool.map(lambda c: _run_job("kill_backward", c[0], str(tmp_path),
+                                                victim=1, cases=c[1], timeout=200), cases))
+    for (world, point), (reports, codes) in zip(cases, jobs):
+        point = f"world {world}, {point}"
         assert codes[1] == -signal.SIGKILL, (point, codes, reports[1])
         pid = next(r for r in reports[1] if "killed" in r)["pid"]
-        for rank in (0, 2):
+        for rank in [r for r in range(world) if r != 1]:
             err = _final(reports[rank])["error"]
             assert err is not None, (point, reports[rank])
             named = re.findall(r"rank (\d+) \(pid (\d+)\)", err)
