@@ -40,6 +40,11 @@ class ConfigError(ValueError):
     """A ``GRADRING_*`` variable holds a value gradring cannot use."""
 
 
+class SettingsMismatch(ConfigError):
+    """Ranks of one group set a variable that must match to different values
+    (checked once per group, see ``gradring/comm/agree.py``)."""
+
+
 def _bad(var: str, value: str, valid: str) -> ConfigError:
     return ConfigError(f"{var}={value!r} is not valid: {valid}")
 

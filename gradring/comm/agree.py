@@ -41,14 +41,11 @@ from typing import Any
 from gradring import config
 from gradring.comm.store import instance_prefix
 from gradring.comm.transport import CollectiveError
+from gradring.config import SettingsMismatch
 
 #: The :class:`~gradring.config.Config` fields every rank of a group must set alike.
 AGREED = ("transport", "algo", "check")
 _VARS = {f: config.Config.__dataclass_fields__[f].metadata["env"] for f in AGREED}
-
-
-class SettingsMismatch(config.ConfigError):
-    """Ranks of one group set a variable of :data:`AGREED` to different values."""
 
 
 def published(cfg: config.Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -214,7 +214,8 @@ class DistributedDataParallel(TorchDDP):
         # torch's flags of the same names.
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        # (skip buckets no rank used in this forward: needs find_unused_parameters)
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
         # Set by no_sync(): when False, backward only accumulates locally.
         self.require_backward_grad_sync = True
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
@@ -457,8 +458,10 @@ class DistributedDataParallel(TorchDDP):
     def _setup_in_backward_optimizers(self) -> None:
         """Step parameters that carry ``_in_backward_optimizers`` (torch's
         ``_apply_optimizer_in_backward``) as soon as their bucket is reduced."""
-        if any(hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
-            self._consumers.set_in_backward(self._module_parameters)
+        params = self._module_parameters
+        stepped_in_backward = [p for p in params if hasattr(p, "_in_backward_optimizers")]
+        if stepped_in_backward:
+            self._consumers.set_in_backward(params)
 
     def _check_comm_hook(self, hook: Any) -> None:
         if not callable(hook):
