@@ -24,6 +24,7 @@ still running inside the namespaces are killed by pid, then the namespaces
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -277,3 +278,14 @@ def _kill_session(p: subprocess.Popen) -> None:
         p.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def records(runs: list, tag: str) -> list[dict]:
+    """The JSON records the ranks of ``runs`` printed after ``tag``."""
+    return [json.loads(line) for r in runs for line in r.lines(tag)]
+
+
+def describe(runs: list, tail: int = 6000) -> str:
+    """Each host's exit status and the end of its output, for an assertion message."""
+    return "\n".join(f"--- {r.host.hostname} rc={r.returncode} ({r.seconds:.1f}s)\n"
+                     f"{r.output[-tail:]}" for r in runs)

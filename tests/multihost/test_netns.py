@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.multihost.netns_harness import TwoHosts, unavailable
+from tests.multihost.netns_harness import TwoHosts, describe, records, unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 CAP_S = 180.0  # per launch: generous, 4 ranks + 2 agents on a 2-core VM
@@ -35,20 +35,11 @@ def hosts():
         yield h
 
 
-def _records(runs, tag: str) -> list[dict]:
-    return [json.loads(line) for r in runs for line in r.lines(tag)]
-
-
-def _describe(runs) -> str:
-    return "\n".join(f"--- {r.host.hostname} rc={r.returncode} ({r.seconds:.1f}s)\n"
-                     f"{r.output[-4000:]}" for r in runs)
-
-
 def test_ddp_across_two_hosts_matches_oracle(hosts):
     runs = hosts.torchrun(WORKER, ["train", "--steps", "4"], nproc_per_node=2, timeout=CAP_S)
-    assert all(r.returncode == 0 for r in runs), _describe(runs)
-    res = sorted(_records(runs, "MH_RESULT"), key=lambda d: d["rank"])
-    assert [d["rank"] for d in res] == [0, 1, 2, 3], _describe(runs)
+    assert all(r.returncode == 0 for r in runs), describe(runs)
+    res = sorted(records(runs, "MH_RESULT"), key=lambda d: d["rank"])
+    assert [d["rank"] for d in res] == [0, 1, 2, 3], describe(runs)
     # Two hosts of two ranks, each rank on the host whose hostname it reports.
     for d in res:
         assert d["topology"] is not None and d["topology"].startswith("2 host(s)"), d
@@ -69,10 +60,10 @@ def test_killed_rank_fails_the_other_host(hosts):
     runs = hosts.torchrun(WORKER, ["kill", "--victim", str(victim), "--at-step", "3",
                                    "--steps", "100000"],
                           nproc_per_node=2, timeout=CAP_S, env={"GRADRING_TIMEOUT": "60"})
-    text = _describe(runs)
+    text = describe(runs)
     assert all(r.returncode is not None for r in runs), "a host hung:\n" + text
     assert all(r.returncode != 0 for r in runs), text
-    (killed,) = _records(runs, "MH_VICTIM")
+    (killed,) = records(runs, "MH_VICTIM")
     assert killed["rank"] == victim
     other = next(r for r in runs if r.host.hostname != killed["host"])
     errors = [json.loads(line) for line in other.lines("MH_ERROR")]

@@ -32,7 +32,7 @@ import re
 
 import pytest
 
-from tests.multihost.netns_harness import TwoHosts, unavailable
+from tests.multihost.netns_harness import TwoHosts, describe, records, unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 CAP_S = 180.0  # per launch: generous, 4 ranks + 2 agents on a 2-core VM
@@ -49,15 +49,6 @@ pytestmark = [pytest.mark.skipif(_WHY is not None, reason=f"multi-host harness: 
 def hosts():
     with TwoHosts() as h:
         yield h
-
-
-def _records(runs, tag: str) -> list[dict]:
-    return [json.loads(line) for r in runs for line in r.lines(tag)]
-
-
-def _describe(runs) -> str:
-    return "\n".join(f"--- {r.host.hostname} rc={r.returncode} ({r.seconds:.1f}s)\n"
-                     f"{r.output[-6000:]}" for r in runs)
 
 
 def _events(run) -> list[tuple[str, dict]]:
@@ -83,9 +74,9 @@ def _error_before_exit(run, rank: int, other: int) -> dict:
 def test_small_dev_shm_on_one_host_falls_back_and_trains(hosts):
     runs = hosts.torchrun(WORKER, ["train", "--steps", "4"], nproc_per_node=2, timeout=CAP_S,
                           shm_sizes={1: SMALL_SHM})
-    text = _describe(runs)
+    text = describe(runs)
     assert all(r.returncode == 0 for r in runs), text
-    res = sorted(_records(runs, "MH_RESULT"), key=lambda d: d["rank"])
+    res = sorted(records(runs, "MH_RESULT"), key=lambda d: d["rank"])
     assert [d["rank"] for d in res] == [0, 1, 2, 3], text
     small = hosts.hosts[1].hostname
     for d in res:
@@ -110,9 +101,9 @@ def test_raise_in_intra_host_phase_fails_every_rank_naming_it(hosts):
     runs = hosts.torchrun(WORKER, ["raise", "--victim", str(victim), "--at-step", "3",
                                    "--steps", "100000", "--linger", LINGER_S],
                           nproc_per_node=2, timeout=CAP_S, env={"GRADRING_TIMEOUT": "60"})
-    text = _describe(runs)
+    text = describe(runs)
     assert all(r.returncode is not None and r.returncode != 0 for r in runs), text
-    errors = {d["rank"]: d["error"] for d in _records(runs, "MH_ERROR")}
+    errors = {d["rank"]: d["error"] for d in records(runs, "MH_ERROR")}
     assert sorted(errors) == [0, 1, 2, 3], text
     assert "injected fault" in errors[victim], text
     # The host peer names the exception, and before the victim exited.
@@ -139,9 +130,9 @@ def test_raise_after_gather_barrier_fails_the_same_collective_on_the_host(hosts)
     runs = hosts.torchrun(WORKER, ["raise-late", "--victim", str(victim), "--at-step", "3",
                                    "--steps", "100000", "--linger", LINGER_S],
                           nproc_per_node=2, timeout=CAP_S, env={"GRADRING_TIMEOUT": "60"})
-    text = _describe(runs)
+    text = describe(runs)
     assert all(r.returncode is not None and r.returncode != 0 for r in runs), text
-    errors = {d["rank"]: d["error"] for d in _records(runs, "MH_ERROR")}
+    errors = {d["rank"]: d["error"] for d in records(runs, "MH_ERROR")}
     assert sorted(errors) == [0, 1, 2, 3], text
     assert "injected fault after the all-gather barrier" in errors[victim], text
     peer = _error_before_exit(runs[0], 0, victim)
