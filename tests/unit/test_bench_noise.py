@@ -105,3 +105,50 @@ def test_against_report_flags_only_a_consistent_slowdown() -> None:
     assert slower.splitlines()[-1].endswith("SLOWER")
     one_bad_round = report(rounds(13.0, 19.0, 12.8), rounds(13.0, 13.1, 12.9), "HEAD~1")
     assert one_bad_round.splitlines()[-1].endswith("ok")
+
+
+def test_overlap_table_compares_the_policy_round_by_round() -> None:
+    # pair 10, torch +4: default +1 (0.25), =1 +2 (0.50), =0 +1 (0.25).
+    res = _rounds([10.0, 10.0, 10.0], [14.0, 14.0, 14.0], [11.0, 11.0, 11.0])
+    res["m"].update(overlap_on=[12.0, 12.0, 12.0], overlap_off=[11.0, 11.2, 10.8],
+                    _why={"gradring": "2 core(s) for 2 rank(s): no core is free"})
+    text = ddp_step.report(res, 2)
+    row = next(line for line in text.splitlines()[text.splitlines().index(
+        next(ln for ln in text.splitlines() if ln.startswith("overlap policy"))):]
+        if line.startswith("m "))
+    assert "0.25 [0.25-0.25]" in row and "0.50 [0.50-0.50]" in row
+    assert "0.25 [0.20-0.30]" in row  # each round's own ratio
+    assert row.split()[-len("2 core(s) for 2 rank(s): no core is free".split()) - 1] == "=0"
+    assert row.endswith("no core is free")
+    # Without --overlap's set-ups there is no such table.
+    assert "overlap policy" not in ddp_step.report(_rounds([10.0], [14.0], [11.0]), 2)
+
+
+def test_rung_table_is_overhead_in_units_of_one_allreduce() -> None:
+    res = _rounds([10.0, 10.0, 10.0], [18.0, 18.0, 18.0], [13.0, 13.0, 13.0])
+    res["m"].update(allreduce_ms=[2.0, 1.9, 2.5], _bytes=[float(4 << 20)])
+    text = ddp_step.report(res, 2)
+    row = text.splitlines()[-1]
+    assert row.split() == ["m", "4.00", "2.000", "3.00", "8.00", "1.50", "4.00"]
+
+
+def test_competing_load_spins_while_the_block_runs_and_never_after() -> None:
+    import os
+    import time
+
+    from gradring.tools.bench.load import competing_load
+
+    with competing_load(2) as pids:
+        assert len(pids) == 2
+        deadline = time.monotonic() + 30
+        while True:  # each spinner is running (state R) once Python has started
+            states = []
+            for pid in pids:
+                with open(f"/proc/{pid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            if all(s == "R" for s in states) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert states == ["R", "R"]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}")

@@ -122,24 +122,30 @@ def report(new: list[dict[str, Any]], old: list[dict[str, Any]], rev: str) -> st
     return "\n".join(lines)
 
 
-def run_against(rev: str, models: list[str], steps: int, rounds: int, nproc: int) -> str:
-    """Alternate this tree and REV round by round; return the table."""
+def run_against(rev: str, models: list[str], steps: int, rounds: int, nproc: int,
+                load: int = 0) -> str:
+    """Alternate this tree and REV round by round, with ``load`` CPU-spinning
+    processes beside the ranks throughout (see load.py); return the table."""
+    from gradring.tools.bench.load import competing_load
+
     here = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
     repo, old_tree = _worktree(rev)
     new_runs: list[dict[str, Any]] = []
     old_runs: list[dict[str, Any]] = []
     try:
-        for r in range(rounds):
-            order = [("new", here), ("old", old_tree)]
-            if r % 2:
-                order.reverse()
-            for tag, tree in order:
-                result = _job(tree, models, steps, nproc)
-                (new_runs if tag == "new" else old_runs).append(result)
-                print(f"round {r + 1}/{rounds} {tag}: " + ", ".join(
-                    f"{m} {v['gradring']:.1f}" for m, v in result.items()),
-                      file=sys.stderr, flush=True)
+        with competing_load(load):
+            for r in range(rounds):
+                order = [("new", here), ("old", old_tree)]
+                if r % 2:
+                    order.reverse()
+                for tag, tree in order:
+                    result = _job(tree, models, steps, nproc)
+                    (new_runs if tag == "new" else old_runs).append(result)
+                    print(f"round {r + 1}/{rounds} {tag}: " + ", ".join(
+                        f"{m} {v['gradring']:.1f}" for m, v in result.items()),
+                          file=sys.stderr, flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", old_tree], cwd=repo,
                        check=False, capture_output=True)
-    return report(new_runs, old_runs, rev)
+    head = f"competing load: {load} spinning process(es) beside the ranks\n" if load else ""
+    return head + report(new_runs, old_runs, rev)

@@ -11,7 +11,11 @@ the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
 and gradring's with its always-on trace switched off (``notrace``); with
 ``--floor`` also a minimal flat DDP over gradring's transport (``floor``, see
 ``floor.py``: what any DDP here pays, so gradring minus floor is what the
-reducer's own machinery costs). Rounds
+reducer's own machinery costs); with ``--overlap`` also gradring's DDP with
+``GRADRING_OVERLAP=1`` (``overlap_on``: buckets launch when ready, on the
+comm thread) and ``=0`` (``overlap_off``: every bucket reduced at the end of
+the backward), beside the default, which decides per host (see [Note:
+overlap needs a free core] in ``gradring/reducer/overlap_policy.py``). Rounds
 interleave the set-ups step by step (every set-up takes one step in turn, the
 ranks starting each step together), so that a slow stretch of the machine
 hits all of them alike. A round's figure is the median of its steps, each
@@ -42,17 +46,30 @@ per step for torch, gradring, and gradring without tracing. The third gives
 the same overheads in CPU time (``time.process_time`` of rank 0's process,
 every thread): on a loaded machine wall-clock overheads swing by more than
 they are worth, while CPU time still counts the work each reducer does.
+
+``--rung`` also times, after each model's rounds, one all-reduce of as many
+bytes as the model's gradients, resident in shared memory (a ``comm.empty``
+buffer, as ``gradring bench allreduce`` times it; median of the slowest
+rank over 9 calls), and prints gradring's overhead in units of that
+all-reduce: a DDP cannot cost less than moving its gradients once, so this
+is how far the reducer is from the physical limit (the target is 1.5).
+
+``--load N`` runs N processes that spin on the CPU beside the ranks for the
+whole run (see ``load.py``): the same comparison on a host that another
+job is using.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +77,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+OVERLAP_ENV = "GRADRING_OVERLAP"  # see gradring/reducer/overlap_policy.py
 
 MODELS = {
     # name: (builder, per-rank batch)
@@ -213,6 +232,45 @@ def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
             sum(b.nbytes for b in ddp.reducer.buckets))
 
 
+@contextlib.contextmanager
+def _overlap_env(value: str | None) -> Iterator[None]:
+    """``GRADRING_OVERLAP`` set to ``value`` (unset for None) inside the block."""
+    old = os.environ.get(OVERLAP_ENV)
+    if value is None:
+        os.environ.pop(OVERLAP_ENV, None)
+    else:
+        os.environ[OVERLAP_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(OVERLAP_ENV, None)
+        else:
+            os.environ[OVERLAP_ENV] = old
+
+
+#: --overlap's set-ups and the GRADRING_OVERLAP each is built and rebuilt under.
+OVERLAP_SETUPS = {"overlap_on": "1", "overlap_off": "0"}
+
+
+def _allreduce_ms(nbytes: int, reps: int = 9) -> list[float]:
+    """--rung: each of ``reps`` calls' ms for an all-reduce of ``nbytes`` resident in
+    shared memory (``comm.empty``), every call started together on all ranks."""
+    from gradring import comm
+
+    buf = comm.empty(max(1, nbytes // 4)).zero_()
+    comm.all_reduce(buf)  # connect and fault the pages in outside the timing
+    comm.all_reduce(buf)
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce(buf)
+        out.append((time.perf_counter() - t0) * 1e3)
+    del buf
+    return out
+
+
 def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> None:
     import gradring
 
@@ -239,6 +297,15 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             setups["floor"] = FlatDDP(copy.deepcopy(base))
         for m in setups.values():
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
+        why = {"gradring": setups["gradring"].reducer.overlap_why}
+        for key, value in OVERLAP_SETUPS.items() if getattr(args, "overlap", False) else ():
+            with _overlap_env(value):  # the choice is made at construction and rebuild
+                setups[key] = gradring.DistributedDataParallel(copy.deepcopy(base))
+                time_steps(setups[key], x, 2)
+            if setups[key].reducer.overlap != (value == "1"):
+                raise RuntimeError(f"{key}: GRADRING_OVERLAP={value} did not hold "
+                                   f"({setups[key].reducer.overlap_why})")
+            why[key] = setups[key].reducer.overlap_why
         res: dict[str, list[float]] = {k: [] for k in setups}
         res.update({"_cpu_" + k: [] for k in setups})
         res["_pair_steps"] = []  # every pair step's wall ms, round after round
@@ -251,7 +318,13 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
                     res["_pair_steps"].extend(walls)
         results[name] = res
         res["_nparams"] = [float(sum(1 for p in base.parameters() if p.requires_grad))]
+        if getattr(args, "rung", False):
+            nbytes = sum(p.numel() * p.element_size() for p in base.parameters()
+                         if p.requires_grad)
+            res["_bytes"] = [float(nbytes)]
+            res["allreduce_ms"] = _allreduce_ms(nbytes)
         if rank == 0:
+            res["_why"] = why  # type: ignore[assignment]
             results[name]["_mem"] = [float(v) for v in
                                      grad_bytes_outside_buckets(setups["gradring"])
                                      + grad_bytes_outside_buckets(setups["gradring_view"])]
@@ -349,7 +422,7 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
         if "_nparams" not in res or "notrace" not in res:
             continue  # rounds recorded without the per-parameter set-ups
         n = res["_nparams"][0]
-        med = {k: statistics.median(v) for k, v in res.items() if not k.startswith("_m")}
+        med = {k: statistics.median(res[k]) for k in ("pair", "torch", "gradring", "notrace")}
         ot, og = med["torch"] - med["pair"], med["gradring"] - med["pair"]
         on = med["notrace"] - med["pair"]
         per_round = [(g - p) / (t - p) for p, t, g in zip(res["pair"], res["torch"],
@@ -381,6 +454,8 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
     lines += _floor_table(results)
+    lines += _overlap_table(results)
+    lines += _rung_table(results)
     if notes:
         lines += ["", "NOT TRUSTWORTHY on this machine now (rerun with more --rounds/--steps, "
                   "or on a quieter machine):", *("  " + n for n in notes)]
@@ -410,13 +485,65 @@ def _floor_table(results: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def _overlap_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """--overlap: the default's overhead against GRADRING_OVERLAP=1 and =0, each
+    against torch's, medians over rounds of per-round overheads, with what the
+    default chose and why."""
+    rows = [name for name, res in results.items() if "overlap_on" in res]
+    if not rows:
+        return []
+    lines = ["", "overlap policy: gradring's overhead / torch's, default against "
+             "GRADRING_OVERLAP=1 (launch when ready) and =0 (all at the end); medians over "
+             "rounds, [min-max of the rounds]",
+             f"{'model':<12}{'default':>18}{'=1 (on)':>18}{'=0 (off)':>18}{'best':>8}"
+             "  default chose"]
+    for name in rows:
+        res = results[name]
+        cells, meds = [], {}
+        for key in ("gradring", "overlap_on", "overlap_off"):
+            per = [(s - p) / (t - p) for p, t, s in zip(res["pair"], res["torch"], res[key])
+                   if t > p]
+            meds[key] = statistics.median(per) if per else float("nan")
+            cells.append(f"{meds[key]:.2f} [{min(per):.2f}-{max(per):.2f}]" if per else "noisy")
+        best = min(("overlap_on", "overlap_off"), key=lambda k: meds[k])
+        why = res.get("_why", {}).get("gradring", "")
+        lines.append(f"{name:<12}" + "".join(f"{c:>18}" for c in cells)
+                     + f"{'=1' if best == 'overlap_on' else '=0':>8}  {why}")
+    return lines
+
+
+def _rung_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """--rung: gradring's overhead in units of one resident all-reduce of the
+    model's gradient bytes (the physical limit a DDP step pays at least once)."""
+    rows = [name for name, res in results.items() if "allreduce_ms" in res]
+    if not rows:
+        return []
+    lines = ["", "rung: gradring's overhead / one all-reduce of the model's gradient bytes, "
+             "resident in shared memory (target <= 1.5)",
+             f"{'model':<12}{'MiB':>8}{'all-reduce ms':>15}{'ovh gradring':>14}"
+             f"{'ovh torch':>11}{'gradring/AR':>13}{'torch/AR':>10}"]
+    for name in rows:
+        res = results[name]
+        ar = statistics.median(res["allreduce_ms"])
+        og = statistics.median([g - p for g, p in zip(res["gradring"], res["pair"])])
+        ot = statistics.median([t - p for t, p in zip(res["torch"], res["pair"])])
+        mib = res["_bytes"][0] / 2.0**20 if "_bytes" in res else float("nan")
+        lines.append(f"{name:<12}{mib:>8.2f}{ar:>15.3f}{og:>14.2f}{ot:>11.2f}"
+                     f"{og / ar:>13.2f}{ot / ar:>10.2f}")
+    return lines
+
+
 def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
-        rounds: int = 5, floor: bool = False) -> str:
+        rounds: int = 5, floor: bool = False, overlap: bool = False, rung: bool = False,
+        load: int = 0) -> str:
+    """Run the bench (see the module docstring) and return its tables."""
+    from gradring.tools.bench.load import competing_load
+
     args = argparse.Namespace(models=models or list(MODELS), steps=steps, rounds=rounds,
-                              floor=floor)
+                              floor=floor, overlap=overlap, rung=rung)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, competing_load(load):
         procs = [ctx.Process(target=worker, args=(r, nproc, os.path.join(tmp, "store"), args, q))
                  for r in range(nproc)]
         for p in procs:
@@ -424,7 +551,8 @@ def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
         per_rank = dict(q.get() for _ in procs)
         for p in procs:
             p.join()
-    return report(_slowest([per_rank[r] for r in range(nproc)]), nproc)
+    head = f"competing load: {load} spinning process(es) beside the ranks\n" if load else ""
+    return head + report(_slowest([per_rank[r] for r in range(nproc)]), nproc)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -436,6 +564,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--floor", action="store_true",
                     help="also step a minimal flat DDP (gradring/tools/bench/floor.py)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also step gradring with GRADRING_OVERLAP=1 and =0 beside the default")
+    ap.add_argument("--rung", action="store_true",
+                    help="also time one resident all-reduce of each model's gradient bytes")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="run N CPU-spinning processes beside the ranks (see load.py)")
     ap.add_argument("--against", metavar="REV",
                     help="run this tree and git revision REV alternately, round by round, "
                          "and print new/old per model (see against.py)")
@@ -443,9 +577,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if a.against:
         from gradring.tools.bench.against import run_against
 
-        print(run_against(a.against, a.models, a.steps, a.rounds, a.nproc))
+        print(run_against(a.against, a.models, a.steps, a.rounds, a.nproc, load=a.load))
         return 0
-    print(run(a.nproc, a.models, a.steps, a.rounds, a.floor))
+    print(run(a.nproc, a.models, a.steps, a.rounds, a.floor, a.overlap, a.rung, a.load))
     return 0
 
 
