@@ -54,3 +54,22 @@ def test_floor_table_gives_per_round_medians() -> None:
     # overheads: floor 2, gradring 4 (median of 4, 5, 3), torch 10; gradring - floor 2
     assert row.split() == ["m", "2.00", "4.00", "0.20", "0.40", "2.00"], text
     assert "floor" not in report({"m": {k: v for k, v in rounds.items() if k != "floor"}}, 2)
+
+
+def _handoffs(rank: int, world_size: int) -> dict:
+    import glob
+
+    from gradring.tools.bench.handoff import round_trips
+
+    torch.set_num_threads(1)
+    times = [round_trips(rank, 20, block) for block in (False, True)]
+    return {"times": times, "left": glob.glob("/dev/shm/gradring-bench-handoff-*")}
+
+
+def test_handoff_floor_runs_both_ways_and_leaves_no_file(pools) -> None:
+    # ``gradring bench allreduce --handoff``: 20 round trips spinning, 20 sleeping in
+    # the kernel; each side completes them (a lost wake-up would hang the rank), and
+    # the shared word's file is gone once both ranks mapped it.
+    for r in pools.run(2, _handoffs):
+        assert all(t > 0 for t in r["times"]), r
+        assert r["left"] == [], r

@@ -72,6 +72,7 @@ class Result(NamedTuple):
     reps: int
     rows: list[Row]
     bounds: list[Bound]
+    handoff: dict[str, float] = {}  # noqa: RUF012 - "spin"/"block": s per round trip
 
 
 def parse_size(text: str) -> int:
@@ -86,7 +87,7 @@ def _iters(size: int) -> int:
 
 
 def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: int,
-               variants: list[str], queue: Any) -> None:
+               variants: list[str], handoff: bool, queue: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -116,6 +117,13 @@ def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: i
 
     times: dict[tuple[int, str], list[float]] = {}
     rates: dict[int, list[tuple[float, float]]] = {}
+    if handoff:  # see handoff.py: the floor under any small all-reduce here
+        from gradring.tools.bench.handoff import round_trips
+
+        for _ in range(reps):
+            for how in ("spin", "block"):
+                times.setdefault((0, "handoff-" + how), []).append(
+                    round_trips(rank, 200, how == "block"))
     for size in sizes:
         n = max(1, size // 4)
         tensors = {v: (comm.empty(n) if v == "shm-empty" else torch.empty(n)).zero_()
@@ -234,15 +242,20 @@ def crossover(nproc: int = 2, sizes: tuple[int, ...] = (4, 4096, 65536, 262144, 
 
 
 def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
-        variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600) -> Result:
+        variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600,
+        handoff: bool = False) -> Result:
     """Run the benchmark in ``nproc`` fresh processes; return medians."""
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    times, rates = _launch(_rank_main, nproc, (list(sizes), reps, list(variants)), timeout)
+    times, rates = _launch(_rank_main, nproc, (list(sizes), reps, list(variants), handoff),
+                           timeout)
     busfactor = 2 * (nproc - 1) / nproc
     rows = []
-    for (size, variant), samples in sorted(times.items(), key=lambda kv: (
+    floor = {k[1].removeprefix("handoff-"): statistics.median(v)
+             for k, v in times.items() if k[1].startswith("handoff-")}
+    collectives = {k: v for k, v in times.items() if k[1] in VARIANTS}
+    for (size, variant), samples in sorted(collectives.items(), key=lambda kv: (
             kv[0][0], list(VARIANTS).index(kv[0][1]))):
         t = statistics.median(samples)
         rows.append(Row(size, variant, t, size / t / 1e9, size / t / 1e9 * busfactor))
@@ -253,7 +266,7 @@ def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
         w = nproc
         t = (w + 1) / w * size / add + 2 * (w - 1) / w * size / cpy
         bounds.append(Bound(size, add / 1e9, cpy / 1e9, t, size / t / 1e9 * busfactor))
-    return Result(nproc, reps, rows, bounds)
+    return Result(nproc, reps, rows, bounds, floor)
 
 
 def _fmt_size(size: int) -> str:
@@ -280,6 +293,9 @@ def format_table(res: Result) -> str:
         lines.append(f"# memory-traffic bound at {_fmt_size(b.size)}: busbw {b.busbw:.2f} GB/s "
                      f"({b.time_s * 1e6:.0f} us; add {b.add_gbs:.1f} GB/s, copy "
                      f"{b.copy_gbs:.1f} GB/s){reach}")
+    for how, t in sorted(res.handoff.items(), reverse=True):
+        lines.append(f"# hand-off floor ({how}): {t * 1e6:.1f} us per round trip between ranks "
+                     "0 and 1, no data (see handoff.py)")
     return "\n".join(lines)
 
 
@@ -292,6 +308,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--handoff", action="store_true",
+                        help="also time a bare futex round trip between ranks 0 and 1 "
+                             "(the floor under a small all-reduce, see handoff.py)")
     parser.add_argument("--crossover", action="store_true",
                         help="time the candidates behind select.py's thresholds instead")
     args = parser.parse_args(argv)
@@ -299,7 +318,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(crossover(args.nproc, reps=args.reps))
         return 0
     res = run(args.nproc, tuple(parse_size(s) for s in args.sizes.split(",")), args.reps,
-              tuple(v.strip() for v in args.variants.split(",")))
+              tuple(v.strip() for v in args.variants.split(",")), handoff=args.handoff)
     print(format_table(res))
     return 0
 
