@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import multiprocessing
+import multiprocessing.util
 import os
 import threading
 from typing import Any
@@ -170,6 +172,7 @@ def context(group: Any) -> GroupContext | None:
         # the SIGTERM handler from the main thread] in transports/shm/sigterm.py.
         sigterm.install(live_transports)
         orphans.watch(live_transports, dist.get_rank())  # [Note: orphaned workers]
+        _release_at_multiprocessing_exit()  # [Note: multiprocessing children skip atexit]
         # Outside the registry's lock: it waits for the peers' first call on the group.
         ctx.agree_settings()  # type: ignore[attr-defined]
     elif sigterm.deferred is not None:
@@ -214,6 +217,41 @@ def _forget_after_fork() -> None:
     """A forked child inherits contexts whose threads and peers are not its own:
     drop them without closing (closing would unlink the parent's segments)."""
     GROUPS.forget()
+
+
+def _release_all() -> None:
+    """What the exit handlers release: every group, then any shm transport left (the
+    atexit of ``transports/shm/transport.py``)."""
+    # At exit, queued work gets a short grace period: a peer may already be gone.
+    shutdown(all_groups=True, timeout=2.0)
+    for t in live_transports():  # one whose group's close returned early
+        t.close()
+
+
+#: The pid that registered :func:`_release_all` with multiprocessing's exit (0: none).
+_mp_exit_hooked = 0
+
+
+def _release_at_multiprocessing_exit() -> None:
+    """In a ``multiprocessing`` child, run :func:`_release_all` at its exit too.
+
+    [Note: multiprocessing children skip atexit]
+    A ``multiprocessing.Process`` started with ``fork`` (the default on Linux before
+    Python 3.14; torch's ``MultiProcessTestCase`` forks or spawns its ranks this way)
+    ends with ``os._exit`` once its target returns or raises ``SystemExit``: ``atexit``
+    handlers never run there, so its shm segments stayed in /dev/shm until the next
+    gradring process swept them. Such a child does run multiprocessing's own exit
+    finalizers (``multiprocessing.util.Finalize`` with an exit priority), which it
+    clears at start, so they are registered here, once per child, when its first
+    group context is made. A spawned child runs them too, just before atexit (which
+    then finds nothing left). The main process keeps atexit alone. ``os._exit`` called
+    directly, or SIGKILL, runs nothing: the sweep at the next connect remains.
+    """
+    global _mp_exit_hooked
+    if _mp_exit_hooked == os.getpid() or multiprocessing.parent_process() is None:
+        return
+    _mp_exit_hooked = os.getpid()
+    multiprocessing.util.Finalize(None, _release_all, exitpriority=0)
 
 
 # At exit, queued work gets a short grace period: a peer may already be gone.

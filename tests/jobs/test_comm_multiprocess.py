@@ -10,6 +10,7 @@ the job script (``python tests/jobs/test_comm_multiprocess.py --scenario ...``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -590,6 +591,69 @@ def test_dead_or_silent_peer_raises_and_leaves_no_segments(tmp_path) -> None:
 
 
 
+# ------------------------------------------- multiprocessing children (fork)
+def _mp_rank(rank: int, world: int, store: str, how: str) -> None:
+    """A rank of a ``multiprocessing`` fork child, as torch's MultiProcessTestCase runs
+    them: its target returns (after ``destroy_process_group``) or calls ``sys.exit``,
+    and multiprocessing then ends it with ``os._exit``: no atexit."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    x = comm.empty(20_000)  # a comm.empty segment
+    x.fill_(1)
+    comm.all_reduce(x)
+    comm.all_reduce(torch.ones(30_000))  # a staging segment
+    owned = [n for n in os.listdir(segments.SHM_DIR) if n.startswith(f"gradring-{os.getpid()}-")]
+    with open(f"{store}-rank{rank}.json", "w") as f:  # both ranks share one stdout
+        json.dump({"owned": owned, "sum": bool(torch.all(x == world))}, f)
+    if how == "destroy":
+        dist.destroy_process_group()
+    else:
+        sys.exit(0)
+
+
+def _mp_job(how: str, tmp: str) -> None:
+    """Run 2 ranks as forked multiprocessing children; report what they left."""
+    import multiprocessing
+
+    world, ctx, store = 2, multiprocessing.get_context("fork"), os.path.join(tmp, "store")
+    procs = [ctx.Process(target=_mp_rank, args=(r, world, store, how)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    left = sorted(n for n in os.listdir(segments.SHM_DIR)
+                  if any(n.startswith(f"gradring-{p.pid}-") for p in procs))
+    for n in left:  # the test reports them; they must not outlive it
+        segments.unlink_quietly(n)
+    ranks = []
+    for r in range(world):
+        with contextlib.suppress(OSError, ValueError), open(f"{store}-rank{r}.json") as f:
+            ranks.append(json.load(f))
+    print(json.dumps({"codes": [p.exitcode for p in procs], "ranks": ranks, "left": left}),
+          flush=True)
+
+
+@pytest.mark.parametrize("how", ["destroy", "sys_exit"])
+def test_multiprocessing_fork_children_leave_no_segments(tmp_path, how: str) -> None:
+    # See [Note: multiprocessing children skip atexit] in gradring/comm/context.py.
+    from tests.support import jobs
+
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--mp-job", how,
+                          str(tmp_path)], capture_output=True, text=True, timeout=150,
+                         env=jobs.job_env(), cwd=jobs.ROOT)
+    reports = jobs.reports_of(out.stdout)
+    assert out.returncode == 0 and reports, out.stderr[-5000:]
+    final = reports[-1]
+    assert final["codes"] == [0, 0] and len(final["ranks"]) == 2, out.stderr[-5000:]
+    assert all(r["sum"] and r["owned"] for r in final["ranks"])  # they owned segments ...
+    assert final["left"] == []  # ... and released them at exit
+
+
 def test_stale_segments_of_dead_owners_are_removed() -> None:
     # What a dead process left (its peers gone too) goes at the next transport start;
     # remove_dead_owners (a peer's prefix) takes only that prefix.
@@ -608,4 +672,7 @@ def test_stale_segments_of_dead_owners_are_removed() -> None:
 
 
 if __name__ == "__main__":
-    _job_main(sys.argv[1:])
+    if sys.argv[1:2] == ["--mp-job"]:
+        _mp_job(sys.argv[2], sys.argv[3])
+    else:
+        _job_main(sys.argv[1:])
