@@ -118,7 +118,8 @@ def test_overlap_table_compares_the_policy_round_by_round() -> None:
         if line.startswith("m "))
     assert "0.25 [0.25-0.25]" in row and "0.50 [0.50-0.50]" in row
     assert "0.25 [0.20-0.30]" in row  # each round's own ratio
-    assert row.split()[-len("2 core(s) for 2 rank(s): no core is free".split()) - 1] == "=0"
+    cols = row.split()[:-len("2 core(s) for 2 rank(s): no core is free".split())]
+    assert cols[-3:] == ["1.00", "0/3", "=0"]  # =1 slower by 1 ms, in every round
     assert row.endswith("no core is free")
     # Without --overlap's set-ups there is no such table.
     assert "overlap policy" not in ddp_step.report(_rounds([10.0], [14.0], [11.0]), 2)
@@ -152,3 +153,26 @@ def test_competing_load_spins_while_the_block_runs_and_never_after() -> None:
         assert states == ["R", "R"]
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_paired_steps_cancel_a_machine_that_drifts_within_a_round() -> None:
+    # The machine slows by 10 ms a step; every DDP step sits beside its pair step.
+    pair = [10.0, 20.0, 30.0, 40.0]
+
+    def rank(extra: float) -> dict:
+        return {"m": {"pair": [25.0], "torch": [29.0], "gradring": [26.0],
+                      "gradring_view": [26.0], "_pair_steps": pair,
+                      "_steps_pair": pair, "_steps_torch": [p + 4.0 for p in pair],
+                      "_steps_gradring": [p + 1.0 + extra for p in pair],
+                      "_steps_gradring_view": [p + 1.0 for p in pair]}}
+
+    merged = ddp_step._slowest([rank(0.0), rank(0.5)])
+    assert merged["m"]["_steps_gradring"] == [p + 1.5 for p in pair]  # the slower rank
+    assert ddp_step.paired(merged["m"], "gradring") == [1.5] * 4
+    text = ddp_step.report(merged, 2)
+    row = next(line for line in text.splitlines()[text.splitlines().index(
+        next(ln for ln in text.splitlines() if ln.startswith("paired per step"))):]
+        if line.startswith("m "))
+    assert row.split() == ["m", "4", "4.00", "1.50", "0.38", "0.38/0.38", "0.25"]
+    # Without per-step times there is no paired table.
+    assert "paired per step" not in ddp_step.report(_rounds([10.0], [14.0], [11.0]), 2)

@@ -47,6 +47,14 @@ the same overheads in CPU time (``time.process_time`` of rank 0's process,
 every thread): on a loaded machine wall-clock overheads swing by more than
 they are worth, while CPU time still counts the work each reducer does.
 
+The *paired* table takes every step on its own: each DDP step minus the
+pair step taken beside it (the slower rank of each), and the median of those
+differences over the whole run. On a machine whose speed drifts from second
+to second (a shared VM), this moves far less than a difference of medians
+over rounds, so it is the figure to quote there; its ``halves`` column gives
+the ratio over the first and the second half of the steps, which shows how
+much the figure itself moved. ``--overlap`` and ``--rung`` use it too.
+
 ``--rung`` also times, after each model's rounds, one all-reduce of as many
 bytes as the model's gradients, resident in shared memory (a ``comm.empty``
 buffer, as ``gradring bench allreduce`` times it; median of the slowest
@@ -314,6 +322,7 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             for key, (wall, cpu, walls) in interleaved_round(setups, opts, x, args.steps).items():
                 res[key].append(wall)
                 res["_cpu_" + key].append(cpu)
+                res.setdefault("_steps_" + key, []).extend(walls)
                 if key == "pair":
                     res["_pair_steps"].extend(walls)
         results[name] = res
@@ -383,7 +392,31 @@ def _slowest(per_rank: list[dict[str, dict[str, list[float]]]]
             n = len(per_step) // rounds
             merged[name]["pair"] = [statistics.median(per_step[i * n:(i + 1) * n])
                                     for i in range(rounds)]
+        for key in [k for k in res if k.startswith("_steps_")]:
+            cols = [r[name].get(key) for r in per_rank]
+            if all(cols) and len({len(c) for c in cols if c}) == 1:
+                merged[name][key] = [max(col) for col in zip(*cols)]  # type: ignore[misc]
     return merged
+
+
+def paired(res: dict[str, Any], key: str, base: str = "pair") -> list[float] | None:
+    """Each step's ``key`` time minus the ``base`` step taken just before or after
+    it (the slower rank of each, see _slowest), or None without per-step times.
+    Neighbouring steps saw the same machine, so the median of these differences
+    moves far less with the machine's load than a difference of medians does."""
+    a, b = res.get("_steps_" + key), res.get("_steps_" + base)
+    if not a or not b or len(a) != len(b):
+        return None
+    return [x - y for x, y in zip(a, b)]
+
+
+def _paired_ratio(res: dict[str, Any], key: str) -> float | None:
+    """Median paired overhead of ``key`` over torch's (None without per-step times)."""
+    mine, theirs = paired(res, key), paired(res, "torch")
+    if mine is None or theirs is None:
+        return None
+    t = statistics.median(theirs)
+    return statistics.median(mine) / t if t > 0 else float("nan")
 
 
 def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
@@ -453,6 +486,7 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"{(out_plain + buck_plain) / mib:.1f} MiB (private grads {out_plain / mib:.1f} + "
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
+    lines += _paired_table(results)
     lines += _floor_table(results)
     lines += _overlap_table(results)
     lines += _rung_table(results)
@@ -485,30 +519,77 @@ def _floor_table(results: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def _halves(res: dict[str, Any], key: str) -> str:
+    """The paired ratio over the first and the second half of the steps: how far the
+    figure moved while the bench ran."""
+    mine, theirs = paired(res, key), paired(res, "torch")
+    if not mine or not theirs or len(mine) < 4:
+        return "n/a"
+    h = len(mine) // 2
+    out = []
+    for part in (slice(0, h), slice(h, None)):
+        t = statistics.median(theirs[part])
+        out.append(f"{statistics.median(mine[part]) / t:.2f}" if t > 0 else "nan")
+    return "/".join(out)
+
+
+def _paired_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Overheads from paired steps (see paired()): the figures to quote on a noisy host."""
+    rows = [n for n, res in results.items() if paired(res, "gradring") and paired(res, "torch")]
+    if not rows:
+        return []
+    lines = ["", "paired per step: each DDP step minus the pair step beside it (slower rank "
+             "of each), median over every step of the run; halves = the ratio over the "
+             "first / second half of the steps",
+             f"{'model':<12}{'steps':>6}{'ovh torch':>11}{'ovh gradring':>14}{'ratio':>7}"
+             f"{'halves':>11}{'view':>7}"]
+    for name in rows:
+        res = results[name]
+        ot = statistics.median(paired(res, "torch") or [])
+        og = statistics.median(paired(res, "gradring") or [])
+        view = _paired_ratio(res, "gradring_view")
+        lines.append(f"{name:<12}{len(paired(res, 'gradring') or []):>6}{ot:>11.2f}{og:>14.2f}"
+                     f"{og / ot if ot > 0 else float('nan'):>7.2f}"
+                     f"{_halves(res, 'gradring'):>11}"
+                     f"{view if view is not None else float('nan'):>7.2f}")
+    return lines
+
+
 def _overlap_table(results: dict[str, dict[str, Any]]) -> list[str]:
     """--overlap: the default's overhead against GRADRING_OVERLAP=1 and =0, each
-    against torch's, medians over rounds of per-round overheads, with what the
-    default chose and why."""
+    against torch's, with what the default chose and why. Paired per step where
+    the steps were kept (see paired()), else per round."""
     rows = [name for name, res in results.items() if "overlap_on" in res]
     if not rows:
         return []
     lines = ["", "overlap policy: gradring's overhead / torch's, default against "
-             "GRADRING_OVERLAP=1 (launch when ready) and =0 (all at the end); medians over "
-             "rounds, [min-max of the rounds]",
-             f"{'model':<12}{'default':>18}{'=1 (on)':>18}{'=0 (off)':>18}{'best':>8}"
-             "  default chose"]
+             "GRADRING_OVERLAP=1 (launch when ready) and =0 (all at the end), paired per "
+             "step [ratio over the first/second half of the steps]; =1 - =0: their step "
+             "times' difference, median, and the steps (or rounds) =1 was faster in",
+             f"{'model':<12}{'default':>18}{'=1 (on)':>18}{'=0 (off)':>18}{'=1 - =0 ms':>12}"
+             f"{'=1 won':>8}{'best':>6}  default chose"]
     for name in rows:
         res = results[name]
         cells, meds = [], {}
         for key in ("gradring", "overlap_on", "overlap_off"):
+            r = _paired_ratio(res, key)
+            if r is not None:
+                meds[key] = r
+                cells.append(f"{r:.2f} [{_halves(res, key)}]")
+                continue
             per = [(s - p) / (t - p) for p, t, s in zip(res["pair"], res["torch"], res[key])
                    if t > p]
             meds[key] = statistics.median(per) if per else float("nan")
             cells.append(f"{meds[key]:.2f} [{min(per):.2f}-{max(per):.2f}]" if per else "noisy")
-        best = min(("overlap_on", "overlap_off"), key=lambda k: meds[k])
+        # Paired (both saw the same machine): the step-time difference, and in how many
+        # steps (or rounds) launching when ready was the faster of the two.
+        diffs = paired(res, "overlap_on", "overlap_off") or [
+            a - b for a, b in zip(res["overlap_on"], res["overlap_off"])]
+        won = f"{sum(d < 0 for d in diffs)}/{len(diffs)}"
+        best = "=1" if meds["overlap_on"] < meds["overlap_off"] else "=0"
         why = res.get("_why", {}).get("gradring", "")
         lines.append(f"{name:<12}" + "".join(f"{c:>18}" for c in cells)
-                     + f"{'=1' if best == 'overlap_on' else '=0':>8}  {why}")
+                     + f"{statistics.median(diffs):>12.2f}{won:>8}{best:>6}  {why}")
     return lines
 
 
@@ -525,8 +606,10 @@ def _rung_table(results: dict[str, dict[str, Any]]) -> list[str]:
     for name in rows:
         res = results[name]
         ar = statistics.median(res["allreduce_ms"])
-        og = statistics.median([g - p for g, p in zip(res["gradring"], res["pair"])])
-        ot = statistics.median([t - p for t, p in zip(res["torch"], res["pair"])])
+        og = statistics.median(paired(res, "gradring") or
+                               [g - p for g, p in zip(res["gradring"], res["pair"])])
+        ot = statistics.median(paired(res, "torch") or
+                               [t - p for t, p in zip(res["torch"], res["pair"])])
         mib = res["_bytes"][0] / 2.0**20 if "_bytes" in res else float("nan")
         lines.append(f"{name:<12}{mib:>8.2f}{ar:>15.3f}{og:>14.2f}{ot:>11.2f}"
                      f"{og / ar:>13.2f}{ot / ar:>10.2f}")
