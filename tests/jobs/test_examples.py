@@ -99,3 +99,13 @@ def test_elastic_crash_recipe_crashes_again_when_rerun(tmp_path):
     for log in logs:
         assert "exitcode: -9" in log and "resuming from step 3" in log, log
     assert "removed the checkpoint of an earlier launch" in logs[1]
+
+
+def test_hook_cost_benchmark_prints_each_cost_per_parameter():
+    # docs/collectives.md quotes it; a tiny run must still produce every row.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hook_cost.py"),
+                           "--params", "20", "--numel", "8", "--steps", "10"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[:2] for line in proc.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["noop", "copy", "gradring"], proc.stdout
