@@ -37,16 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-class _ManySmall(nn.Module):
-    def __init__(self, n: int, d: int) -> None:
-        super().__init__()
-        self.ps = nn.ParameterList([nn.Parameter(torch.randn(d) * 0.01) for _ in range(n)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for p in self.ps:
-            x = x + p
-        return x
+from gradring.tools.bench.ddp_step import _ManySmall  # the bench's small2000 model
 
 
 def _noop(_i: int, _param: torch.Tensor) -> None:
