@@ -180,6 +180,14 @@ class Bucket:
         self.pending = pending = pending - 1
         return pending == 0
 
+    def arrive_many(self, n: int) -> bool:
+        """``n`` more gradients are in at once (see [Note: counted at the end] in
+        reducer/end_count.py); True when they were the last."""
+        if self.pending == self.size:
+            self.lending.claim()
+        self.pending -= n
+        return self.pending == 0
+
     def mark_ready(self) -> None:
         """Every gradient is in: launchable once the lower buckets launched."""
         self.state = BucketState.READY

@@ -48,12 +48,18 @@ import torch
 
 from gradring import errors
 from gradring.buckets import Bucket, BucketCaps, BucketState, assign_buckets, bucket_key
+from gradring.buckets.bucket import SlotKind
 from gradring.buckets.grad_bucket import GradBucket
 from gradring.buckets.slot_io import PUT_AT_HOOK, put_deferred, write_grads
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import CollectiveEvents, Trace, profiled, profiling
-from gradring.reducer.engine_callback import queue_engine_callback
+from gradring.reducer.end_count import EndCounted
+from gradring.reducer.engine_callback import (
+    compiled_autograd_possible,
+    in_compiled_autograd,
+    queue_engine_callback,
+)
 from gradring.reducer.owners import OWNERS
 from gradring.reducer.rebuild import Rebuild, overlap_choice, rank0_groups
 from gradring.reducer.state import IterationState
@@ -151,6 +157,12 @@ class Reducer:
         self._shared = False
         # Next bucket index to launch.
         self._next_bucket = 0
+        # The small gradients counted in at the end of the backward, without a
+        # hook (see [Note: counted at the end] in end_count.py), and what their
+        # choice was made for: (wanted, overlap), or None when the buckets or
+        # their slot kinds changed since.
+        self._end = EndCounted(self.params)
+        self._end_for: tuple[bool, bool] | None = None
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
@@ -224,8 +236,9 @@ class Reducer:
         # rebuild), and then what records each arrival (Rebuild.recorder).
         self._record_arrival = False
         self._note_arrival: Callable[[int], None] | None = None
-        # One post-accumulate-grad hook per parameter.
-        self._hook_handles = [
+        # One post-accumulate-grad hook per parameter (None while the parameter
+        # is counted at the end instead, see [Note: counted at the end]).
+        self._hook_handles: list[Any] = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
         ]
@@ -378,6 +391,7 @@ class Reducer:
             put = None if (b, s) in held else PUT_AT_HOOK[bucket.kinds[s]]
             route.append((bucket, s, put))
         self._route = route
+        self._end_for = None  # the unhooked slots are chosen again
 
     def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
         """Rank 0's assignment on every rank; rank 0's overlap choice becomes ours."""
@@ -456,6 +470,11 @@ class Reducer:
         """Any forward with grad enabled, under no_sync() too: the previous
         synchronised backward must have finished its reduction (torch checks
         this in every such forward)."""
+        if self.state is _EXPECTING and self._end.indices and self._end.any_arrived():
+            # Only unhooked parameters took part in the backward since the last
+            # forward: its reduction is owed all the same.
+            self._count_arrived(self._end.missing())
+            self.state = _REDUCING
         if self.state is _REDUCING:
             self._raise_unfinished()
         # A backward after this forward is not "a second backward after one
@@ -487,6 +506,9 @@ class Reducer:
         if not self.overlap and not self.comm.on_shared_memory():
             # Shared memory was given up since (every rank at once): overlap again.
             self.overlap, self.overlap_why = True, "shared memory was given up"
+        self._choose_unhooked()
+        if self._end.indices:
+            self._end.snapshot()
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
@@ -566,6 +588,8 @@ class Reducer:
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
             reducer.trace.mark("backward_start")
+            if reducer._end.indices:
+                reducer._queue_count_at_end()
             for j in reducer._unused_for_iteration():
                 reducer._mark_ready(j)
         if mode is _FIND_UNUSED and reducer.params[i].grad is not None:
@@ -662,7 +686,7 @@ class Reducer:
                 self._used_future = self.comm.all_reduce(used.to(torch.int32),
                                                          label="DDP unused-parameter map")
                 self._local_used = bytearray(len(self.params))  # sent: start afresh
-            if not self._delayed:
+            if not self._delayed and not self._end.indices:  # else queued by the first hook
                 queue_engine_callback(self._finalize)
 
     def _launch(self, bucket: Bucket) -> None:
@@ -744,6 +768,79 @@ class Reducer:
                     b.future.wait()
             except Exception:  # noqa: BLE001 - the caller reports what matters
                 pass
+
+    # ------------------------------------------------------- counted at the end
+    def _end_count_wanted(self) -> bool:
+        """Whether small gradients may go without a hook (see [Note: counted at the end])."""
+        return (self.mode is GraphMode.DEFAULT and self.comm_hook is None
+                and self.post_reduce is None and not self.grad_as_view and not self._shared
+                and self._rebuild.has_rebuilt and len(self._hook_handles) == len(self.params)
+                and not compiled_autograd_possible())
+
+    def _choose_unhooked(self) -> None:
+        """Before a synchronised backward: choose again which parameters go
+        without a hook, if what the choice depends on changed."""
+        wanted = self._end_count_wanted()
+        if self._end_for == (wanted, self.overlap):
+            return
+        self._end_for = (wanted, self.overlap)
+        if wanted:
+            last = len(self.buckets) - 1
+            unhooked = set(self._end.plan([
+                (b.index, b.param_indices, [k is SlotKind.PACKED for k in b.kinds])
+                for b in self.buckets
+                # Buckets the finalize reduces (see [Note: the last bucket]).
+                if not self.overlap or b.index == last]))
+        else:
+            self._end.clear()
+            unhooked = set()
+        handles = self._hook_handles
+        if len(handles) != len(self.params):  # remove_hooks() ran: no hooks for good
+            return
+        for i, p in enumerate(self.params):
+            if i in unhooked:
+                if handles[i] is not None:
+                    handles[i].remove()
+                    handles[i] = None
+            elif handles[i] is None:
+                handles[i] = p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    def _queue_count_at_end(self) -> None:
+        """The backward's first hook: count the unhooked gradients in when it ends."""
+        if in_compiled_autograd():
+            # Compiled autograd was switched on between this forward and its
+            # backward: the end of the backward cannot be seen.
+            self._end_for = None  # hook everything again from the next forward
+            raise self._fail(errors.compiled_autograd_switched_on())
+        queue_engine_callback(self._count_at_end)
+
+    def _count_arrived(self, missing: list[int]) -> None:
+        """Mark the unhooked parameters not in ``missing`` ready."""
+        ready, gone = self._ready, set(missing)
+        for i in self._end.indices:
+            if i not in gone:
+                ready[i] = True
+
+    def _count_at_end(self) -> None:
+        """The end of the backward: count the unhooked gradients in, launch the
+        buckets they complete, and finalize (see [Note: counted at the end])."""
+        end = self._end
+        missing = end.missing()
+        self._count_arrived(missing)
+        end.forget()
+        if missing:
+            return  # the reduction stays owed: the next forward names what is missing
+        scale = 1.0 / self.divide_factor  # no comm hook on this path
+        for index, chosen in end.by_bucket:
+            bucket = self.buckets[index]
+            if bucket.arrive_many(len(chosen)):
+                if bucket.deferred:
+                    put_deferred(bucket, scale, self.grad_as_view, -1)
+                bucket.mark_ready()
+                self.trace.mark("ready", index)
+        self._launch_ready()
+        if self._next_bucket == len(self.buckets):
+            self._finalize()
 
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
@@ -924,5 +1021,6 @@ def _debug_on() -> bool:
 
 def _remove_handles(handles: list[Any]) -> None:
     for h in handles:
-        h.remove()
+        if h is not None:
+            h.remove()
     handles.clear()

@@ -1,0 +1,117 @@
+"""Small gradients counted in at the end of the backward, without a hook of their own.
+
+[Note: counted at the end]
+A packed slot's hook (see [Note: packed slots] in ``buckets/packing.py``)
+does no tensor work: it only counts the gradient in, and the whole bucket's
+small slots are copied in once its last gradient has arrived. Yet the hook
+itself is what such a slot costs most: autograd calling into Python once per
+parameter measured 1.4-2.5 us on this VM, and the counting another 1-1.5 us
+(``benchmarks/hook_cost.py``), against torch's C++ reducer at 7-8 us per
+parameter in all. On 2,000 tensors of 64 floats that was most of gradring's
+overhead.
+
+A bucket the finalize reduces anyway (every bucket when ready buckets do not
+launch at once, else the last one: see [Note: the last bucket] in
+``reducer.py``) gains nothing from knowing early that a small gradient is
+in. So, once the bucket order is final and on the reducer's default path
+(no comm hook, fused or in-backward optimizer, find_unused_parameters,
+static_graph, gradient_as_bucket_view, shared parameters or compiled
+autograd), the packed slots of those buckets go without a hook. What the
+hook told, the end of the backward reads from ``.grad`` itself:
+
+- after the forward, this object takes a snapshot of each such parameter's
+  ``.grad``: the tensor (a reference, so that its identity cannot be reused)
+  and its version counter;
+- autograd puts a gradient in by adding in place (the version moves on) or
+  by setting a new tensor (the identity changes), and nothing else; so at
+  the end of the backward a parameter whose ``.grad`` is the same tensor at
+  the same version received no gradient in this backward.
+
+Each bucket whose slots all went without a hook keeps the hook of one, so
+that every backward that reaches a bucket runs a hook, which queues the end
+of the backward. If a gradient is missing there, the reduction stays unfinished
+and the next forward raises, naming it, as when a hook never fired; a
+backward that reached only unhooked parameters is caught by that next
+forward too (``any_arrived``).
+
+Two differences from hooking, both on error paths torch's DDP rejects: a
+parameter whose ``.grad`` the user changes in place between the forward and
+the backward (``zero_grad(set_to_none=False)`` there) counts as arrived,
+and one gradient accumulated twice in one backward (reentrant
+checkpointing) is not told apart from one. Both are caught in the first
+iterations, which hook every parameter until the bucket order is final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class EndCounted:
+    """Which parameters go without a hook, and whether their gradients came in."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        # The reducer's parameters, by index.
+        self._params = list(params)
+        # The unhooked parameters, in bucket order, and per bucket (its index,
+        # and its unhooked parameters' indices).
+        self.indices: list[int] = []
+        self.by_bucket: list[tuple[int, list[int]]] = []
+        # The snapshot after the forward: each unhooked parameter's .grad and
+        # its version (-1 for None).
+        self._grads: list[torch.Tensor | None] = []
+        self._versions: list[int] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether some parameters go without a hook now."""
+        return bool(self.indices)
+
+    def plan(self, buckets: Sequence[tuple[int, list[int], list[bool]]]) -> list[int]:
+        """Choose the unhooked parameters among ``buckets``: (bucket index, its
+        parameter indices in slot order, whether each slot is packed). A bucket
+        of nothing but packed slots keeps its first slot hooked. Returns the
+        chosen indices (also kept in ``indices``)."""
+        by_bucket = []
+        for index, param_indices, packed in buckets:
+            chosen = [i for i, p in zip(param_indices, packed) if p]
+            if len(chosen) == len(param_indices):
+                chosen = chosen[1:]  # the bucket's one hook
+            if chosen:
+                by_bucket.append((index, chosen))
+        self.by_bucket = by_bucket
+        self.indices = [i for _, chosen in by_bucket for i in chosen]
+        self.forget()
+        return self.indices
+
+    def clear(self) -> None:
+        """Every parameter is hooked again."""
+        self.indices, self.by_bucket = [], []
+        self.forget()
+
+    def snapshot(self) -> None:
+        """After the forward: what each unhooked parameter's ``.grad`` is now."""
+        params = self._params
+        grads = [params[i].grad for i in self.indices]
+        self._grads = grads
+        self._versions = [-1 if g is None else g._version for g in grads]
+
+    def missing(self) -> list[int]:
+        """At the end of the backward: the unhooked parameters that received no gradient."""
+        params, grads, versions = self._params, self._grads, self._versions
+        out = []
+        for k, i in enumerate(self.indices):
+            g = params[i].grad
+            if g is None or (g is grads[k] and g._version == versions[k]):
+                out.append(i)
+        return out
+
+    def any_arrived(self) -> bool:
+        """Whether any unhooked parameter received a gradient since the snapshot."""
+        return bool(self._grads) and len(self.missing()) < len(self.indices)
+
+    def forget(self) -> None:
+        """Drop the snapshot (its references to old gradients)."""
+        self._grads, self._versions = [], []

@@ -1,0 +1,143 @@
+"""Small gradients counted in at the end of the backward, without hooks ([Note:
+counted at the end] in gradring/reducer/end_count.py), differentially against
+torch's DDP: the gradients bit for bit, and the errors of a parameter that got
+no gradient."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import gradring
+
+
+class Mixed(nn.Module):
+    """Small parameters (packed slots) beside one large one, each used once."""
+
+    def __init__(self, n_small: int = 12) -> None:
+        super().__init__()
+        self.big = nn.Linear(96, 96)  # 9,216 elements: not packed
+        self.small = nn.ParameterList(
+            [nn.Parameter(torch.randn(96) * 0.1) for _ in range(n_small)])
+        self.skip: set[int] = set()  # small parameters the next forward leaves out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.big(x))
+        for k, p in enumerate(self.small):
+            if k not in self.skip:
+                x = torch.tanh(x * (1 + p))
+        return x
+
+
+# What each step does around its backward: "none" zero_grad(set_to_none=True)
+# before the forward, "zero" zero_grad(set_to_none=False), "accumulate" no
+# zero_grad, "between" zero_grad(set_to_none=True) after the forward,
+# "no_sync" a no_sync forward and backward on another batch first.
+_STEPS = ["none", "none", "none", "zero", "accumulate", "between", "no_sync", "none",
+          "zero", "no_sync", "between", "none"]
+
+
+def _train(rank: int, impl: type, base: nn.Module, kwargs: dict) -> dict:
+    model = impl(copy.deepcopy(base), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads, unhooked = [], []
+    gen = torch.Generator().manual_seed(100 + rank)
+    for how in _STEPS:
+        x = torch.randn(4, 96, generator=gen, dtype=torch.float64)
+        if how == "none":
+            opt.zero_grad(set_to_none=True)
+        elif how == "zero":
+            opt.zero_grad(set_to_none=False)
+        elif how == "no_sync":
+            with model.no_sync():
+                model(x * 0.5).sum().backward()
+        out = model(x)
+        if how == "between":
+            opt.zero_grad(set_to_none=True)
+        out.sum().backward()
+        grads.append([p.grad.clone() for p in model.module.parameters()])
+        opt.step()
+        if impl is gradring.DistributedDataParallel:
+            unhooked.append(len(model.reducer._end.indices))
+    return {"grads": grads, "unhooked": unhooked}
+
+
+def _side_by_side(rank: int, world_size: int, overlap: str, cap_mb: float) -> dict:
+    old = os.environ.get("GRADRING_OVERLAP")
+    os.environ["GRADRING_OVERLAP"] = overlap
+    try:
+        torch.manual_seed(0)
+        base = Mixed().double()
+        kwargs = {"bucket_cap_mb": cap_mb}
+        return {"gradring": _train(rank, gradring.DistributedDataParallel, base, kwargs),
+                "torch": _train(rank, torch.nn.parallel.DistributedDataParallel, base, kwargs)}
+    finally:
+        if old is None:
+            os.environ.pop("GRADRING_OVERLAP", None)
+        else:
+            os.environ["GRADRING_OVERLAP"] = old
+
+
+@pytest.mark.parametrize("overlap,cap_mb", [("0", 0.01), ("1", 0.01), ("0", 25.0)])
+def test_unhooked_gradients_match_torch_bit_for_bit(pools, overlap, cap_mb):
+    for r in pools.run(2, _side_by_side, overlap, cap_mb):
+        ours, theirs = r["gradring"], r["torch"]
+        assert len(ours["grads"]) == len(theirs["grads"]) == len(_STEPS)
+        for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
+            for k, (x, y) in enumerate(zip(a, b)):
+                assert torch.equal(x, y), (step, _STEPS[step], k, (x - y).abs().max())
+        # Hooked while the order is recorded; unhooked from the rebuild on (with
+        # overlap, only the last bucket's small slots).
+        assert ours["unhooked"][0] == 0 and min(ours["unhooked"][2:]) > 0, ours["unhooked"]
+
+
+def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str) -> dict:
+    impl = {"gradring": gradring.DistributedDataParallel,
+            "torch": torch.nn.parallel.DistributedDataParallel}[impl_name]
+    torch.manual_seed(0)
+    model = impl(Mixed(n_small=6).double())
+    events: list = []
+    for step in range(6):
+        if step == 3 and which == "one_small":
+            model.module.skip = {4}
+        x = torch.randn(4, 96, dtype=torch.float64)
+        try:
+            out = model(x)
+            if step == 3 and which == "only_unhooked":
+                # The loss reaches the small parameters alone: with gradring, none
+                # of them has a hook (the large weight's is the bucket's only one).
+                out = sum(p.sum() for p in model.module.small)
+            out.sum().backward()
+            events.append(("ok", step))
+        except RuntimeError as e:
+            events.append(("error", step, str(e)))
+            break
+        model.module.skip = set()
+    return {"events": events,
+            "unhooked": len(model.reducer._end.indices) if impl_name == "gradring" else None}
+
+
+def test_missing_small_gradient_raises_at_next_forward_as_torch(pools):
+    for impl in ("torch", "gradring"):
+        for r in pools.run(2, _unused_after_rebuild, "one_small", impl):
+            kind, step, msg = r["events"][-1]
+            assert (kind, step) == ("error", 4), r["events"]
+            assert "Expected to have finished reduction in the prior iteration" in msg
+            if impl == "gradring":
+                assert r["unhooked"] > 0
+                assert "small.4" in msg, msg
+
+
+def test_backward_reaching_only_unhooked_parameters_raises_at_next_forward(pools):
+    for impl in ("torch", "gradring"):
+        for r in pools.run(2, _unused_after_rebuild, "only_unhooked", impl):
+            kind, step, msg = r["events"][-1]
+            assert (kind, step) == ("error", 4), r["events"]
+            assert "Expected to have finished reduction in the prior iteration" in msg
+            if impl == "gradring":
+                assert r["unhooked"] > 0
+                assert "big.weight" in msg, msg
