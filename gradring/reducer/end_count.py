@@ -15,8 +15,9 @@ launch at once, else the last one: see [Note: the last bucket] in
 ``reducer.py``) gains nothing from knowing early that a small gradient is
 in. So, once the bucket order is final and on the reducer's default path
 (no comm hook, fused or in-backward optimizer, find_unused_parameters,
-static_graph, gradient_as_bucket_view, shared parameters or compiled
-autograd), the packed slots of those buckets go without a hook. What the
+static_graph, gradient_as_bucket_view (whose ``.grad`` views share the
+bucket's version counter), shared parameters or compiled autograd), the
+packed slots of those buckets go without a hook. What the
 hook told, the end of the backward reads from ``.grad`` itself:
 
 - after the forward, this object takes a snapshot of each such parameter's
@@ -27,9 +28,9 @@ hook told, the end of the backward reads from ``.grad`` itself:
   the end of the backward a parameter whose ``.grad`` is the same tensor at
   the same version received no gradient in this backward.
 
-Each bucket whose slots all went without a hook keeps the hook of one, so
-that every backward that reaches a bucket runs a hook, which queues the end
-of the backward. If a gradient is missing there, the reduction stays unfinished
+A bucket whose slots are all small keeps the hook of one, so that a
+backward through the whole bucket runs a hook; the first hook of a backward
+queues the count for its end. If a gradient is missing there, the reduction stays unfinished
 and the next forward raises, naming it, as when a hook never fired; a
 backward that reached only unhooked parameters is caught by that next
 forward too (``any_arrived``).
@@ -38,8 +39,11 @@ Two differences from hooking, both on error paths torch's DDP rejects: a
 parameter whose ``.grad`` the user changes in place between the forward and
 the backward (``zero_grad(set_to_none=False)`` there) counts as arrived,
 and one gradient accumulated twice in one backward (reentrant
-checkpointing) is not told apart from one. Both are caught in the first
-iterations, which hook every parameter until the bucket order is final.
+checkpointing) is not told apart from one. Both are still caught when they
+happen in the first iteration, which hooks every parameter until the bucket
+order is final (docs/ddp-differences.md). Compiled autograd reports no end of the backward:
+a reducer that saw a compiled backward, or sees compiled autograd switched on
+at the forward, keeps every hook.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class EndCounted:
         # The unhooked parameters, in bucket order, and per bucket (its index,
         # and its unhooked parameters' indices).
         self.indices: list[int] = []
+        # Their parameters, in the same order.
+        self._watched: list[torch.Tensor] = []
         self.by_bucket: list[tuple[int, list[int]]] = []
         # The snapshot after the forward: each unhooked parameter's .grad and
         # its version (-1 for None).
@@ -83,28 +89,29 @@ class EndCounted:
                 by_bucket.append((index, chosen))
         self.by_bucket = by_bucket
         self.indices = [i for _, chosen in by_bucket for i in chosen]
+        self._watched = [self._params[i] for i in self.indices]
         self.forget()
         return self.indices
 
     def clear(self) -> None:
         """Every parameter is hooked again."""
-        self.indices, self.by_bucket = [], []
+        self.indices, self.by_bucket, self._watched = [], [], []
         self.forget()
 
     def snapshot(self) -> None:
         """After the forward: what each unhooked parameter's ``.grad`` is now."""
-        params = self._params
-        grads = [params[i].grad for i in self.indices]
+        grads = [p.grad for p in self._watched]
         self._grads = grads
         self._versions = [-1 if g is None else g._version for g in grads]
 
     def missing(self) -> list[int]:
         """At the end of the backward: the unhooked parameters that received no gradient."""
-        params, grads, versions = self._params, self._grads, self._versions
+        if len(self._grads) != len(self.indices):  # no snapshot: nothing is known to be in
+            return list(self.indices)
         out = []
-        for k, i in enumerate(self.indices):
-            g = params[i].grad
-            if g is None or (g is grads[k] and g._version == versions[k]):
+        for i, p, old, version in zip(self.indices, self._watched, self._grads, self._versions):
+            g = p.grad
+            if g is None or (g is old and g._version == version):
                 out.append(i)
         return out
 

@@ -48,9 +48,9 @@ def in_compiled_autograd() -> bool:
     return ca is not None and bool(ca.in_compiled_autograd_region)
 
 
-def compiled_autograd_possible() -> bool:
-    """Whether a coming backward may run under compiled autograd: it is switched
-    on, by its context manager or by Dynamo's config (without importing Dynamo)."""
+def compiled_autograd_on() -> bool:
+    """Whether compiled autograd is switched on now, by its context manager or
+    by Dynamo's config (without importing Dynamo)."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     if ca is None:
         return False

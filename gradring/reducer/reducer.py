@@ -16,6 +16,9 @@
    deferred: when the bucket's last gradient arrives, they are put in
    together ([Note: held slots] in ``buckets/bucket.py``). The first hook of a
    backward also marks the unused parameters ready (their slots are zeroed).
+   Small gradients of the buckets the finalize reduces have no hook once the
+   bucket order is final: the end of the backward counts them in ([Note:
+   counted at the end] in ``end_count.py``).
 3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
    order: a ready bucket waits until every lower bucket has launched, then all
    ready ones go together. Launching is asynchronous, so bucket k's collective
@@ -56,7 +59,7 @@ from gradring.group_comm import GroupComm
 from gradring.observe.trace import CollectiveEvents, Trace, profiled, profiling
 from gradring.reducer.end_count import EndCounted
 from gradring.reducer.engine_callback import (
-    compiled_autograd_possible,
+    compiled_autograd_on,
     in_compiled_autograd,
     queue_engine_callback,
 )
@@ -163,6 +166,9 @@ class Reducer:
         # their slot kinds changed since.
         self._end = EndCounted(self.params)
         self._end_for: tuple[bool, bool] | None = None
+        # Whether a backward of this reducer ran under compiled autograd: then
+        # every parameter keeps its hook for good.
+        self._compiled_backward_seen = False
         self._install(groups)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
@@ -588,6 +594,8 @@ class Reducer:
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
             reducer.trace.mark("backward_start")
+            if in_compiled_autograd():
+                reducer._compiled_backward_seen = True
             if reducer._end.indices:
                 reducer._queue_count_at_end()
             for j in reducer._unused_for_iteration():
@@ -775,7 +783,7 @@ class Reducer:
         return (self.mode is GraphMode.DEFAULT and self.comm_hook is None
                 and self.post_reduce is None and not self.grad_as_view and not self._shared
                 and self._rebuild.has_rebuilt and len(self._hook_handles) == len(self.params)
-                and not compiled_autograd_possible())
+                and not self._compiled_backward_seen and not compiled_autograd_on())
 
     def _choose_unhooked(self) -> None:
         """Before a synchronised backward: choose again which parameters go
@@ -807,10 +815,13 @@ class Reducer:
 
     def _queue_count_at_end(self) -> None:
         """The backward's first hook: count the unhooked gradients in when it ends."""
-        if in_compiled_autograd():
+        if self._compiled_backward_seen:
             # Compiled autograd was switched on between this forward and its
-            # backward: the end of the backward cannot be seen.
-            self._end_for = None  # hook everything again from the next forward
+            # backward, for the first time: the end of the backward cannot be
+            # seen. Every parameter is hooked again from the next forward.
+            self._end_for = None
+            self._end.forget()
+            self._end_iteration(finalized=False)  # nothing of it is owed to the next forward
             raise self._fail(errors.compiled_autograd_switched_on())
         queue_engine_callback(self._count_at_end)
 

@@ -141,3 +141,47 @@ def test_backward_reaching_only_unhooked_parameters_raises_at_next_forward(pools
             if impl == "gradring":
                 assert r["unhooked"] > 0
                 assert "big.weight" in msg, msg
+
+
+def _compiled_autograd_around_backward_only(rank: int, world_size: int) -> dict:
+    import torch._dynamo
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = Mixed(n_small=4)
+    ours = gradring.DistributedDataParallel(copy.deepcopy(base))
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    gen = torch.Generator().manual_seed(7 + rank)
+    xs = [torch.randn(4, 96, generator=gen) for _ in range(5)]
+    unhooked_before = None
+    error = None
+    for step, x in enumerate(xs):
+        ours.zero_grad(set_to_none=True)
+        out = ours(x)  # the forward outside compiled autograd, the backward inside
+        if step >= 3:
+            unhooked_before = unhooked_before if unhooked_before is not None \
+                else len(ours.reducer._end.indices)
+            try:
+                with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                    out.sum().backward()
+            except RuntimeError as e:
+                error = (step, str(e))
+        else:
+            out.sum().backward()
+    theirs(xs[-1]).sum().backward()
+    diffs = [(a.grad - b.grad).abs().max().item()
+             for a, b in zip(ours.module.parameters(), theirs.module.parameters())]
+    return {"unhooked_before": unhooked_before, "error": error, "diffs": diffs,
+            "unhooked_after": len(ours.reducer._end.indices)}
+
+
+def test_compiled_autograd_switched_on_around_the_backward_alone(pools):
+    """Unhooked slots cannot be counted under compiled autograd: the first such
+    backward says so, and from the next forward on every parameter is hooked."""
+    for r in pools.run(2, _compiled_autograd_around_backward_only, timeout=300):
+        assert r["unhooked_before"] > 0, r
+        step, msg = r["error"]
+        assert step == 3 and "compiled autograd was switched on" in msg, r["error"]
+        assert r["unhooked_after"] == 0
+        assert max(r["diffs"]) < 1e-6, r["diffs"]
