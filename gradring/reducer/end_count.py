@@ -32,8 +32,15 @@ A bucket whose slots are all small keeps the hook of one, so that a
 backward through the whole bucket runs a hook; the first hook of a backward
 queues the count for its end. If a gradient is missing there, the reduction stays unfinished
 and the next forward raises, naming it, as when a hook never fired; a
-backward that reached only unhooked parameters is caught by that next
-forward too (``any_arrived``).
+backward that reached only unhooked parameters (so no hook ran) is caught
+by that next forward too (``any_arrived``): a ``.grad`` that moved to a
+value other than zeros, or, when ``zero_grad(set_to_none=True)`` dropped it
+since, unhooked parameters that an optimizer step changed in place while no
+hooked one changed. Not caught: the same with ``zero_grad(set_to_none=False)``
+between the step and the next forward (the step then changes every
+parameter). A synchronised forward with no backward after it, followed by an
+in-place change of small parameters only, under ``no_grad``, then a forward,
+raises as if it were that case.
 
 Two differences from hooking, both on error paths torch's DDP rejects: a
 parameter whose ``.grad`` the user changes in place between the forward and
@@ -48,7 +55,9 @@ at the forward, keeps every hook.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import repeat
 
 import torch
 
@@ -62,13 +71,20 @@ class EndCounted:
         # The unhooked parameters, in bucket order, and per bucket (its index,
         # and its unhooked parameters' indices).
         self.indices: list[int] = []
-        # Their parameters, in the same order.
+        # Their parameters, in the same order, and the parameters still hooked.
         self._watched: list[torch.Tensor] = []
+        self._hooked: list[torch.Tensor] = []
         self.by_bucket: list[tuple[int, list[int]]] = []
         # The snapshot after the forward: each unhooked parameter's .grad and
         # its version (-1 for None).
         self._grads: list[torch.Tensor | None] = []
         self._versions: list[int] = []
+        # Whether every such .grad was None then (zero_grad(set_to_none=True), the
+        # common case): a .grad at the end is then a gradient of this backward.
+        self._none_before = False
+        # And each such parameter's own version then (an optimizer step moves it on).
+        self._param_versions: list[int] = []
+        self._hooked_versions: list[int] = []
 
     @property
     def active(self) -> bool:
@@ -90,24 +106,35 @@ class EndCounted:
         self.by_bucket = by_bucket
         self.indices = [i for _, chosen in by_bucket for i in chosen]
         self._watched = [self._params[i] for i in self.indices]
+        unhooked = set(self.indices)
+        self._hooked = [p for i, p in enumerate(self._params) if i not in unhooked]
         self.forget()
         return self.indices
 
     def clear(self) -> None:
         """Every parameter is hooked again."""
-        self.indices, self.by_bucket, self._watched = [], [], []
+        self.indices, self.by_bucket, self._watched, self._hooked = [], [], [], []
         self.forget()
 
     def snapshot(self) -> None:
         """After the forward: what each unhooked parameter's ``.grad`` is now."""
         grads = [p.grad for p in self._watched]
         self._grads = grads
-        self._versions = [-1 if g is None else g._version for g in grads]
+        self._param_versions = [p._version for p in self._watched]
+        self._hooked_versions = [p._version for p in self._hooked]
+        self._none_before = not any(map(operator.is_not, grads, repeat(None)))
+        self._versions = [] if self._none_before else \
+            [-1 if g is None else g._version for g in grads]
 
     def missing(self) -> list[int]:
         """At the end of the backward: the unhooked parameters that received no gradient."""
         if len(self._grads) != len(self.indices):  # no snapshot: nothing is known to be in
             return list(self.indices)
+        if self._none_before:
+            now = [p.grad for p in self._watched]
+            if all(map(operator.is_not, now, repeat(None))):  # identity: no Tensor.__eq__
+                return []
+            return [i for i, g in zip(self.indices, now) if g is None]
         out = []
         for i, p, old, version in zip(self.indices, self._watched, self._grads, self._versions):
             g = p.grad
@@ -116,9 +143,27 @@ class EndCounted:
         return out
 
     def any_arrived(self) -> bool:
-        """Whether any unhooked parameter received a gradient since the snapshot."""
-        return bool(self._grads) and len(self.missing()) < len(self.indices)
+        """After a synchronised forward that no hooked gradient followed: whether a
+        backward reached unhooked parameters since the snapshot (see [Note:
+        counted at the end]). Only on that rare path, so it may look at values."""
+        if not self._grads:
+            return False
+        versions = self._versions or [-1] * len(self._grads)
+        for p, old, version in zip(self._watched, self._grads, versions):
+            g = p.grad
+            if g is None or (g is old and g._version == version):
+                continue
+            # Moved: a gradient, unless zero_grad(set_to_none=False) zeroed it.
+            if g.layout is not torch.strided or bool(g.any()):
+                return True
+        # zero_grad(set_to_none=True) drops what a backward left, but an
+        # optimizer step on it changed those parameters, and only those: a
+        # parameter with no gradient is not stepped (loading weights changes all).
+        stepped = any(p._version != v for p, v in zip(self._watched, self._param_versions))
+        return stepped and all(p._version == v
+                               for p, v in zip(self._hooked, self._hooked_versions))
 
     def forget(self) -> None:
         """Drop the snapshot (its references to old gradients)."""
-        self._grads, self._versions = [], []
+        self._grads, self._versions, self._none_before = [], [], False
+        self._param_versions, self._hooked_versions = [], []

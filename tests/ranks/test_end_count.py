@@ -95,16 +95,20 @@ def test_unhooked_gradients_match_torch_bit_for_bit(pools, overlap, cap_mb):
         assert ours["unhooked"][0] == 0 and min(ours["unhooked"][2:]) > 0, ours["unhooked"]
 
 
-def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str) -> dict:
+def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str,
+                          set_to_none: bool = False) -> dict:
     impl = {"gradring": gradring.DistributedDataParallel,
             "torch": torch.nn.parallel.DistributedDataParallel}[impl_name]
     torch.manual_seed(0)
     model = impl(Mixed(n_small=6).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     events: list = []
     for step in range(6):
         if step == 3 and which == "one_small":
             model.module.skip = {4}
         x = torch.randn(4, 96, dtype=torch.float64)
+        if set_to_none:
+            opt.zero_grad(set_to_none=True)
         try:
             out = model(x)
             if step == 3 and which == "only_unhooked":
@@ -112,6 +116,7 @@ def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str
                 # of them has a hook (the large weight's is the bucket's only one).
                 out = sum(p.sum() for p in model.module.small)
             out.sum().backward()
+            opt.step()
             events.append(("ok", step))
         except RuntimeError as e:
             events.append(("error", step, str(e)))
@@ -121,9 +126,10 @@ def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str
             "unhooked": len(model.reducer._end.indices) if impl_name == "gradring" else None}
 
 
-def test_missing_small_gradient_raises_at_next_forward_as_torch(pools):
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_missing_small_gradient_raises_at_next_forward_as_torch(pools, set_to_none):
     for impl in ("torch", "gradring"):
-        for r in pools.run(2, _unused_after_rebuild, "one_small", impl):
+        for r in pools.run(2, _unused_after_rebuild, "one_small", impl, set_to_none):
             kind, step, msg = r["events"][-1]
             assert (kind, step) == ("error", 4), r["events"]
             assert "Expected to have finished reduction in the prior iteration" in msg
@@ -132,9 +138,10 @@ def test_missing_small_gradient_raises_at_next_forward_as_torch(pools):
                 assert "small.4" in msg, msg
 
 
-def test_backward_reaching_only_unhooked_parameters_raises_at_next_forward(pools):
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_backward_reaching_only_unhooked_parameters_raises_at_next_forward(pools, set_to_none):
     for impl in ("torch", "gradring"):
-        for r in pools.run(2, _unused_after_rebuild, "only_unhooked", impl):
+        for r in pools.run(2, _unused_after_rebuild, "only_unhooked", impl, set_to_none):
             kind, step, msg = r["events"][-1]
             assert (kind, step) == ("error", 4), r["events"]
             assert "Expected to have finished reduction in the prior iteration" in msg
@@ -185,3 +192,48 @@ def test_compiled_autograd_switched_on_around_the_backward_alone(pools):
         assert step == 3 and "compiled autograd was switched on" in msg, r["error"]
         assert r["unhooked_after"] == 0
         assert max(r["diffs"]) < 1e-6, r["diffs"]
+
+
+def _forward_without_backward(rank: int, world_size: int, how: str) -> dict:
+    """After the rebuild, a synchronised forward that no backward follows, then
+    ``how``, then training on: valid under torch's DDP, so it must be here."""
+    torch.manual_seed(0)
+    base = Mixed(n_small=6).double()
+    out = {}
+    for name, impl in (("gradring", gradring.DistributedDataParallel),
+                       ("torch", torch.nn.parallel.DistributedDataParallel)):
+        model = impl(copy.deepcopy(base))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator().manual_seed(3 + rank)
+        grads, error = [], None
+        try:
+            for step in range(7):
+                x = torch.randn(4, 96, generator=gen, dtype=torch.float64)
+                if step == 3:
+                    model(x)  # evaluated with grad on, never backpropagated
+                    if how == "zero_grad_keep":
+                        opt.zero_grad(set_to_none=False)
+                    elif how == "load_weights":
+                        model.module.load_state_dict(base.state_dict())
+                    elif how == "step_stale":
+                        opt.step()
+                    continue
+                opt.zero_grad(set_to_none=how != "zero_grad_keep")
+                model(x).sum().backward()
+                grads.append([p.grad.clone() for p in model.module.parameters()])
+                opt.step()
+        except RuntimeError as e:
+            error = str(e)
+        out[name] = {"grads": grads, "error": error}
+    return out
+
+
+@pytest.mark.parametrize("how", ["nothing", "zero_grad_keep", "load_weights", "step_stale"])
+def test_forward_without_backward_then_training_as_torch(pools, how):
+    for r in pools.run(2, _forward_without_backward, how):
+        assert r["torch"]["error"] is None, r["torch"]["error"]
+        assert r["gradring"]["error"] is None, r["gradring"]["error"]
+        for a, b in zip(r["gradring"]["grads"], r["torch"]["grads"]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        assert len(r["gradring"]["grads"]) == 6
