@@ -177,6 +177,7 @@ def _compiled_autograd_around_backward_only(rank: int, world_size: int) -> dict:
             "unhooked_after": len(ours.reducer._end.indices)}
 
 
+@pytest.mark.slow  # compiles with Dynamo: seconds the default suite does not have
 def test_compiled_autograd_switched_on_around_the_backward_alone(pools):
     """Unhooked slots cannot be counted under compiled autograd: the first such
     backward says so, and from the next forward on every parameter is hooked."""
