@@ -86,11 +86,6 @@ class EndCounted:
         self._param_versions: list[int] = []
         self._hooked_versions: list[int] = []
 
-    @property
-    def active(self) -> bool:
-        """Whether some parameters go without a hook now."""
-        return bool(self.indices)
-
     def plan(self, buckets: Sequence[tuple[int, list[int], list[bool]]]) -> list[int]:
         """Choose the unhooked parameters among ``buckets``: (bucket index, its
         parameter indices in slot order, whether each slot is packed). A bucket
@@ -148,13 +143,11 @@ class EndCounted:
         counted at the end]). Only on that rare path, so it may look at values."""
         if not self._grads:
             return False
-        versions = self._versions or [-1] * len(self._grads)
-        for p, old, version in zip(self._watched, self._grads, versions):
+        unmoved = set(self.missing())
+        for i, p in zip(self.indices, self._watched):
             g = p.grad
-            if g is None or (g is old and g._version == version):
-                continue
             # Moved: a gradient, unless zero_grad(set_to_none=False) zeroed it.
-            if g.layout is not torch.strided or bool(g.any()):
+            if i not in unmoved and (g.layout is not torch.strided or bool(g.any())):
                 return True
         # zero_grad(set_to_none=True) drops what a backward left, but an
         # optimizer step on it changed those parameters, and only those: a
