@@ -176,3 +176,33 @@ def test_paired_steps_cancel_a_machine_that_drifts_within_a_round() -> None:
     assert row.split() == ["m", "4", "4.00", "1.50", "0.38", "0.38/0.38", "0.25"]
     # Without per-step times there is no paired table.
     assert "paired per step" not in ddp_step.report(_rounds([10.0], [14.0], [11.0]), 2)
+
+
+
+def test_interleaved_rounds_shuffle_the_turn_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over a run every set-up takes every place and follows every other one
+    # (no set-up always first, or always right after torch's DDP), and every
+    # rank steps the same order: it depends on the step's number alone.
+    monkeypatch.setattr(ddp_step.dist, "barrier", lambda: None)
+    names = ("pair", "torch", "gradring", "view")
+
+    def run() -> tuple[list[str], dict]:
+        seen: list[str] = []
+        monkeypatch.setattr(ddp_step, "_one_step",
+                            lambda m, opt, x: (seen.append(m) or 1.0, 1.0))
+        setups = {k: k for k in names}
+        out = {}
+        for r in range(10):  # the order goes on across rounds, not from the start
+            out = ddp_step.interleaved_round(setups, dict.fromkeys(setups),
+                                             None, 4, r * 4)  # type: ignore[arg-type]
+        return seen, out
+
+    seen, out = run()
+    assert run()[0] == seen
+    cycles = [seen[i:i + 4] for i in range(0, len(seen), 4)]
+    assert all(sorted(c) == sorted(names) for c in cycles) and len(cycles) == 40
+    assert {c[0] for c in cycles} == set(names)
+    after_torch = {c[c.index("torch") + 1] for c in cycles if c[-1] != "torch"}
+    assert after_torch == {"pair", "gradring", "view"}
+    assert len({tuple(c) for c in cycles[:4]}) > 1 and cycles[:4] != cycles[4:8]
+    assert {k: len(v[2]) for k, v in out.items()} == dict.fromkeys(names, 4)

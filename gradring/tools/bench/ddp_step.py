@@ -16,11 +16,11 @@ reducer's own machinery costs); with ``--overlap`` also gradring's DDP with
 comm thread) and ``=0`` (``overlap_off``: every bucket reduced at the end of
 the backward), beside the default, which decides per host (see [Note:
 overlap needs a free core] in ``gradring/reducer/overlap_policy.py``). Rounds
-interleave the set-ups step by step (every set-up takes one step in turn, the
-ranks starting each step together), so that a slow stretch of the machine
-hits all of them alike. A round's figure is the median of its steps, each
-timed on its own; the tables give medians over rounds. One intra-op thread
-per rank.
+interleave the set-ups step by step (every set-up takes one step in turn, in
+an order shuffled anew each step, the ranks starting each step together), so
+that a slow stretch of the machine hits all of them alike. A round's figure
+is the median of its steps, each timed on its own; the tables give medians
+over rounds. One intra-op thread per rank.
 
 Models: ``mlp64``/``mlp8`` (12 x Linear(1024), batch 64 / 8 per rank),
 ``transformer`` (4 torch encoder layers, d 256, seq 128), ``gpt`` (GPT-shaped:
@@ -73,6 +73,7 @@ import argparse
 import contextlib
 import copy
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -215,16 +216,25 @@ def _one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
 
 
 def interleaved_round(setups: dict[str, nn.Module], opts: dict[str, torch.optim.Optimizer],
-                      x: torch.Tensor, steps: int
+                      x: torch.Tensor, steps: int, first_step: int = 0
                       ) -> dict[str, tuple[float, float, list[float]]]:
     """One round: step after step, every set-up takes one step in turn (all
     ranks start each together), so that a slow stretch of the machine hits
     them alike; per set-up, the median wall and CPU ms of its steps, and the
-    wall ms of each step (in order, so that ranks' steps pair up)."""
+    wall ms of each step (in order, so that ranks' steps pair up). The turn
+    order is shuffled each step, the same on every rank (seeded by the step's
+    number, which goes on from ``first_step``, the steps of the rounds
+    before): a set-up that always ran first, or always right after torch's
+    DDP, would carry that place's cost in all its figures (see "Quiet and
+    loaded, step by step" in docs/collectives.md).
+    """
     walls: dict[str, list[float]] = {k: [] for k in setups}
     cpus: dict[str, list[float]] = {k: [] for k in setups}
-    for _ in range(steps):
-        for key, m in setups.items():
+    keys = list(setups)
+    for step in range(first_step, first_step + steps):
+        random.Random(step).shuffle(keys)
+        for key in keys:
+            m = setups[key]
             dist.barrier()
             wall, cpu = _one_step(m, opts[key], x)
             walls[key].append(wall)
@@ -318,8 +328,9 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
         res.update({"_cpu_" + k: [] for k in setups})
         res["_pair_steps"] = []  # every pair step's wall ms, round after round
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in setups.items()}
-        for _ in range(args.rounds):
-            for key, (wall, cpu, walls) in interleaved_round(setups, opts, x, args.steps).items():
+        for r in range(args.rounds):
+            for key, (wall, cpu, walls) in interleaved_round(setups, opts, x, args.steps,
+                                                             r * args.steps).items():
                 res[key].append(wall)
                 res["_cpu_" + key].append(cpu)
                 res.setdefault("_steps_" + key, []).extend(walls)
