@@ -178,7 +178,6 @@ def test_paired_steps_cancel_a_machine_that_drifts_within_a_round() -> None:
     assert "paired per step" not in ddp_step.report(_rounds([10.0], [14.0], [11.0]), 2)
 
 
-
 def test_interleaved_rounds_shuffle_the_turn_order(monkeypatch: pytest.MonkeyPatch) -> None:
     # Over a run every set-up takes every place and follows every other one
     # (no set-up always first, or always right after torch's DDP), and every

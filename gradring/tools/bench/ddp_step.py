@@ -225,8 +225,8 @@ def interleaved_round(setups: dict[str, nn.Module], opts: dict[str, torch.optim.
     order is shuffled each step, the same on every rank (seeded by the step's
     number, which goes on from ``first_step``, the steps of the rounds
     before): a set-up that always ran first, or always right after torch's
-    DDP, would carry that place's cost in all its figures (see "Quiet and
-    loaded, step by step" in docs/collectives.md).
+    DDP, would carry that place's cost in all its figures (see "Shuffled
+    turns" in docs/collectives.md).
     """
     walls: dict[str, list[float]] = {k: [] for k in setups}
     cpus: dict[str, list[float]] = {k: [] for k in setups}
