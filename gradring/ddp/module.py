@@ -671,7 +671,6 @@ class DistributedDataParallel(TorchDDP):
         torch gives it] in logging_data.py), plus gradring's static_graph."""
         r = self.reducer
         backend = dist.get_backend(self.process_group)
-        rebuilt_order = [i for idx in r.rebuilt_param_indices for i in idx]
         data: dict[str, Any] = {
             "world_size": self._comm.world_size,
             "rank": self._comm.rank,
@@ -689,7 +688,8 @@ class DistributedDataParallel(TorchDDP):
             "has_rebuilt_buckets": int(r.has_rebuilt),
             "bucket_sizes": logging_data.joined(r.initial_bucket_sizes),
             "rebuilt_bucket_sizes": logging_data.joined(r.rebuilt_bucket_sizes),
-            "rebuilt_per_bucket_param_indices": logging_data.joined(rebuilt_order, " "),
+            "rebuilt_per_bucket_param_indices": logging_data.joined(
+                [logging_data.joined(idx, " ") for idx in r.rebuilt_param_indices]),
             "num_parameter_tensors": len(r.params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in r.params),
             "dtypes": logging_data.dtype_names([p.dtype for p in r.params]),
@@ -708,6 +708,7 @@ class DistributedDataParallel(TorchDDP):
                 r.params[i].numel() * r.params[i].element_size()
                 for i in r.unused_in_last_forward())
             # The arrival order recorded for the rebuild (gradring records it once).
+            rebuilt_order = [i for idx in r.rebuilt_param_indices for i in idx]
             data["prev_iteration_grad_ready_order_indices"] = logging_data.joined(
                 rebuilt_order if r.has_rebuilt else r.arrival_order())
         data.update(self._runtime_stats.fields())
