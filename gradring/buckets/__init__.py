@@ -13,10 +13,12 @@ from gradring.buckets.assign import (
     BucketCaps,
     assign_buckets,
     bucket_key,
+    join_adjacent,
 )
 from gradring.buckets.bucket import HELD_SLOT_NUMEL, Bucket, BucketState, SlotKind
 
 __all__ = [
-    "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "HELD_SLOT_NUMEL", "MIB",
-    "Bucket", "BucketCaps", "BucketState", "SlotKind", "assign_buckets", "bucket_key",
+    "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "HELD_SLOT_NUMEL",
+    "MIB", "Bucket", "BucketCaps", "BucketState", "SlotKind",
+    "assign_buckets", "bucket_key", "join_adjacent",
 ]

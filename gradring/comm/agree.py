@@ -21,8 +21,9 @@ from ``shm``: on a full /dev/shm the first falls back, the second raises).
 
 The other knobs may differ per rank: ``GRADRING_TIMEOUT`` is each rank's own
 deadline, the flight recorder's folder and size and ``GRADRING_SHM_YIELD_US``
-only concern the rank itself, and ``GRADRING_OVERLAP``'s choice travels with
-rank 0's bucket assignment (``reducer/overlap_policy.py``).
+only concern the rank itself, and ``GRADRING_OVERLAP``'s choice and
+``GRADRING_JOIN_MB`` travel with rank 0's bucket assignment
+(``reducer/overlap_policy.py``, ``reducer/rebuild.py``).
 
 The three are re-read per collective (benchmarks switch them between calls,
 see [Note: when the environment is read] in ``config.py``); the agreement

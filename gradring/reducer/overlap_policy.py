@@ -19,7 +19,9 @@ docs/collectives.md, under "Where the ResNet's overhead goes").
 So the reducer overlaps when a core is free for the comm thread, and
 otherwise reduces every bucket on the training thread when the backward ends,
 in bucket order (the path the last bucket always takes, see [Note: the last
-bucket] in ``reducer.py``). The results are the same bits either way. The
+bucket] in ``reducer.py``), joined into as few collectives as possible
+(see [Note: one collective at the end] in ``buckets/assign.py``). The
+results are the same bits either way. The
 decision is made whenever buckets are assigned (construction and the
 rebuild), from:
 

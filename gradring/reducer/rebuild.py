@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradring.buckets import Bucket, BucketCaps
+from gradring.buckets import BucketCaps
 from gradring.reducer import autocap, overlap_policy
 
 
@@ -98,11 +98,12 @@ class Rebuild:
         cap = self.auto_cap.cap_bytes
         return caps.rebuild(cap), cap
 
-    def done(self, buckets: Sequence[Bucket]) -> None:
-        """The rebuilt buckets are installed: report them, and record no more."""
+    def done(self, groups: Sequence[Sequence[int]], sizes: Sequence[int]) -> None:
+        """The rebuilt buckets are installed: report ``groups`` (the buckets
+        torch's DDP would make; ``sizes`` in bytes per parameter), and record no more."""
         self.has_rebuilt = True
-        self.bucket_sizes = [b.nbytes for b in buckets]
-        self.param_indices = [list(b.param_indices) for b in buckets]
+        self.bucket_sizes = [sum(sizes[i] for i in g) for g in groups]
+        self.param_indices = [list(g) for g in groups]
         self._order.clear()
 
 
@@ -116,30 +117,34 @@ def overlap_choice(comm: Any, keys: Sequence[tuple[torch.dtype, torch.device]]
 
 
 def rank0_groups(comm: Any, groups: list[list[int]], order: list[int],
-                 mine: overlap_policy.OverlapChoice
-                 ) -> tuple[list[list[int]], overlap_policy.OverlapChoice]:
-    """Rank 0's bucket assignment and overlap choice, on every rank.
+                 mine: overlap_policy.OverlapChoice, join_cap: int = 0
+                 ) -> tuple[list[list[int]], overlap_policy.OverlapChoice, int]:
+    """Rank 0's bucket assignment, overlap choice and join cap, on every rank.
 
     ``groups`` (this rank's assignment) was built by walking ``order``, so
     each bucket lists its parameters in walk order; one broadcast of the
     walk order and of each parameter's bucket number rebuilds rank 0's.
-    Rank 0's overlap choice (``mine`` there) travels in the same broadcast
-    and becomes every rank's (see [Note: overlap needs a free core]).
+    Rank 0's overlap choice (``mine`` there) and join cap in bytes (see
+    [Note: one collective at the end] in ``buckets/assign.py``) travel in
+    the same broadcast and become every rank's (see [Note: overlap needs a
+    free core]).
     """
     n = len(order)
     if comm.world_size == 1:
-        return groups, mine
-    plan = torch.empty(2 * n + 1, dtype=torch.int64)
+        return groups, mine, join_cap
+    plan = torch.empty(2 * n + 2, dtype=torch.int64)
     plan[:n] = torch.tensor(order, dtype=torch.int64)
     for g, idxs in enumerate(groups):
         plan[n + torch.tensor(idxs, dtype=torch.int64)] = g
     plan[2 * n] = int(mine.overlap)  # rank 0's overlap choice travels along
+    plan[2 * n + 1] = join_cap  # and its join cap
     comm.broadcast_coalesced([plan])
     overlap = bool(plan[2 * n])
+    join_cap = int(plan[2 * n + 1])
     why = mine.why if overlap == mine.overlap else \
         f"rank 0's choice (this rank would have chosen otherwise: {mine.why})"
     walk, bucket_of = plan[:n].tolist(), plan[n:2 * n].tolist()
     out: list[list[int]] = [[] for _ in range(max(bucket_of) + 1)]
     for i in walk:
         out[bucket_of[i]].append(i)
-    return out, overlap_policy.OverlapChoice(overlap, why)
+    return out, overlap_policy.OverlapChoice(overlap, why), join_cap

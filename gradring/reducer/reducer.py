@@ -49,8 +49,16 @@ from typing import Any
 
 import torch
 
-from gradring import errors
-from gradring.buckets import Bucket, BucketCaps, BucketState, assign_buckets, bucket_key
+from gradring import config, errors
+from gradring.buckets import (
+    MIB,
+    Bucket,
+    BucketCaps,
+    BucketState,
+    assign_buckets,
+    bucket_key,
+    join_adjacent,
+)
 from gradring.buckets.bucket import SlotKind
 from gradring.buckets.grad_bucket import GradBucket
 from gradring.buckets.slot_io import PUT_AT_HOOK, put_deferred, write_grads
@@ -134,6 +142,11 @@ class Reducer:
         self._keys = [bucket_key(p) for p in self.params]
         # The recorded arrival order and what the rebuild made (see [Note: the rebuild]).
         self._rebuild = Rebuild(len(self.params), auto_cap=auto_cap)
+        # The rebuilt buckets as torch's DDP makes them, while the installed
+        # ones are joined (see [Note: one collective at the end] in buckets/assign.py).
+        self._unjoined: list[list[int]] | None = None
+        # Rank 0's GRADRING_JOIN_MB in bytes, set with every bucket assignment.
+        self._join_cap = 0
         # What static_graph's first iteration learnt (see [Note: static_graph's
         # first iteration]); unused in the other modes.
         self._static = StaticGraph(len(self.params))
@@ -374,6 +387,9 @@ class Reducer:
                 locator[i] = (bi, slot)
             buckets.append(bucket)
         self.buckets, self._locator = buckets, locator
+        # How many of torch's buckets each installed one holds (more than one
+        # only when joined, see _install_joined).
+        self._torch_buckets_in = [1] * len(buckets)
         self._build_routes()
         if self.grad_as_view:
             # Keep accumulated values (e.g. from no_sync) and point .grad at the
@@ -401,8 +417,9 @@ class Reducer:
 
     def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
         """Rank 0's assignment on every rank; rank 0's overlap choice becomes ours."""
-        groups, choice = rank0_groups(self.comm, groups, order,
-                                      overlap_choice(self.comm, self._keys))
+        join_cap = int(config.current().join_mb * MIB)
+        groups, choice, self._join_cap = rank0_groups(
+            self.comm, groups, order, overlap_choice(self.comm, self._keys), join_cap)
         self.overlap, self.overlap_why = choice
         return groups
 
@@ -413,10 +430,11 @@ class Reducer:
 
     def rebuild_if_needed(self) -> bool:
         """At the start of a forward: rebuild buckets in gradient-arrival order,
-        once (see [Note: the rebuild])."""
+        once (see [Note: the rebuild]); later, unjoin them if needed. True if
+        the installed buckets changed."""
         rebuild = self._rebuild
         if self.order_is_final or not rebuild.complete():
-            return False
+            return self._unjoin_if_needed()
         order = rebuild.order()
         caps, cap = rebuild.caps(self.comm, self.names, self._sizes, self._keys, self.caps)
         if cap is not None:
@@ -425,8 +443,44 @@ class Reducer:
         with profiled(self._event_names[1]):  # torch broadcasts here too
             groups = self._rank0_groups(
                 assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
+        if self._joining_wanted():  # see [Note: one collective at the end] in buckets/assign.py
+            self._install_joined(groups)
+        else:
+            self._install(groups)
+        rebuild.done(groups, self._sizes)
+        return True
+
+    def _joining_wanted(self) -> bool:
+        """Whether the finalize reduces every bucket, so that joined buckets
+        lose nothing (see [Note: one collective at the end] in buckets/assign.py)."""
+        return not self.overlap and self._finalize_may_reduce()
+
+    def _install_joined(self, groups: list[list[int]]) -> None:
+        """Install ``groups`` joined; remember them, and how many of them each
+        installed bucket holds (what torch's num_buckets_reduced counts)."""
+        joined = join_adjacent(groups, self._sizes, self._keys, self._join_cap)
+        self._install(joined)
+        if len(joined) == len(groups):
+            return
+        self._unjoined = groups
+        counts, k = [], 0
+        for bucket in joined:
+            covered = n = 0
+            while covered < len(bucket):
+                covered += len(groups[k])
+                k += 1
+                n += 1
+            counts.append(n)
+        self._torch_buckets_in = counts
+
+    def _unjoin_if_needed(self) -> bool:
+        """At the start of a synchronised forward: install torch's buckets again
+        if the joined ones no longer fit (a comm hook, a fused optimizer, overlap
+        switched back on). True if it did."""
+        if self._unjoined is None or self._joining_wanted():
+            return False
+        groups, self._unjoined = self._unjoined, None
         self._install(groups)
-        rebuild.done(self.buckets)
         return True
 
     # ---------------------------------------------------------------- ownership
@@ -681,7 +735,7 @@ class Reducer:
                 bucket.launch(_holding(bucket.buffer))
                 self._next_bucket += 1
                 continue
-            self.num_buckets_reduced += 1
+            self.num_buckets_reduced += self._torch_buckets_in[self._next_bucket]
             # The last bucket, or every bucket without a free core for the comm thread.
             if (self._next_bucket == last or not self.overlap) and self._finalize_may_reduce():
                 bucket.leave_to_finalize()  # see [Note: the last bucket]

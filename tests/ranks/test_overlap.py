@@ -202,8 +202,10 @@ def run_held(rank: int, world: int, overlap: str) -> dict:
     at the end of the backward). See [Note: overlap by events, not durations]."""
     import gradring
 
-    before = os.environ.get("GRADRING_OVERLAP")
+    before = {v: os.environ.get(v) for v in ("GRADRING_OVERLAP", "GRADRING_JOIN_MB")}
     os.environ["GRADRING_OVERLAP"] = overlap  # read at the rebuild (the 2nd forward)
+    # Both buckets stay, at the end too (see [Note: one collective at the end]).
+    os.environ["GRADRING_JOIN_MB"] = "0"
     try:
         ddp = gradring.DistributedDataParallel(HeldEarly())
         x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
@@ -214,10 +216,11 @@ def run_held(rank: int, world: int, overlap: str) -> dict:
         for _ in range(2):  # iteration 1 uses one bucket; the 2nd forward rebuilds
             step()
     finally:
-        if before is None:
-            os.environ.pop("GRADRING_OVERLAP")
-        else:
-            os.environ["GRADRING_OVERLAP"] = before
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
     late = ddp.reducer.bucket_of(2)  # late.weight
     it = ddp.reducer.trace.iteration
     if overlap == "1":

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradring
 from gradring.reducer.overlap_policy import _quota_along, choose
@@ -82,17 +83,28 @@ def _model() -> nn.Module:
                          nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
 
 
-def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0")) -> dict:
+def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0"),
+                join_mb: str = "0", hook_at: int | None = None) -> dict:
+    """Train gradring's DDP and torch's side by side. ``join_mb``: GRADRING_JOIN_MB
+    ("0": never join, so every bucket torch makes is reduced at the end on
+    its own); ``hook_at``: register torch's all-reduce comm hook on both
+    after that many steps."""
     torch.set_num_threads(1)
-    old = os.environ.get("GRADRING_OVERLAP")
+    old = {v: os.environ.get(v) for v in ("GRADRING_OVERLAP", "GRADRING_JOIN_MB")}
     os.environ["GRADRING_OVERLAP"] = envs[rank]
+    os.environ["GRADRING_JOIN_MB"] = join_mb
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mine = gradring.DistributedDataParallel(_model(), **kwargs)
             ref = torch.nn.parallel.DistributedDataParallel(_model(), **kwargs)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (mine, ref)]
+        buckets_before_hook = None
         for step in range(6):
+            if step == hook_at:
+                buckets_before_hook = len(mine.reducer.buckets)
+                for m in (mine, ref):
+                    m.register_comm_hook(None, default_hooks.allreduce_hook)
             torch.manual_seed(100 * step + rank)
             x, y = torch.randn(5, 16), torch.randn(5, 3)
             for m, o in zip((mine, ref), opts):
@@ -109,15 +121,22 @@ def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0
         launches = [e.t for e in ev if e.kind == "launch"]
         same = all(torch.equal(a, b) for a, b in zip(mine.parameters(), ref.parameters()))
         stats = mine.overlap_stats()
+        logged = [m._get_ddp_logging_data() for m in (mine, ref)]
+        keys = ("rebuilt_bucket_sizes", "rebuilt_per_bucket_param_indices",
+                "num_buckets_reduced")
         return {"stats": (stats["launch_when_ready"], stats["launch_why"]),
                 "overlap": r.overlap, "why": r.overlap_why, "buckets": len(r.buckets),
+                "torch_buckets": len(logged[1]["rebuilt_bucket_sizes"].split(", ")),
+                "logged_alike": all(logged[0][k] == logged[1][k] for k in keys),
+                "buckets_before_hook": buckets_before_hook,
                 "launches": len(launches), "all_after_end": all(t >= end for t in launches),
                 "same": same, "shm": mine.comm.on_shared_memory()}
     finally:
-        if old is None:
-            os.environ.pop("GRADRING_OVERLAP", None)
-        else:
-            os.environ["GRADRING_OVERLAP"] = old
+        for var, value in old.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -130,9 +149,33 @@ def test_every_bucket_at_the_end_matches_torch_bit_for_bit(pools, kwargs) -> Non
         assert r["overlap"] is False and r["why"] == "GRADRING_OVERLAP=0", r
         assert r["stats"] == (False, "GRADRING_OVERLAP=0"), r
         assert r["buckets"] >= 3 and r["launches"] == r["buckets"], r
+        assert r["buckets"] == r["torch_buckets"] and r["logged_alike"], r
         assert r["all_after_end"], r
         assert r["same"], r
         assert r["shm"], r
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"bucket_cap_mb": 0.01},
+    {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True},
+])
+def test_buckets_reduced_at_the_end_are_joined_into_one_collective(pools, kwargs) -> None:
+    # GRADRING_JOIN_MB unset (256 MiB): torch's buckets, every one reduced at
+    # the end, are installed as one; the logging data still gives torch's.
+    for r in pools.run(2, _train_both, kwargs, ("0", "0"), ""):
+        assert r["overlap"] is False, r
+        assert r["torch_buckets"] >= 3 and r["buckets"] == 1 and r["launches"] == 1, r
+        assert r["logged_alike"], r
+        assert r["all_after_end"] and r["same"], r
+
+
+def test_a_comm_hook_registered_later_sees_torchs_buckets_again(pools) -> None:
+    # A comm hook reduces per bucket: the joined buckets are unjoined at the
+    # next synchronised forward, and the hook then launches each when ready.
+    for r in pools.run(2, _train_both, {"bucket_cap_mb": 0.01}, ("0", "0"), "", 3):
+        assert r["buckets_before_hook"] == 1, r
+        assert r["buckets"] == r["torch_buckets"] >= 3 and r["launches"] == r["buckets"], r
+        assert r["logged_alike"] and r["same"], r
 
 
 @pytest.mark.parametrize("kwargs", [{"bucket_cap_mb": 0.01}, {"bucket_cap_mb": 0.01,
