@@ -158,6 +158,7 @@ def test_every_bucket_at_the_end_matches_torch_bit_for_bit(pools, kwargs) -> Non
 @pytest.mark.parametrize("kwargs", [
     {"bucket_cap_mb": 0.01},
     {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True},
+    {"bucket_cap_mb": 0.01, "static_graph": True},
 ])
 def test_buckets_reduced_at_the_end_are_joined_into_one_collective(pools, kwargs) -> None:
     # GRADRING_JOIN_MB unset (256 MiB): torch's buckets, every one reduced at
