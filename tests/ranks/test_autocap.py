@@ -88,7 +88,8 @@ def test_ddp_auto_matches_torch_and_agrees_across_ranks(pools, world) -> None:
         assert r["grad_torch"] < 1e-9 and r["param_torch"] < 1e-9, r
         assert r["attr"] == cap
         assert r["rebuilt"] == r["expect"]
-        # torch's logging data lists the rebuilt buckets' indices flat, as a string.
+        # torch's logging data lists each rebuilt bucket's indices joined by
+        # spaces, the buckets joined by ", ", as a string.
         assert r["logged"] == ", ".join(" ".join(str(i) for i in idx) for idx in r["expect"])
         assert r["curve"][-1] >= sum(p.numel() * 8 for p in oracle.make_model("wide").parameters())
 

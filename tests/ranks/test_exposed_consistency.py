@@ -18,6 +18,7 @@ from torch import nn
 from gradring.observe import explain as ex
 from gradring.observe import timeline
 from gradring.observe.trace import Event
+from tests.support.env import environ
 
 STEPS = 14
 
@@ -28,16 +29,13 @@ def record_run(rank: int, world: int, out_dir: str, overlap: str) -> dict:
 
     torch.set_num_threads(1)
     os.environ["GRADRING_OVERLAP"] = overlap
-    # Keep the three buckets at the end too (see [Note: one collective at the end]).
-    os.environ["GRADRING_JOIN_MB"] = "0"
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 256))
-    try:
+    # Keep the three buckets at the end too (see [Note: one collective at the end]).
+    with environ(GRADRING_JOIN_MB="0"):
         ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.2)
         return _train_and_report(rank, ddp, out_dir)
-    finally:
-        os.environ.pop("GRADRING_JOIN_MB", None)
 
 
 def _train_and_report(rank: int, ddp: nn.Module, out_dir: str) -> dict:

@@ -21,6 +21,7 @@ from gradring.observe.overlap import (
     summarize,
 )
 from gradring.observe.trace import Event
+from tests.support.env import environ
 from tests.support.overlap_probe import (
     HeldEarly,
     event_order,
@@ -202,11 +203,9 @@ def run_held(rank: int, world: int, overlap: str) -> dict:
     at the end of the backward). See [Note: overlap by events, not durations]."""
     import gradring
 
-    before = {v: os.environ.get(v) for v in ("GRADRING_OVERLAP", "GRADRING_JOIN_MB")}
-    os.environ["GRADRING_OVERLAP"] = overlap  # read at the rebuild (the 2nd forward)
-    # Both buckets stay, at the end too (see [Note: one collective at the end]).
-    os.environ["GRADRING_JOIN_MB"] = "0"
-    try:
+    # GRADRING_OVERLAP is read at the rebuild (the 2nd forward); GRADRING_JOIN_MB=0
+    # keeps both buckets at the end too (see [Note: one collective at the end]).
+    with environ(GRADRING_OVERLAP=overlap, GRADRING_JOIN_MB="0"):
         ddp = gradring.DistributedDataParallel(HeldEarly())
         x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
 
@@ -215,12 +214,6 @@ def run_held(rank: int, world: int, overlap: str) -> dict:
 
         for _ in range(2):  # iteration 1 uses one bucket; the 2nd forward rebuilds
             step()
-    finally:
-        for var, value in before.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
     late = ddp.reducer.bucket_of(2)  # late.weight
     it = ddp.reducer.trace.iteration
     if overlap == "1":

@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradring
 from gradring.reducer.overlap_policy import _quota_along, choose
+from tests.support.env import environ
 
 
 def _cpu(**kw):
@@ -90,10 +91,7 @@ def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0
     its own); ``hook_at``: register torch's all-reduce comm hook on both
     after that many steps."""
     torch.set_num_threads(1)
-    old = {v: os.environ.get(v) for v in ("GRADRING_OVERLAP", "GRADRING_JOIN_MB")}
-    os.environ["GRADRING_OVERLAP"] = envs[rank]
-    os.environ["GRADRING_JOIN_MB"] = join_mb
-    try:
+    with environ(GRADRING_OVERLAP=envs[rank], GRADRING_JOIN_MB=join_mb):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mine = gradring.DistributedDataParallel(_model(), **kwargs)
@@ -131,12 +129,6 @@ def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0
                 "buckets_before_hook": buckets_before_hook,
                 "launches": len(launches), "all_after_end": all(t >= end for t in launches),
                 "same": same, "shm": mine.comm.on_shared_memory()}
-    finally:
-        for var, value in old.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 @pytest.mark.parametrize("kwargs", [
