@@ -27,8 +27,10 @@ buckets torch's DDP would make are still what ``_get_ddp_logging_data``
 reports, and what the reducer installs again, at the next synchronised
 forward, once something needs them as they are: a comm hook or a fused
 optimizer registered later (both see buckets), or overlap switched back on
-(shared memory given up). Which elements are summed, and in which rank order,
-does not depend on the bucket: the results are the same bits.
+(shared memory given up); under ``torch.compile`` the graph is then split
+at them again (``after_rebuild`` in ``compile/split.py``). Which elements are
+summed, and in which rank order, does not depend on the bucket: the results
+are the same bits.
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ in true backward order for the rebuild to record. Right after the rebuild,
 and the next call compiles once more at the rebuilt buckets: the one
 recompile. ``splits(ddp)`` lists every split made.
 
+Where every bucket is reduced at the end of the backward, the rebuild
+installs them joined into one, and the graph compiles as one piece: nothing
+could launch sooner. If torch's buckets come back later (a comm hook or a
+fused optimizer registered after the first steps), their buckets launch as
+the backward goes, so ``after_rebuild`` drops the one-piece code too: each
+split remembers the bucket of every parameter it followed, and one that no
+longer matches the installed buckets compiles once more.
+
 [Note: the arrival order under compile]
 A piece can only end between nodes, and one node's backward hands out all of
 its parameters' gradients at once (a linear node: weight and bias). A bucket
@@ -111,6 +119,8 @@ class Split:
     code: Any = None
     #: set once the rebuild dropped this split's compiled code
     retired: bool = False
+    #: the bucket of each parameter index that the pieces follow
+    layout: tuple[int, ...] = ()
 
 
 def install() -> None:
@@ -262,7 +272,7 @@ class BucketSplit:
         where = {node: k for k, nodes in enumerate(pieces) for node in nodes}
         split = Split([sorted(b) for b in buckets],
                       [sum(n.op.startswith("call") for n in nodes) for nodes in pieces],
-                      predicted)
+                      predicted, layout=_layout(reducer) if not predicted else ())
         return where, split
 
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any],
@@ -339,14 +349,27 @@ def _compiling_code() -> Any:
         return None
 
 
+def _layout(reducer: Reducer) -> tuple[int, ...]:
+    """The installed bucket of every parameter index."""
+    return tuple(reducer.bucket_of(i) for i in range(len(reducer.params)))
+
+
 def after_rebuild(ddp: Any) -> int:
-    """The buckets were just rebuilt: drop the code compiled with provisional
-    pieces, so the next call compiles once more, split at the new buckets.
-    Returns how many code objects were dropped."""
+    """The installed buckets just changed: drop the code compiled with pieces
+    that follow other buckets, so the next call compiles once more, split at
+    the new ones. That is the provisional pieces at the rebuild, and the
+    pieces of joined buckets once torch's come back (see [Note: one collective
+    at the end] in ``buckets/assign.py``). Returns how many code objects were
+    dropped."""
     dropped = 0
+    now: tuple[int, ...] | None = None
     for split in _SPLITS.get(ddp, ()):
-        if not split.predicted or split.retired:
+        if split.retired:
             continue
+        if not split.predicted:
+            now = _layout(ddp.reducer) if now is None else now
+            if split.layout == now:
+                continue
         split.retired = True
         code = split.code() if split.code is not None else None
         if code is not None:
