@@ -34,7 +34,11 @@ ratio. The tuner does exactly that, then simulates the reducer:
    their fixed costs are the part of the model least well measured).
 5. DDP then really trains with the chosen cap and with the 25 MiB default
    (or every candidate), in rounds interleaved with the plain model, and both
-   predicted and measured step times are shown.
+   predicted and measured step times are shown. Where that DDP reduced every
+   bucket when the backward ended (no core free for overlap, see [Note:
+   overlap needs a free core] in ``reducer/overlap_policy.py``), the buckets
+   it ran were joined and no cap could hide anything: the report says so and
+   keeps the default, whatever the clock said.
 
 The model leaves out what the reducer itself costs per byte (copying each
 gradient into its bucket, writing the results back into ``.grad``) and that
@@ -156,7 +160,9 @@ def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps
         stats = ddp_overlap_stats(ddp, last_n=steps)
         out[cap] = {"step_ms": statistics.median(times[cap]), "exposed_ms": stats["exposed_ms"],
                     "buckets": float(len(ddp.reducer.buckets)),
-                    "spread_ms": max(per_round[cap]) - min(per_round[cap])}
+                    "spread_ms": max(per_round[cap]) - min(per_round[cap]),
+                    "launch_when_ready": float(bool(stats["launch_when_ready"])),
+                    "launch_why": stats["launch_why"]}
     return out, statistics.median(times["plain"])
 
 
@@ -282,6 +288,10 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
         tag = "chosen" if q is r.chosen else ("default" if q is r.default else "")
         lines.append(f"cap {q.cap_mb:<5g}{tag:>8} {q.step_ms:>7.1f} ms {m['step_ms']:>7.1f} ms "
                      f"{q.exposed_ms:>10.2f} ms {m['exposed_ms']:>10.2f} ms {int(m['buckets']):>8}")
+    if at_the_end(r):
+        lines.append("measured: every bucket waited for the end of the backward, so "
+                     "gradring joined them (GRADRING_JOIN_MB): the buckets column counts "
+                     "the joined ones")
     same = [q.cap_mb for q in r.predictions if q.buckets == r.default.buckets]
     if len(same) > 1:
         lines.append(f"caps {', '.join(f'{c:g}' for c in same)} MiB all give the same "
@@ -290,9 +300,27 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
     return "\n".join(lines)
 
 
+def at_the_end(r: TuneResult) -> str:
+    """Why the measured DDP reduced every bucket when the backward ended, or ""
+    if it launched buckets as they became ready (what the predictions model)."""
+    for m in r.measured.values():
+        if not m.get("launch_when_ready", 1.0):
+            return str(m.get("launch_why", "")) or "the overlap policy"
+    return ""
+
+
 def recommendation(r: TuneResult) -> str:
     """The verdict line: a cap other than the default only for a measured gain
-    beyond the round-to-round spread of both measurements."""
+    beyond the round-to-round spread of both measurements, and never when the
+    DDP ran reduced every bucket at the end of the backward (then the cap
+    changes nothing but how buckets are joined)."""
+    why = at_the_end(r)
+    if why:
+        return (f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB}): "
+                f"on this host gradring reduced every bucket when the backward ended "
+                f"({why}), so no cap can hide communication here; the predictions above "
+                f"assume buckets launched when ready (rerun with GRADRING_OVERLAP=1 to "
+                f"measure that)")
     if r.chosen.buckets == r.default.buckets:
         return f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB})"
     c, d = r.measured[r.chosen.cap_mb], r.measured[r.default.cap_mb]

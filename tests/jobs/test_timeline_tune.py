@@ -154,6 +154,8 @@ def test_tune_rank_on_real_ranks(pools) -> None:
     assert r.chosen.cap_mb in (0.25, 1.0, 25.0) and r.default.cap_mb == 25.0
     assert set(r.measured) == {r.chosen.cap_mb, 25.0}
     assert all(m["step_ms"] > 0 for m in r.measured.values())
+    # The pools force GRADRING_OVERLAP=1: buckets launched when ready, as predicted.
+    assert all(m["launch_when_ready"] == 1.0 for m in r.measured.values()), r.measured
     assert r.per_bucket_ms == r.curve.times_ms[0] > 0
     assert len(r.profile.ready_ms) == 8 and r.curve.sizes[-1] == MIB + 4 * 256 * 4
     text = tune.report(r, nproc=2, name="tiny")
@@ -239,6 +241,18 @@ def _fake_result(chosen_buckets, chosen_ms, default_ms, spread) -> tune.TuneResu
                 1.0: {"step_ms": chosen_ms, "exposed_ms": 0.0, "buckets": 2.0,
                       "spread_ms": spread}}
     return tune.TuneResult(None, None, [chosen, default], chosen, default, measured, 0.1)
+
+
+def test_tune_keeps_the_default_when_every_bucket_waited_for_the_end() -> None:
+    # A gain beyond the spread, but the DDP measured reduced every bucket at the
+    # end of the backward: the cap could not have caused it.
+    r = _fake_result([[0], [1]], 5.0, 10.0, 0.5)
+    assert tune.recommendation(r).startswith("recommendation: bucket_cap_mb=1:")
+    for m in r.measured.values():
+        m.update(launch_when_ready=0.0, launch_why="2 core(s) for 2 rank(s)")
+    said = tune.recommendation(r)
+    assert "keep the default" in said and "(2 core(s) for 2 rank(s))" in said, said
+    assert "GRADRING_OVERLAP=1" in said, said
 
 
 def test_tune_recommends_only_a_gain_beyond_the_spread() -> None:
