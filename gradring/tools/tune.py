@@ -119,7 +119,7 @@ def profile_backward(make: Callable[[], Workload], *, warmup: int = 3,
 
 
 def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps: int = 10,
-                rounds: int = 3, warmup: int = 3) -> tuple[dict[float, dict[str, float]], float]:
+                rounds: int = 3, warmup: int = 3) -> tuple[dict[float, dict[str, Any]], float]:
     """Median step time of gradring DDP at each cap, plus its overlap stats, and of the
     plain model: rounds interleaved, so machine noise hits all set-ups alike."""
     import torch.distributed as dist
@@ -176,7 +176,8 @@ class TuneResult(NamedTuple):
     predictions: list[Prediction]
     chosen: Prediction
     default: Prediction
-    measured: dict[float, dict[str, float]]  # cap -> step_ms, exposed_ms, buckets
+    # cap -> step_ms, exposed_ms, buckets, spread_ms, launch_when_ready, launch_why
+    measured: dict[float, dict[str, Any]]
     per_bucket_ms: float  # the per-bucket cost c the predictions charged
 
 
@@ -289,9 +290,9 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
         lines.append(f"cap {q.cap_mb:<5g}{tag:>8} {q.step_ms:>7.1f} ms {m['step_ms']:>7.1f} ms "
                      f"{q.exposed_ms:>10.2f} ms {m['exposed_ms']:>10.2f} ms {int(m['buckets']):>8}")
     if at_the_end(r):
-        lines.append("measured: every bucket waited for the end of the backward, so "
-                     "gradring joined them (GRADRING_JOIN_MB): the buckets column counts "
-                     "the joined ones")
+        lines.append("measured: every bucket waited for the end of the backward, where "
+                     "gradring joins neighbouring buckets (up to GRADRING_JOIN_MB): the "
+                     "buckets column counts the joined ones")
     same = [q.cap_mb for q in r.predictions if q.buckets == r.default.buckets]
     if len(same) > 1:
         lines.append(f"caps {', '.join(f'{c:g}' for c in same)} MiB all give the same "
@@ -312,7 +313,7 @@ def at_the_end(r: TuneResult) -> str:
 def recommendation(r: TuneResult) -> str:
     """The verdict line: a cap other than the default only for a measured gain
     beyond the round-to-round spread of both measurements, and never when the
-    DDP ran reduced every bucket at the end of the backward (then the cap
+    DDP it ran reduced every bucket at the end of the backward (then the cap
     changes nothing but how buckets are joined)."""
     why = at_the_end(r)
     if why:
