@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -24,6 +23,7 @@ from gradring.comm.ops import SUM
 from gradring.comm.transport import CollectiveInfo, Kind
 from gradring.comm.transports.threaded import run_ranks
 from tests.support import oracle
+from tests.support.env import environ
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,16 +130,8 @@ def test_every_algorithm_gives_the_weighted_sum(world: int, algo: str, zero_copy
 
 def _compare_with_env(rank: int, world: int, env: dict[str, str], kwargs: dict,
                       accumulate: int) -> dict:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ(**env):
         return oracle.train_compare(rank, world, "wide", kwargs, steps=3, accumulate=accumulate)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 DDP_CASES = [
