@@ -4,7 +4,9 @@
 1. ``prepare_for_backward`` (after forward) resets pending counts and, in
    ``GraphMode.FIND_UNUSED``, records which parameters the forward never
    reached (``graph.py``).
-2. Each parameter's post-accumulate-grad hook calls ``_on_grad``, and the
+2. Each parameter's gradient hook (on its accumulator, then on the tensor:
+   [Note: hooks that leave nothing behind] in ``grad_hooks.py``) calls
+   ``_on_grad``, and the
    bucket's pending count drops. Where the gradient goes is what its slot's
    kind says (decided once per bucket, see [Note: slot kinds] in
    ``buckets/bucket.py``; the puts are in ``buckets/slot_io.py``), scaled by 1/world_size:
@@ -71,6 +73,7 @@ from gradring.reducer.engine_callback import (
     in_compiled_autograd,
     queue_engine_callback,
 )
+from gradring.reducer.grad_hooks import GradHooks
 from gradring.reducer.owners import OWNERS
 from gradring.reducer.rebuild import Rebuild, overlap_choice, rank0_groups
 from gradring.reducer.state import IterationState
@@ -255,14 +258,18 @@ class Reducer:
         # rebuild), and then what records each arrival (Rebuild.recorder).
         self._record_arrival = False
         self._note_arrival: Callable[[int], None] | None = None
-        # One post-accumulate-grad hook per parameter (None while the parameter
-        # is counted at the end instead, see [Note: counted at the end]).
-        self._hook_handles: list[Any] = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self.params)
-        ]
+        # One gradient hook per parameter: on its accumulator until the choice
+        # of unhooked parameters is settled, then on the tensor, or none while
+        # the parameter is counted at the end instead (see [Note: hooks that
+        # leave nothing behind] in grad_hooks.py).
+        # The hooks live in C++ autograd metadata, where Python's cycle
+        # collector cannot see them: a strong reference to the reducer would
+        # keep it, its buckets and their shared memory alive as long as the
+        # model. Each is a partial (no Python frame of its own) of the static
+        # _on_grad with a weak reference and the parameter's index.
+        self._hooks = GradHooks(self.params, functools.partial(Reducer._on_grad, weakref.ref(self)))
         # A reducer dropped without remove_hooks() takes its hooks with it.
-        weakref.finalize(self, _remove_handles, self._hook_handles)
+        weakref.finalize(self, GradHooks.remove_all, self._hooks)
         # Whether a newer reducer took these parameters over (see [Note: owners]).
         self._superseded = False
         self._claim()
@@ -566,6 +573,7 @@ class Reducer:
         if not self.overlap and not self.comm.on_shared_memory():
             # Shared memory was given up since (every rank at once): overlap again.
             self.overlap, self.overlap_why = True, "shared memory was given up"
+        self._hooks.follow()
         self._choose_unhooked()
         if self._end.indices:
             self._end.snapshot()
@@ -602,16 +610,10 @@ class Reducer:
         return frozenset(k for k, b in enumerate(self.buckets)
                          if all(i in unused for i in b.param_indices))
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        # The hook lives in the parameter's C++ autograd metadata, where Python's
-        # cycle collector cannot see it: a strong reference to the reducer would
-        # keep it, its buckets and their shared memory alive as long as the model.
-        # A partial (no Python frame of its own) of the static _on_grad.
-        return functools.partial(Reducer._on_grad, weakref.ref(self), index)
-
     @staticmethod
-    def _on_grad(ref: weakref.ref, i: int, _param: torch.Tensor) -> None:
-        """Parameter ``i``'s post-accumulate-grad hook (see [Note: the per-gradient path])."""
+    def _on_grad(ref: weakref.ref, i: int, *_args: Any) -> None:
+        """Parameter ``i``'s gradient hook, after its gradient is accumulated
+        (see [Note: the per-gradient path]); what autograd passes is unused."""
         reducer = ref()
         if reducer is None:
             return
@@ -836,7 +838,7 @@ class Reducer:
         """Whether small gradients may go without a hook (see [Note: counted at the end])."""
         return (self.mode is GraphMode.DEFAULT and self.comm_hook is None
                 and self.post_reduce is None and not self.grad_as_view and not self._shared
-                and self._rebuild.has_rebuilt and len(self._hook_handles) == len(self.params)
+                and self._rebuild.has_rebuilt and not self._hooks.removed
                 and not self._compiled_backward_seen and not compiled_autograd_on())
 
     def _choose_unhooked(self) -> None:
@@ -844,6 +846,11 @@ class Reducer:
         without a hook, if what the choice depends on changed."""
         wanted = self._end_count_wanted()
         if self._end_for == (wanted, self.overlap):
+            return
+        if (not wanted and self._hooks.provisional and not self.order_is_final
+                and self.num_backward < 2):
+            # Every parameter keeps its provisional hook until the order is
+            # final, or for two synchronised backwards where it does not become so.
             return
         self._end_for = (wanted, self.overlap)
         if wanted:
@@ -856,16 +863,7 @@ class Reducer:
         else:
             self._end.clear()
             unhooked = set()
-        handles = self._hook_handles
-        if len(handles) != len(self.params):  # remove_hooks() ran: no hooks for good
-            return
-        for i, p in enumerate(self.params):
-            if i in unhooked:
-                if handles[i] is not None:
-                    handles[i].remove()
-                    handles[i] = None
-            elif handles[i] is None:
-                handles[i] = p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._hooks.settle(unhooked)
 
     def _queue_count_at_end(self) -> None:
         """The backward's first hook: count the unhooked gradients in when it ends."""
@@ -1058,7 +1056,7 @@ class Reducer:
         self.delay_all_reduce()
 
     def remove_hooks(self) -> None:
-        _remove_handles(self._hook_handles)
+        self._hooks.remove_all()
 
 
 def _holding(value: torch.Tensor) -> torch.futures.Future:
@@ -1083,9 +1081,3 @@ def _debug_on() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.get_debug_level() != dist.DebugLevel.OFF
 
-
-def _remove_handles(handles: list[Any]) -> None:
-    for h in handles:
-        if h is not None:
-            h.remove()
-    handles.clear()

@@ -292,6 +292,28 @@ def test_apply_optimizer_in_backward(pools) -> None:
         assert r["diff"] < 1e-12 and r["none"] == r["oracle_none"] == [True, True], r
 
 
+def _user_post_accumulate_hooks(rank: int, world: int) -> dict:
+    """A post-accumulate-grad hook registered after wrapping changes what is
+    reduced: torch's DDP hooks the accumulator, which runs after it."""
+    def scale(q: torch.Tensor) -> None:  # rank-dependent: the reduction shows whether it ran
+        q.grad.mul_(rank + 1)
+
+    out = {}
+    for name, impl in BOTH:
+        model = Net().double()
+        ddp = impl(model)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(scale)
+        _train(ddp, rank, steps=4)
+        out[name] = _state(model)
+    return {"diff": _equal(out["theirs"], out["ours"], world)}
+
+
+def test_user_post_accumulate_hooks_run_before_the_reduction_as_torch(pools) -> None:
+    for r in pools.run(2, _user_post_accumulate_hooks):
+        assert r["diff"] == [], r
+
+
 # ------------------------------------------------ containers in and out
 class Pair(NamedTuple):
     x: torch.Tensor

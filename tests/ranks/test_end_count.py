@@ -44,7 +44,7 @@ _STEPS = ["none", "none", "none", "zero", "accumulate", "between", "no_sync", "n
 def _train(rank: int, impl: type, base: nn.Module, kwargs: dict) -> dict:
     model = impl(copy.deepcopy(base), **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grads, unhooked = [], []
+    grads, unhooked, residue = [], [], []
     gen = torch.Generator().manual_seed(100 + rank)
     for how in _STEPS:
         x = torch.randn(4, 96, generator=gen, dtype=torch.float64)
@@ -63,7 +63,27 @@ def _train(rank: int, impl: type, base: nn.Module, kwargs: dict) -> dict:
         opt.step()
         if impl is gradring.DistributedDataParallel:
             unhooked.append(len(model.reducer._end.indices))
-    return {"grads": grads, "unhooked": unhooked}
+            residue.append(_misplaced_hooks(model.reducer))
+    return {"grads": grads, "unhooked": unhooked, "residue": residue}
+
+
+def _misplaced_hooks(reducer) -> list[int]:
+    """The parameters whose tensor hooks are not what [Note: hooks that leave
+    nothing behind] says: none until the bucket order is final (the hooks sit
+    on the accumulators), then exactly one on each hooked parameter and none,
+    not even an emptied dict (autograd would still call it), on each
+    parameter counted at the end."""
+    counted = set(reducer._end.indices)
+    wrong = []
+    for i, p in enumerate(reducer.params):
+        hooks = p._post_accumulate_grad_hooks
+        if not reducer.order_is_final or i in counted:
+            ok = hooks is None
+        else:
+            ok = hooks is not None and len(hooks) == 1
+        if not ok:
+            wrong.append(i)
+    return wrong
 
 
 def _side_by_side(rank: int, world_size: int, overlap: str, cap_mb: float) -> dict:
@@ -93,6 +113,11 @@ def test_unhooked_gradients_match_torch_bit_for_bit(pools, overlap, cap_mb):
         # Hooked while the order is recorded; unhooked from the rebuild on (with
         # overlap, only the last bucket's small slots).
         assert ours["unhooked"][0] == 0 and min(ours["unhooked"][2:]) > 0, ours["unhooked"]
+        # Until the order is final the hooks sit on the accumulators, so no
+        # parameter has a tensor hook; from then on each hooked one has exactly
+        # one, and no unhooked one has even an emptied dict. Each row lists the
+        # parameters that break this.
+        assert all(row == [] for row in ours["residue"]), ours["residue"]
 
 
 def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str,
