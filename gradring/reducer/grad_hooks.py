@@ -35,7 +35,10 @@ autograd drop its accumulator, and a provisional hook with it; DDP's own
 mixed precision does that at every forward. So after each forward, while
 hooks are provisional, ``follow`` checks every parameter's accumulator and
 moves the hook of one that changed to the tensor (about 1 us per parameter,
-for the first two iterations or so).
+for the first two iterations or so). A parameter frozen since the reducer
+was built (``requires_grad_(False)``) cannot take a tensor hook: it keeps
+its accumulator and the hook on it, as under torch's DDP, so that it is
+heard from again once unfrozen.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class GradHooks:
         with torch.enable_grad():
             for i, p in enumerate(self._params):
                 node = nodes[i]
-                if node is not None and _accumulator(p) is not node:
+                if node is not None and p.requires_grad and _accumulator(p) is not node:
                     handles[i].remove()
                     nodes[i] = None
                     handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
@@ -111,6 +114,14 @@ class GradHooks:
             return
         handles, nodes = self._handles, self._nodes
         for i, p in enumerate(self._params):
+            if not p.requires_grad:
+                # Frozen since the reducer was built: a tensor takes no hook
+                # then. Its hook stays where it is (on the accumulator, which
+                # is kept, as torch keeps it), for when it is unfrozen.
+                if i in unhooked and handles[i] is not None:
+                    handles[i].remove()
+                    handles[i], nodes[i] = None, None
+                continue
             on_node = nodes[i] is not None
             if handles[i] is not None and (on_node or i in unhooked):
                 handles[i].remove()

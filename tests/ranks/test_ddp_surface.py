@@ -314,6 +314,27 @@ def test_user_post_accumulate_hooks_run_before_the_reduction_as_torch(pools) -> 
         assert r["diff"] == [], r
 
 
+def _frozen_after_wrapping(rank: int, world: int) -> dict:
+    """A parameter frozen after wrapping and unfrozen later (a backbone
+    trained only from some epoch on), with find_unused_parameters."""
+    out = {}
+    for name, impl in BOTH:
+        model = Net().double()
+        ddp = impl(model, find_unused_parameters=True)
+        model.fc1.weight.requires_grad_(False)
+        _train(ddp, rank, steps=3)
+        model.fc1.weight.requires_grad_(True)
+        _train(ddp, rank, steps=2)
+        out[name] = _state(model)
+    return {"diff": _equal(out["theirs"], out["ours"], world),
+            "grad": "grad:fc1.weight" in out["ours"]}
+
+
+def test_parameter_frozen_after_wrapping_then_unfrozen_as_torch(pools) -> None:
+    for r in pools.run(2, _frozen_after_wrapping):
+        assert r["diff"] == [] and r["grad"], r
+
+
 # ------------------------------------------------ containers in and out
 class Pair(NamedTuple):
     x: torch.Tensor
