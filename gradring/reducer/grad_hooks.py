@@ -28,9 +28,9 @@ its old accumulator dies with the graph that still holds it. A parameter
 hooked on the tensor and unhooked later again (a comm hook registered after
 the rebuild, then taken away) keeps the empty dict's cost, as before.
 
-Where no accumulator can be reached (a parameter that does not require a
-gradient when the reducer is built), the hook goes on the tensor from the
-start. Changing a parameter's dtype or device through ``.data`` makes
+Every parameter the reducer gets is a leaf that requires a gradient, so it
+has an accumulator; were one missing, the hook would go on the tensor from
+the start. Changing a parameter's dtype or device through ``.data`` makes
 autograd drop its accumulator, and a provisional hook with it; DDP's own
 mixed precision does that at every forward. So after each forward, while
 hooks are provisional, ``follow`` checks every parameter's accumulator and
@@ -87,7 +87,8 @@ class GradHooks:
 
     @property
     def provisional(self) -> bool:
-        """Whether some hook still sits on an accumulator (``settle`` not run yet)."""
+        """Whether the hooks are still provisional (neither ``settle`` nor
+        ``remove_all`` ran, and some hook sits on an accumulator)."""
         return self._provisional
 
     def follow(self) -> None:
@@ -133,18 +134,13 @@ class GradHooks:
 
     def remove_all(self) -> None:
         """Take every hook away for good (the wrapper is detached)."""
-        remove_handles(self._handles)
+        for h in self._handles:
+            if h is not None:
+                h.remove()
+        self._handles.clear()
         self._nodes = [None] * len(self._params)
         self._provisional = False
         self.removed = True
-
-
-def remove_handles(handles: list[Any]) -> None:
-    """Remove each handle in ``handles`` (None where there is none), then empty it."""
-    for h in handles:
-        if h is not None:
-            h.remove()
-    handles.clear()
 
 
 def _accumulator(p: torch.Tensor) -> Any:
