@@ -37,7 +37,7 @@ class SlotKind(enum.Enum):
       ``COPIED``, but a run of neighbours at a time when the bucket is ready
       ([Note: packed slots] in ``packing.py``).
 
-    VIEW and PACKED slots, and HOMED and LENT slots up to HELD_SLOT_NUMEL
+    PACKED slots, and VIEW, HOMED and LENT slots up to HELD_SLOT_NUMEL
     elements, are *deferred*: their hooks only count, and the tensor work is
     done for the whole bucket when its last gradient arrives (see [Note: held
     slots]).
@@ -55,7 +55,7 @@ class SlotKind(enum.Enum):
 
 
 # [Note: held slots]
-# A HOMED or LENT slot's gradient used to be put in by its own hook. Each
+# A VIEW, HOMED or LENT slot's gradient used to be put in by its own hook. Each
 # such hook runs right after a large layer's backward has evicted the
 # interpreter's working set from the caches, and every first touch is slow
 # there (reference counts, a first untyped_storage(), the put itself: the
@@ -73,7 +73,17 @@ class SlotKind(enum.Enum):
 # is still in cache, and its copy dwarfs the cold start: holding the 4 MiB
 # weights of 12 x Linear(1024) made that model slower, and a 64 K limit left
 # the ResNet's larger convolutions at their hooks and gained nothing there
-# (docs/collectives.md has the side-by-side figures).
+# (docs/collectives.md has the side-by-side figures). In view mode a held
+# slot's new gradient also lives beside its slot until the bucket fills:
+# holding every VIEW slot (as gradring once did) kept a whole bucket's new
+# gradients alive at once, up to twice the memory gradient_as_bucket_view
+# is chosen to save, and the allocator gave those back and faulted fresh
+# pages in every step (docs/collectives.md, "gradient_as_bucket_view's new
+# gradients").
+
+
+#: The kinds whose small slots are held (PACKED slots are always deferred).
+_HELD_KINDS = (SlotKind.VIEW, SlotKind.HOMED, SlotKind.LENT)
 
 
 class BucketState(enum.Enum):
@@ -254,9 +264,8 @@ class Bucket:
         self.runs = packed_runs([k is SlotKind.PACKED for k in self.kinds], self.offsets,
                                 self.numels, self.params, self.param_indices)
         self.held = [s for s, k in enumerate(self.kinds)
-                     if (k is SlotKind.HOMED or k is SlotKind.LENT)
-                     and self.numels[s] <= HELD_SLOT_NUMEL]
-        self.deferred = view_mode or bool(self.runs) or bool(self.held)
+                     if k in _HELD_KINDS and self.numels[s] <= HELD_SLOT_NUMEL]
+        self.deferred = bool(self.runs) or bool(self.held)
         self.packed_params = [p for run in self.runs for p in run.params]
         self.packed_flat = len(self.runs) == 1 and self.runs[0].flat
         self._view_packed()

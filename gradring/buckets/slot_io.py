@@ -20,8 +20,8 @@ from gradring.buckets.packing import copy_in, copy_in_all, copy_out, copy_out_al
 
 
 def put_deferred(bucket: Bucket, scale: float, view_mode: bool, last: int) -> None:
-    """The bucket's last gradient (slot ``last``'s) arrived: put in its VIEW
-    slots, or its held and PACKED slots (see [Note: held slots])."""
+    """The bucket's last gradient (slot ``last``'s) arrived: put in its held
+    slots (VIEW ones in view mode), and its PACKED slots (see [Note: held slots])."""
     grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
     if grad_mode:
         torch._C._set_grad_enabled(False)
@@ -69,38 +69,54 @@ def _put_one(bucket: Bucket, s: int, scale: float) -> None:
 
 
 def _put_views(bucket: Bucket, scale: float) -> None:
-    """gradient_as_bucket_view: a .grad that is not its slot yet (a new one,
-    after ``zero_grad(set_to_none=True)``) is multiplied into the slot and
-    pointed at it; slots autograd summed into in place are scaled where
-    they are (the whole buffer in one multiply when that is every slot).
-    Each element is multiplied by the same 0-dim scale once either way, so
-    the bits are those of a copy and then a multiply, without the copy's
-    second pass over the new gradients."""
-    views = bucket.views
+    """gradient_as_bucket_view, the held slots (see [Note: held slots]): each
+    is put in by ``put_view``, except that slots autograd summed into in
+    place are scaled together (the whole buffer in one multiply when that is
+    every slot)."""
     st = scale_tensor(scale, bucket.buffer.dtype) if scale != 1.0 else None
+    views, params = bucket.views, bucket.params
     summed = []  # slots that already were their .grad
-    for s, p in enumerate(bucket.params):
-        grad, view = p.grad, views[s]
-        if grad is None:
-            view.zero_()
-            bucket.write_back(s)
-        elif grad.layout is not torch.strided:
-            put_copied(bucket, s, scale)
-        elif grad.data_ptr() == view.data_ptr():
-            summed.append(view)
+    for s in bucket.held:
+        grad = params[s].grad
+        if grad is not None and grad.layout is torch.strided and \
+                grad.data_ptr() == views[s].data_ptr():
+            summed.append(views[s])
         else:
-            if st is not None and grad.dtype == view.dtype:
-                torch.mul(grad, st, out=view)
-            else:
-                view.copy_(grad)
-                if st is not None:
-                    view.mul_(st)
-            p.grad = view
+            del grad
+            put_view(bucket, s, scale)
     if st is not None and summed:
         if len(summed) == len(views):
             bucket.buffer.mul_(st)
         else:
             torch._foreach_mul_(summed, st)
+
+
+def put_view(bucket: Bucket, s: int, scale: float) -> None:
+    """gradient_as_bucket_view: a .grad that is not its slot yet (a new one,
+    after ``zero_grad(set_to_none=True)``) is multiplied into the slot and
+    pointed at it, and the new tensor is let go; a slot autograd summed
+    into in place is scaled where it is. Each element is multiplied by the
+    same 0-dim scale once either way, so the bits are those of a copy and
+    then a multiply, without the copy's second pass over the new gradient."""
+    p = bucket.params[s]
+    grad, view = p.grad, bucket.views[s]
+    st = scale_tensor(scale, view.dtype) if scale != 1.0 else None
+    if grad is None:
+        view.zero_()
+        bucket.write_back(s)
+    elif grad.layout is not torch.strided:
+        put_copied(bucket, s, scale)
+    elif grad.data_ptr() == view.data_ptr():
+        if st is not None:
+            view.mul_(st)
+    else:
+        if st is not None and grad.dtype == view.dtype:
+            torch.mul(grad, st, out=view)
+        else:
+            view.copy_(grad)
+            if st is not None:
+                view.mul_(st)
+        p.grad = view
 
 
 # How a gradient goes into its slot, one function per kind (called by the
@@ -228,8 +244,9 @@ def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
 
 
 #: Per slot kind, what its hook puts in with (see [Note: slot kinds]); None
-#: for the kinds that are always deferred (see [Note: held slots]).
+#: for the kind that is always deferred (see [Note: packed slots]). A held
+#: slot of the other kinds has none either (see [Note: held slots]).
 PUT_AT_HOOK: dict[SlotKind, Callable[[Bucket, int, float], None] | None] = {
-    SlotKind.VIEW: None, SlotKind.PACKED: None, SlotKind.LENT: put_lent,
+    SlotKind.VIEW: put_view, SlotKind.PACKED: None, SlotKind.LENT: put_lent,
     SlotKind.HOMED: put_homed, SlotKind.COPIED: put_copied,
 }

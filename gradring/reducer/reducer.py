@@ -11,10 +11,11 @@
    kind says (decided once per bucket, see [Note: slot kinds] in
    ``buckets/bucket.py``; the puts are in ``buckets/slot_io.py``), scaled by 1/world_size:
    left in ``.grad`` with only the part the peers read copied into the
-   bucket (HOMED), copied into the slot with ``.grad`` pointed at it (LENT),
+   bucket (HOMED), copied into the slot with ``.grad`` pointed at it (LENT,
+   and VIEW under gradient_as_bucket_view),
    plainly copied (COPIED), or copied a bucket's small slots at a time
    (PACKED, [Note: packed slots] in ``buckets/packing.py``). COPIED slots and large
-   HOMED and LENT ones are put in by the hook itself; the others are
+   VIEW, HOMED and LENT ones are put in by the hook itself; the others are
    deferred: when the bucket's last gradient arrives, they are put in
    together ([Note: held slots] in ``buckets/bucket.py``). The first hook of a
    backward also marks the unused parameters ready (their slots are zeroed).
@@ -678,7 +679,7 @@ class Reducer:
     # grad mode is switched off only when it is on (it is off inside an
     # ordinary backward; on under create_graph), the scale is multiplied as a
     # cached 0-dim tensor (see packing.scale_tensor), and tracing marks
-    # buckets, never parameters. A deferred slot (VIEW, PACKED, or a held
+    # buckets, never parameters. A deferred slot (PACKED, or a held VIEW,
     # HOMED or LENT one) has no put function: its hook only counts, and
     # put_deferred does the tensor work for the whole bucket once its last
     # gradient has arrived.

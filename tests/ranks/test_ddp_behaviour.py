@@ -248,6 +248,33 @@ def test_subgroup(pools):
     assert res[0] == res[1] == [[1.5, 1.5]]
 
 
+def _view_at_hook(rank, world_size, impl):
+    # A weight above the held-slot size (model[2]'s, 2 MiB) whose bucket,
+    # before and after the rebuild, fills only with the first layer's
+    # gradients (the last layer's 1.2 MiB close the rebuild's first bucket).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
+                          nn.Linear(512, 600))
+    wrap = gradring.DistributedDataParallel if impl == "gradring" else \
+        nn.parallel.DistributedDataParallel
+    ddp = wrap(model, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    big = model[2].weight
+    seen = []
+    # Runs once the last layer's gradients are in and before the first
+    # layer's backward: is the large .grad already its bucket view there?
+    model[0].register_full_backward_pre_hook(
+        lambda *_: seen.append(big.grad is not None and big.grad._is_view()))
+    torch.manual_seed(rank)
+    grads = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        ddp(torch.randn(4, 16)).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return seen, grads
+
+
 def test_state_dict_and_torch_save(pools):
     for keys, same in pools.run(2, _state_dict_and_pickle):
         assert keys == ["module.bias", "module.weight"] and same
@@ -257,6 +284,20 @@ def test_gradient_as_bucket_view_shares_storage(pools):
     for all_views, detach_msg in pools.run(2, _bucket_view):
         assert all_views
         assert "view" in detach_msg.lower()
+
+
+def test_gradient_as_bucket_view_points_a_large_grad_at_its_slot_at_its_hook(pools):
+    # torch's DDP copies a new gradient into its view and lets it go at the
+    # gradient's own hook, so a bucket's new gradients never live all at once
+    # (the memory gradient_as_bucket_view saves); gradring's large slots do
+    # the same. The results are the same bits.
+    theirs = pools.run(2, _view_at_hook, "torch")
+    ours = pools.run(2, _view_at_hook, "gradring")
+    for (seen_t, grads_t), (seen_g, grads_g) in zip(theirs, ours):
+        assert seen_t == [True] * 4
+        assert seen_g == seen_t
+        for step_t, step_g in zip(grads_t, grads_g):
+            assert all(torch.equal(a, b) for a, b in zip(step_t, step_g))
 
 
 def test_logging_data_keys(pools):
