@@ -278,8 +278,7 @@ class Bucket:
         the parameters (with gradient_as_bucket_view, what param.grad becomes)."""
         p0 = self.params[0]
         buffer = self._allocate(sum(self.numels), p0.dtype, p0.device)
-        views = [buffer.narrow(0, off, n).view(p.shape)
-                 for off, n, p in zip(self.offsets, self.numels, self.params)]
+        views = [slot_view(buffer, off, p) for off, p in zip(self.offsets, self.params)]
         return buffer, views
 
     def reallocate(self) -> None:
@@ -301,6 +300,48 @@ class Bucket:
         self.homed_slots.clear()
         self.to_write.clear()
         self.loose.clear()
+
+
+# [Note: the gradient layout contract]
+# torch's autograd gives a dense, non-overlapping parameter a gradient with
+# the parameter's own strides (a channels_last convolution's weight, a
+# parameter made from a transposed tensor), and torch's reducer lays each
+# bucket slot out the same way; any other parameter gets row-major strides.
+# Optimizers that pair parameter and gradient elements by memory position
+# (the fused and foreach AdamW and SGD) depend on it. So a slot view is the
+# parameter's layout over the slot's elements: what ``.grad`` becomes in
+# view mode, what a lent view is, what packed copies go through, and what
+# a ``.grad`` made by cloning a slot inherits. A slot's memory order is
+# therefore the parameter's memory order, and a path that moves a gradient
+# as flat memory (homing) may only do so for a gradient of the same strides.
+
+
+def layout_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides a gradient of ``t`` gets under the layout contract: ``t``'s
+    own when it is dense and non-overlapping, row-major otherwise."""
+    shape, strides = t.shape, t.stride()
+    dims = sorted((d for d in range(t.dim()) if shape[d] != 1), key=lambda d: strides[d])
+    expected = 1
+    for d in dims:
+        if strides[d] != expected:
+            return _row_major(shape)
+        expected *= shape[d]
+    return tuple(strides) if t.numel() > 0 else _row_major(shape)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def slot_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """The slot of ``param`` at element ``offset`` of the flat ``buffer``,
+    shaped and strided as its gradient is (see [Note: the gradient layout contract])."""
+    span = buffer.narrow(0, offset, param.numel())
+    return span.as_strided(param.shape, layout_strides(param))
 
 
 def _offset(piece: tuple[int, torch.Tensor]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradring.buckets.bucket import Bucket
+from gradring.buckets.bucket import Bucket, slot_view
 
 
 class GradBucket:
@@ -33,8 +33,7 @@ class GradBucket:
         if self._buffer is b.buffer:
             return list(b.views)
         # After set_buffer (torch's fp16/bf16 wrappers), views of the current buffer.
-        return [self._buffer.narrow(0, off, n).view(p.shape)
-                for off, n, p in zip(b.offsets, b.numels, b.params)]
+        return [slot_view(self._buffer, off, p) for off, p in zip(b.offsets, b.params)]
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)

@@ -147,7 +147,9 @@ def put_homed(bucket: Bucket, s: int, scale: float) -> None:
     view = bucket.views[s]
     # A gradient that requires grad (backward(create_graph=True)) is
     # copied: the collective's thread would record autograd history on it.
-    if not (grad.layout is torch.strided and grad.is_contiguous()
+    # Homing moves the gradient as flat memory: only where the gradient and
+    # its slot are both row-major ([Note: the gradient layout contract] in bucket.py).
+    if not (grad.layout is torch.strided and grad.is_contiguous() and view.is_contiguous()
             and not grad.requires_grad
             and grad.dtype == view.dtype and grad.device == view.device
             and grad.numel() == view.numel()):
