@@ -15,7 +15,7 @@ its own variables' raw values with what it saw last (lookups in
 ``os.environ``'s encoding layer) and re-reads the configuration only when one
 changed. The rest are read where their effect starts: ``GRADRING_TIMEOUT``
 when a group's state is made, ``GRADRING_OVERLAP`` when a DDP is built,
-``GRADRING_JOIN_MB`` when its buckets are rebuilt,
+``GRADRING_FAST_PATHS`` when it is built and when its buckets are rebuilt,
 ``GRADRING_FLIGHT_RECORDER`` when the recorder writes, and
 ``GRADRING_FLIGHT_SIZE`` and ``GRADRING_SHM_YIELD_US`` at import (the
 recorder's ring is made then; the wait loop reads a module constant).
@@ -33,6 +33,9 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
+
+from gradring import fast_paths
+from gradring.fast_paths import FastPaths
 
 T = TypeVar("T")
 
@@ -108,10 +111,11 @@ def _yield_us(var: str, text: str) -> float:
     return _number(var, text, 0.0, 1e6, low_open=False, what="microseconds")
 
 
-def _join_mb(var: str, text: str) -> float:
-    if not text.strip():
-        return 256.0
-    return _number(var, text, 0.0, 1024.0 * 1024.0, low_open=False, what="MiB")
+def _fast_paths(var: str, text: str) -> FastPaths:
+    try:
+        return fast_paths.parse(text)
+    except ValueError as exc:
+        raise _bad(var, text, f"{exc} (or all, or none)") from None
 
 
 def _flight_size(var: str, text: str) -> int:
@@ -168,10 +172,10 @@ class Config:
     #: ``GRADRING_SHM_YIELD_US=<us>``, 0 to 1000000: how long a shared-memory wait polls with
     #: sched_yield before sleeping in the kernel (see [Note: spin, then block]).
     shm_yield_us: float = _knob("GRADRING_SHM_YIELD_US", _yield_us, 50.0)
-    #: ``GRADRING_JOIN_MB=<MiB>``, 0 to 1048576: the largest bucket that joining makes
-    #: when every bucket is reduced at the end of the backward; 0 never joins (see
-    #: [Note: one collective at the end] in ``buckets/assign.py``). Rank 0's value counts.
-    join_mb: float = _knob("GRADRING_JOIN_MB", _join_mb, 256.0)
+    #: ``GRADRING_FAST_PATHS``: the reducer's fast paths to use: ``all`` (default), ``none``
+    #: (the core alone), names to keep, or ``-``names to drop (see [Note: the core and its
+    #: fast paths] in ``fast_paths.py``). Rank 0's set counts.
+    fast_paths: FastPaths = _knob("GRADRING_FAST_PATHS", _fast_paths, fast_paths.ALL)
 
 
 #: Every knob's variable name, in field order.

@@ -1,6 +1,6 @@
 """Gradient buckets: which parameters share one (``assign.py``), the flat-buffer
 ``Bucket`` and its transitions (``bucket.py``), how gradients go in and out
-(``slot_io.py``, ``packing.py``, ``lending.py``), and what a comm hook sees
+(``slot_io.py``, ``packing.py``), and what a comm hook sees
 (``grad_bucket.py``).
 
 The names ``gradring.buckets`` exported as one module are re-exported here.
@@ -9,6 +9,7 @@ The names ``gradring.buckets`` exported as one module are re-exported here.
 from gradring.buckets.assign import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
+    JOIN_CAP_BYTES,
     MIB,
     BucketCaps,
     assign_buckets,
@@ -19,6 +20,6 @@ from gradring.buckets.bucket import HELD_SLOT_NUMEL, Bucket, BucketState, SlotKi
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "HELD_SLOT_NUMEL",
-    "MIB", "Bucket", "BucketCaps", "BucketState", "SlotKind",
+    "JOIN_CAP_BYTES", "MIB", "Bucket", "BucketCaps", "BucketState", "SlotKind",
     "assign_buckets", "bucket_key", "join_adjacent",
 ]

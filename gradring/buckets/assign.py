@@ -20,9 +20,9 @@ backward ends, see [Note: overlap needs a free core] in
 collective: each one synchronises the ranks twice, and under a competing load
 every synchronisation may wait for a descheduled peer. So in that case the
 reducer installs the rebuild's buckets joined (:func:`join_adjacent`):
-neighbouring buckets of one key become one, up to ``GRADRING_JOIN_MB``
-(256 MiB unless set; 0 never joins). Rank 0's value travels with its
-bucket assignment, as its overlap choice does. The
+neighbouring buckets of one key become one, up to ``JOIN_CAP_BYTES``
+(fast path ``joined``: see [Note: the core and its fast paths] in
+``gradring/fast_paths.py``). The
 buckets torch's DDP would make are still what ``_get_ddp_logging_data``
 reports, and what the reducer installs again, at the next synchronised
 forward, once something needs them as they are: a comm hook or a fused
@@ -46,6 +46,8 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 #: bucket_cap_mb's default.
 DEFAULT_BUCKET_CAP_MB = 25
 MIB = 1024 * 1024
+#: The largest bucket joining makes (see [Note: one collective at the end]).
+JOIN_CAP_BYTES = 256 * MIB
 
 
 def assign_buckets(

@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from gradring.buckets.lending import LentSlots
 from gradring.buckets.packing import SMALL_SLOT_NUMEL, Run, packed_runs
 
-#: HOMED and LENT slots of at most this many elements (1 MiB of fp32) are held
+#: HOMED and VIEW slots of at most this many elements (1 MiB of fp32) are held
 #: until their bucket is ready (see [Note: held slots]); larger ones are put
 #: in by their hook.
 HELD_SLOT_NUMEL = 262144
@@ -22,68 +21,59 @@ class SlotKind(enum.Enum):
 
     [Note: slot kinds]
     Decided once per bucket, when it is installed (and again if a comm hook is
-    registered), so the per-gradient hook follows a stored decision:
+    registered), so the per-gradient hook follows a stored decision. The
+    core's two kinds (see [Note: the core and its fast paths] in
+    ``gradring/fast_paths.py``):
 
+    - ``COPIED``: copied into the slot by its hook and the result copied back
+      out by the finalize;
     - ``VIEW``: gradient_as_bucket_view; ``.grad`` *is* the slot.
-    - ``HOMED``: the gradient stays in ``.grad``; the collective reads the own
-      chunk from it and writes the result back into it ([Note: homed
-      all-reduce] in ``comm/homes.py``).
-    - ``LENT``: the slot lies outside the own chunk (or is small); the
-      gradient is copied in and ``.grad`` becomes a view of the slot ([Note:
-      lent gradients] in ``lending.py``).
-    - ``COPIED``: copied into the slot and the result copied back out (comm
-      hooks, CUDA, integer buckets, one rank).
-    - ``PACKED``: a small slot outside view mode; copied in and out like
-      ``COPIED``, but a run of neighbours at a time when the bucket is ready
-      ([Note: packed slots] in ``packing.py``).
 
-    PACKED slots, and VIEW, HOMED and LENT slots up to HELD_SLOT_NUMEL
-    elements, are *deferred*: their hooks only count, and the tensor work is
-    done for the whole bucket when its last gradient arrives (see [Note: held
-    slots]).
+    and the fast paths' two:
+
+    - ``HOMED`` (fast path ``homed``): the gradient stays in ``.grad``; the
+      collective reads the own chunk from it and writes the result back into
+      it ([Note: homed all-reduce] in ``comm/homes.py``);
+    - ``PACKED`` (fast path ``packed``): a small slot outside view mode;
+      copied in and out like ``COPIED``, but a bucket's small slots at a
+      time when the bucket is ready ([Note: packed slots] in ``packing.py``).
+
+    PACKED slots, and (fast path ``held``) VIEW and HOMED slots up to
+    HELD_SLOT_NUMEL elements, are *deferred*: their hooks only count, and the
+    tensor work is done for the whole bucket when its last gradient arrives
+    (see [Note: held slots]).
 
     A gradient that does not fit its slot's kind at run time (no gradient,
-    a non-contiguous or sparse one, a kept old ``.grad``) falls back to the
-    next simpler kind: LENT -> HOMED -> COPIED, PACKED -> COPIED.
+    a non-contiguous or sparse one) falls back to ``COPIED``.
     """
 
     VIEW = "view"
     HOMED = "homed"
-    LENT = "lent"
     COPIED = "copied"
     PACKED = "packed"
 
 
 # [Note: held slots]
-# A VIEW, HOMED or LENT slot's gradient used to be put in by its own hook. Each
-# such hook runs right after a large layer's backward has evicted the
-# interpreter's working set from the caches, and every first touch is slow
-# there (reference counts, a first untyped_storage(), the put itself: the
-# measurements are in docs/collectives.md, "held slots"). So these slots are
+# A hook that puts a gradient in runs right after a layer's backward has
+# evicted the interpreter's working set from the caches, where every first
+# touch is slow. So (fast path ``held``) small VIEW and HOMED slots are
 # *held*: the hook only counts, the gradient waits in .grad, and when the
 # bucket's last gradient arrives every held slot is put in in one burst (then
-# the packed slots), in slot order, by the same put methods. The bucket
-# launches at the same moment as before; only the puts moved. Reading .grad
-# then also sees what later hooks of the same parameter did to it, as
-# torch's reducer does. Lending's reference count (lending.fresh) is probed
-# for this context too: another parameter's gradient, from a later hook.
+# the packed slots), in slot order, by the same put functions. The bucket
+# launches at the same moment; only the puts moved. Reading .grad then also
+# sees what later hooks of the same parameter did to it, which is what
+# torch's reducer sees (its hook runs after them).
 #
 # Only slots of at most HELD_SLOT_NUMEL elements (1 MiB of fp32) are held.
 # A large gradient is best copied while autograd has just written it and it
-# is still in cache, and its copy dwarfs the cold start: holding the 4 MiB
-# weights of 12 x Linear(1024) made that model slower, and a 64 K limit left
-# the ResNet's larger convolutions at their hooks and gained nothing there
-# (docs/collectives.md has the side-by-side figures). In view mode a held
-# slot's new gradient also lives beside its slot until the bucket fills:
-# holding every VIEW slot (as gradring once did) kept a whole bucket's new
-# gradients alive at once, up to twice the memory gradient_as_bucket_view
-# is chosen to save, and the allocator gave those back and faulted fresh
-# pages in every step (docs/collectives.md, "gradient_as_bucket_view's new
-# gradients").
+# is still in cache, and its copy dwarfs the cold start. In view mode a held
+# slot's new gradient also lives beside its slot until the bucket fills, so
+# holding large view slots would keep a whole bucket's new gradients alive at
+# once: the memory gradient_as_bucket_view is chosen to save.
 
 
 #: The kinds whose small slots are held (PACKED slots are always deferred).
-_HELD_KINDS = (SlotKind.VIEW, SlotKind.HOMED, SlotKind.LENT)
+_HELD_KINDS = (SlotKind.VIEW, SlotKind.HOMED)
 
 
 class BucketState(enum.Enum):
@@ -157,16 +147,12 @@ class Bucket:
         # costs no Python call more per gradient (see [Note: the per-gradient
         # path] in reducer/reducer.py).
         self.write_back: Callable[[int], None] = self.to_write.append
-        # Lending state: which slots may hold .grad in this buffer, and the
-        # views handed out (see [Note: lent gradients] in lending.py).
-        self.lending = LentSlots(self)
         # Per slot, how its gradient travels (see [Note: slot kinds]).
         self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
         # Whether some slots are deferred (VIEW, PACKED or held): the reducer puts
         # them in when the bucket's last gradient arrives.
         self.deferred = False
-        # The HOMED and LENT slots, put in when the bucket is ready (see [Note:
-        # held slots]).
+        # The held slots, put in when the bucket is ready (see [Note: held slots]).
         self.held: list[int] = []
         # The PACKED slots, as runs of neighbours (see [Note: packed slots]).
         self.runs: tuple[Run, ...] = ()
@@ -182,21 +168,9 @@ class Bucket:
     # ------------------------------------------------- one backward's transitions
     def arrive(self) -> bool:
         """One more of this backward's gradients is in (its put follows); True
-        when it was the last. Before the backward's first write into the
-        buffer, lending claims it (see [Note: lent gradients])."""
-        pending = self.pending
-        if pending == self.size:
-            self.lending.claim()
-        self.pending = pending = pending - 1
+        when it was the last."""
+        self.pending = pending = self.pending - 1
         return pending == 0
-
-    def arrive_many(self, n: int) -> bool:
-        """``n`` more gradients are in at once (see [Note: counted at the end] in
-        reducer/end_count.py); True when they were the last."""
-        if self.pending == self.size:
-            self.lending.claim()
-        self.pending -= n
-        return self.pending == 0
 
     def mark_ready(self) -> None:
         """Every gradient is in: launchable once the lower buckets launched."""
@@ -238,33 +212,30 @@ class Bucket:
         self.to_write.clear()
 
     def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
-              hooked: bool) -> None:
+              hooked: bool, pack: bool, hold: bool) -> None:
         """Set the own chunk and whether the bucket may be homed, then decide
         every slot's kind (see [Note: slot kinds])."""
         self.own = own
         self.homable = homable
-        self.lending.reset_memory()
-        self.decide_kinds(view_mode=view_mode, hooked=hooked)
+        self.decide_kinds(view_mode=view_mode, hooked=hooked, pack=pack, hold=hold)
 
-    def decide_kinds(self, *, view_mode: bool, hooked: bool) -> None:
-        """Decide each slot's kind: a comm hook sees plain copies, never homes or loans."""
-        lent = self.lending.slots
+    def decide_kinds(self, *, view_mode: bool, hooked: bool, pack: bool, hold: bool) -> None:
+        """Decide each slot's kind: a comm hook sees plain copies, never homes.
+        ``pack`` and ``hold``: the fast paths ``packed`` and ``held`` are on."""
         for s in range(len(self.params)):
             if view_mode:
                 kind = SlotKind.VIEW
-            elif self.numels[s] <= SMALL_SLOT_NUMEL:
+            elif pack and self.numels[s] <= SMALL_SLOT_NUMEL:
                 kind = SlotKind.PACKED
-            elif hooked or not self.homable:
-                kind = SlotKind.COPIED
-            elif s in lent:
-                kind = SlotKind.LENT
+            elif hooked or not self.homable or not self.params[s].is_contiguous():
+                kind = SlotKind.COPIED  # homing moves row-major memory
             else:
                 kind = SlotKind.HOMED
             self.kinds[s] = kind
         self.runs = packed_runs([k is SlotKind.PACKED for k in self.kinds], self.offsets,
                                 self.numels, self.params, self.param_indices)
         self.held = [s for s, k in enumerate(self.kinds)
-                     if k in _HELD_KINDS and self.numels[s] <= HELD_SLOT_NUMEL]
+                     if hold and k in _HELD_KINDS and self.numels[s] <= HELD_SLOT_NUMEL]
         self.deferred = bool(self.runs) or bool(self.held)
         self.packed_params = [p for run in self.runs for p in run.params]
         self.packed_flat = len(self.runs) == 1 and self.runs[0].flat
@@ -280,11 +251,6 @@ class Bucket:
         buffer = self._allocate(sum(self.numels), p0.dtype, p0.device)
         views = [slot_view(buffer, off, p) for off, p in zip(self.offsets, self.params)]
         return buffer, views
-
-    def reallocate(self) -> None:
-        """Move to a fresh buffer; whoever still holds the old one keeps it."""
-        self.buffer, self.views = self._make_buffer()
-        self._view_packed()
 
     @property
     def nbytes(self) -> int:

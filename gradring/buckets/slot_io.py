@@ -1,7 +1,7 @@
 """How gradients go into bucket slots and their results back into ``.grad``.
 
 One function per slot kind (see [Note: slot kinds] in ``bucket.py``): the
-per-hook puts of HOMED, LENT and COPIED slots, the deferred put of a ready
+per-hook puts of VIEW, HOMED and COPIED slots, the deferred put of a ready
 bucket's VIEW and PACKED slots (see [Note: packed slots] in ``packing.py``),
 and the write-back at the end of the backward. Plain functions of a bucket
 and a slot: the parameter is the bucket's, the scale the caller's; what a
@@ -15,13 +15,12 @@ from collections.abc import Callable
 import torch
 
 from gradring.buckets.bucket import Bucket, SlotKind
-from gradring.buckets.lending import fresh
 from gradring.buckets.packing import copy_in, copy_in_all, copy_out, copy_out_all, scale_tensor
 
 
-def put_deferred(bucket: Bucket, scale: float, view_mode: bool, last: int) -> None:
-    """The bucket's last gradient (slot ``last``'s) arrived: put in its held
-    slots (VIEW ones in view mode), and its PACKED slots (see [Note: held slots])."""
+def put_deferred(bucket: Bucket, scale: float, view_mode: bool) -> None:
+    """The bucket's last gradient arrived: put in its held slots (VIEW ones
+    in view mode), and its PACKED slots (see [Note: held slots])."""
     grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
     if grad_mode:
         torch._C._set_grad_enabled(False)
@@ -29,8 +28,8 @@ def put_deferred(bucket: Bucket, scale: float, view_mode: bool, last: int) -> No
         if view_mode:
             _put_views(bucket, scale)
             return
-        if bucket.held:
-            _put_held(bucket, scale, last)
+        for s in bucket.held:
+            put_homed(bucket, s, scale)
         if not bucket.runs:
             return
         if not grad_mode and not bucket.packed_flat and \
@@ -42,30 +41,17 @@ def put_deferred(bucket: Bucket, scale: float, view_mode: bool, last: int) -> No
             if grad_mode or not copy_in(buffer, views, run, scale):
                 bucket.loosen(r)
                 for s in range(run.lo, run.hi):
-                    _put_one(bucket, s, scale)
+                    put_copied(bucket, s, scale)
     finally:
         if grad_mode:
             torch._C._set_grad_enabled(True)
 
 
-def _put_held(bucket: Bucket, scale: float, last: int) -> None:
-    kinds, params = bucket.kinds, bucket.params
-    for s in bucket.held:
-        if params[s].grad is None:
-            bucket.views[s].zero_()
-            bucket.write_back(s)
-        elif kinds[s] is SlotKind.LENT:
-            put_lent(bucket, s, scale, s != last)
-        else:
-            put_homed(bucket, s, scale)
-
-
-def _put_one(bucket: Bucket, s: int, scale: float) -> None:
-    if bucket.params[s].grad is None:
-        bucket.views[s].zero_()
-        bucket.write_back(s)
-    else:
-        put_copied(bucket, s, scale)
+def put_nothing(bucket: Bucket, s: int) -> None:
+    """Slot ``s``'s parameter has no gradient in this backward: its slot adds
+    zeros, and the finalize writes the result back."""
+    bucket.views[s].zero_()
+    bucket.write_back(s)
 
 
 def _put_views(bucket: Bucket, scale: float) -> None:
@@ -101,10 +87,8 @@ def put_view(bucket: Bucket, s: int, scale: float) -> None:
     p = bucket.params[s]
     grad, view = p.grad, bucket.views[s]
     st = scale_tensor(scale, view.dtype) if scale != 1.0 else None
-    if grad is None:
-        view.zero_()
-        bucket.write_back(s)
-    elif grad.layout is not torch.strided:
+    if grad is None or grad.layout is not torch.strided:
+        del grad
         put_copied(bucket, s, scale)
     elif grad.data_ptr() == view.data_ptr():
         if st is not None:
@@ -121,24 +105,7 @@ def put_view(bucket: Bucket, s: int, scale: float) -> None:
 
 # How a gradient goes into its slot, one function per kind (called by the
 # hook, or for a held slot when its bucket is ready); each falls back to
-# the next simpler kind when the gradient does not fit its own. Each reads
-# .grad itself and holds it in exactly one local, because lending.fresh()
-# compares reference counts against a probe made the same way.
-def put_lent(bucket: Bucket, s: int, scale: float, later: bool = False) -> None:
-    param = bucket.params[s]
-    grad = param.grad
-    view = bucket.views[s]
-    strided = grad.layout is torch.strided  # else sparse: put_homed copies it
-    if strided and grad.data_ptr() == view.data_ptr():
-        if scale != 1.0:
-            view.mul_(scale_tensor(scale, view.dtype))
-    elif strided and not grad.requires_grad and fresh(grad, later):
-        param.grad = bucket.lending.lend(s, grad, scale)
-    else:
-        del grad
-        put_homed(bucket, s, scale)
-
-
+# COPIED when the gradient does not fit its own kind.
 def put_homed(bucket: Bucket, s: int, scale: float) -> None:
     """Copy in (scaled) only what the peers read, the part outside this rank's
     own chunk; the collective reads the rest from ``.grad`` and writes the
@@ -147,9 +114,11 @@ def put_homed(bucket: Bucket, s: int, scale: float) -> None:
     view = bucket.views[s]
     # A gradient that requires grad (backward(create_graph=True)) is
     # copied: the collective's thread would record autograd history on it.
-    # Homing moves the gradient as flat memory: only where the gradient and
-    # its slot are both row-major ([Note: the gradient layout contract] in bucket.py).
-    if not (grad.layout is torch.strided and grad.is_contiguous() and view.is_contiguous()
+    # No gradient, or a sparse one, is copied too. Homing moves the gradient
+    # as flat memory: only where the gradient and its slot are both row-major
+    # ([Note: the gradient layout contract] in bucket.py).
+    if not (grad is not None and grad.layout is torch.strided and grad.is_contiguous()
+            and view.is_contiguous()
             and not grad.requires_grad
             and grad.dtype == view.dtype and grad.device == view.device
             and grad.numel() == view.numel()):
@@ -181,7 +150,9 @@ def put_homed(bucket: Bucket, s: int, scale: float) -> None:
 def put_copied(bucket: Bucket, s: int, scale: float) -> None:
     grad = bucket.params[s].grad
     view = bucket.views[s]
-    if grad.layout is not torch.strided:
+    if grad is None:
+        put_nothing(bucket, s)
+    elif grad.layout is not torch.strided:
         # A sparse gradient (nn.Embedding(sparse=True)) is summed densely
         # in its slot; see [Note: sparse gradients].
         view.copy_(grad.to_dense())
@@ -198,8 +169,8 @@ def write_grads(bucket: Bucket, used: list[int] | None) -> None:
     """Write the bucket's reduced values where ``.grad`` needs them; ``used``
     (per global parameter index) leaves alone the parameters no rank used."""
     # Only the slots whose put left the result to be written back (copied in,
-    # or no gradient), and the packed runs: homed, lent and view slots
-    # already hold it in .grad.
+    # or no gradient), and the packed runs: homed and view slots already
+    # hold it in .grad.
     homed = bucket.homed_slots
     for slot in bucket.to_write:
         if slot not in homed:  # else the collective wrote the result into .grad
@@ -228,13 +199,12 @@ def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
         p.grad = view.to_sparse(grad.sparse_dim())  # see [Note: sparse gradients]
         return
     if grad is not None and grad.data_ptr() == view.data_ptr():
-        return  # .grad is the slot itself (view mode, or lent)
+        return  # .grad is the slot itself (view mode)
     kind = bucket.kinds[slot]
     if kind is SlotKind.VIEW:
         p.grad = view
     elif grad is None:
-        p.grad = bucket.lending.hand_out(slot) if kind is SlotKind.LENT \
-            else view.clone()
+        p.grad = view.clone()
     elif grad.requires_grad:
         # backward(create_graph=True): torch's DDP writes the result
         # with autograd recording, so .grad keeps requiring grad (its
@@ -249,6 +219,6 @@ def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
 #: for the kind that is always deferred (see [Note: packed slots]). A held
 #: slot of the other kinds has none either (see [Note: held slots]).
 PUT_AT_HOOK: dict[SlotKind, Callable[[Bucket, int, float], None] | None] = {
-    SlotKind.VIEW: put_view, SlotKind.PACKED: None, SlotKind.LENT: put_lent,
+    SlotKind.VIEW: put_view, SlotKind.PACKED: None,
     SlotKind.HOMED: put_homed, SlotKind.COPIED: put_copied,
 }

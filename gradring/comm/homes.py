@@ -18,9 +18,7 @@ So a bucket may say, per parameter, where that parameter's gradient lives (its
 - the sum lands in the homes, for the whole bucket: the own chunk is reduced
   in place into its homes and written into every peer's flat buffer; the
   peers write the other chunks into this rank's flat buffer, from where the
-  homed parts are copied home. (Parameters wholly outside the own chunk need
-  no home at all: their ``.grad`` can be the flat buffer itself, see [Note:
-  lent gradients] in ``buckets/lending.py``.)
+  homed parts are copied home.
 
 Elements without a home behave as in a plain all-reduce (input and result in
 the flat buffer). Every algorithm other than the direct two-shot gets the same

@@ -332,6 +332,15 @@ class DistributedDataParallel(TorchDDP):
         return self.reducer.static_graph
 
     @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """torch's flag: False until the forward that rebuilt the buckets in
+        gradient-arrival order (the second forward; the third under static_graph;
+        never with find_unused_parameters), True from then on. torch's ZeRO overlap
+        hooks (``hook_with_zero_step``) read it in every bucket's hook to know the
+        bucket layout is final (docs/torch-reads.md)."""
+        return self.reducer.has_rebuilt
+
+    @property
     def bucket_bytes_cap(self) -> int:
         """The bucket cap in bytes (what bucket_cap_mb="auto" chose, once it has)."""
         return self.reducer.bucket_cap_bytes
@@ -408,7 +417,7 @@ class DistributedDataParallel(TorchDDP):
             return output
         find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
         self.reducer.prepare_for_backward(list(pytree.tensors(output)) if find_unused else None)
-        if find_unused or self.reducer.static_first_backward():
+        if find_unused or self.reducer.in_static_first_iteration:
             output = wrap_outputs(output, self.reducer, clone=self._ddp_sink_clone)
         return output
 

@@ -1,44 +1,33 @@
-"""Each parameter's gradient hook, and how one is taken away without a trace.
+"""Each parameter's gradient hook: where it sits, and how it moves.
 
-[Note: hooks that leave nothing behind]
+[Note: where the hooks sit]
 The reducer hears of a gradient through a hook that autograd runs once the
 gradient is accumulated into ``.grad``. There are two places for it:
 
-- the parameter itself (``register_post_accumulate_grad_hook``). Such a hook
-  is cheap to run, but removing it is not free: the handle empties the
-  parameter's Python hook dict, while the C++ object that calls that dict
-  stays on the tensor for good. Autograd then still enters Python once per
-  parameter and backward to run an empty dict: 0.8 us per parameter on this
-  VM, 1.6-1.9 ms a step on 2,000 small tensors (docs/collectives.md,
-  "Removed hooks still cost");
 - the parameter's gradient accumulator, the ``AccumulateGrad`` node autograd
-  makes for a leaf (torch's own C++ reducer hooks there). The tensor keeps
-  only a weak reference to that node: it lives while a graph or someone
-  else holds it, and the next forward after its end makes a new one,
-  without hooks. A hook there costs about 1 us more per call (autograd
-  builds its argument tuples), but dropping the node takes it away entirely.
+  makes for a leaf (torch's own C++ reducer hooks there). Its hooks run
+  after the tensor's own post-accumulate hooks, so a user's hook registered
+  after wrapping still changes what is reduced, as under torch's DDP. The
+  tensor keeps only a weak reference to that node, so this object holds it;
+- the parameter itself (``register_post_accumulate_grad_hook``), about 1 us
+  cheaper per call (autograd builds no argument tuples), and kept through
+  what replaces an accumulator.
 
-So the hooks start *provisional*, on the accumulators, which this object
-holds: they record the first backward's arrival order, and for as long as
-the reducer has not settled which parameters need a hook at all (see
-[Note: counted at the end] in ``end_count.py``). ``settle`` then gives each
-parameter that keeps one a hook on the tensor, and lets go of every
-accumulator. A parameter that goes without a hook from there carries none:
-its old accumulator dies with the graph that still holds it. A parameter
-hooked on the tensor and unhooked later again (a comm hook registered after
-the rebuild, then taken away) keeps the empty dict's cost, as before.
+The hooks start *provisional*, on the accumulators, and ``settle`` moves
+every one to the tensor once the bucket order is final (or after two
+synchronised backwards where it never becomes final). A user's
+post-accumulate hook registered before that point still runs before the
+reducer's, which covers registering hooks right after wrapping.
 
-Every parameter the reducer gets is a leaf that requires a gradient, so it
-has an accumulator; were one missing, the hook would go on the tensor from
-the start. Changing a parameter's dtype or device through ``.data`` makes
-autograd drop its accumulator, and a provisional hook with it; DDP's own
-mixed precision does that at every forward. So after each forward, while
-hooks are provisional, ``follow`` checks every parameter's accumulator and
-moves the hook of one that changed to the tensor (about 1 us per parameter,
-for the first two iterations or so). A parameter frozen since the reducer
-was built (``requires_grad_(False)``) cannot take a tensor hook: it keeps
-its accumulator and the hook on it, as under torch's DDP, so that it is
-heard from again once unfrozen.
+Changing a parameter's dtype or device through ``.data`` makes autograd
+drop its accumulator, and a provisional hook with it; DDP's own mixed
+precision does that at every forward. So after each forward, while hooks
+are provisional, ``follow`` checks every parameter's accumulator and moves
+the hook of one that changed to the tensor (about 1 us per parameter, for
+the first two iterations or so). A parameter frozen since the reducer was
+built (``requires_grad_(False)``) cannot take a tensor hook: it keeps its
+accumulator and the hook on it, as under torch's DDP, so that it is heard
+from again once unfrozen.
 """
 
 from __future__ import annotations
@@ -57,7 +46,7 @@ Hook = Callable[..., Any]
 
 class GradHooks:
     """The reducer's hook on each parameter: provisional on the accumulator
-    until ``settle``, then on the tensor or none at all."""
+    until ``settle``, then on the tensor."""
 
     def __init__(self, params: Sequence[torch.Tensor], on_grad: Hook) -> None:
         self._params = list(params)
@@ -108,10 +97,10 @@ class GradHooks:
                     handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
         self._provisional = any(n is not None for n in nodes)
 
-    def settle(self, unhooked: set[int]) -> None:
-        """Hook every parameter but those in ``unhooked`` on the tensor, and
-        drop the accumulators (see [Note: hooks that leave nothing behind])."""
-        if self.removed:
+    def settle(self) -> None:
+        """Move every hook to its tensor and drop the accumulators (see [Note:
+        where the hooks sit])."""
+        if self.removed or not self._provisional:
             return
         handles, nodes = self._handles, self._nodes
         for i, p in enumerate(self._params):
@@ -119,16 +108,10 @@ class GradHooks:
                 # Frozen since the reducer was built: a tensor takes no hook
                 # then. Its hook stays where it is (on the accumulator, which
                 # is kept, as torch keeps it), for when it is unfrozen.
-                if i in unhooked and handles[i] is not None:
-                    handles[i].remove()
-                    handles[i], nodes[i] = None, None
                 continue
-            on_node = nodes[i] is not None
-            if handles[i] is not None and (on_node or i in unhooked):
+            if nodes[i] is not None:
                 handles[i].remove()
-                handles[i] = None
-            nodes[i] = None
-            if i not in unhooked and handles[i] is None:
+                nodes[i] = None
                 handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
         self._provisional = False
 

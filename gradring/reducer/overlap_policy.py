@@ -165,6 +165,11 @@ def choose(*, device_type: str, on_shared_memory: bool, world_size: int,
                                 "thread, so buckets are reduced when the backward ends")
 
 
+def forced_off() -> bool:
+    """Whether ``GRADRING_OVERLAP`` says never to overlap."""
+    return config.current().overlap.strip().lower() in ("0", "off", "false", "no")
+
+
 def _local_world_size() -> int:
     try:
         return int(os.environ.get("LOCAL_WORLD_SIZE", "0"))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gradring.buckets import BucketCaps
+from gradring.fast_paths import FastPaths
 from gradring.reducer import autocap, overlap_policy
 
 
@@ -107,44 +108,50 @@ class Rebuild:
         self._order.clear()
 
 
-def overlap_choice(comm: Any, keys: Sequence[tuple[torch.dtype, torch.device]]
-                   ) -> overlap_policy.OverlapChoice:
-    """This rank's overlap choice for its parameters' devices and group."""
+def overlap_choice(comm: Any, keys: Sequence[tuple[torch.dtype, torch.device]], *,
+                   at_end: bool) -> overlap_policy.OverlapChoice:
+    """This rank's overlap choice for its parameters' devices and group;
+    ``at_end``: whether the fast path of that name may be chosen."""
     devices = {key[1].type for key in keys}
-    return overlap_policy.choose(
+    mine = overlap_policy.choose(
         device_type="cpu" if devices <= {"cpu"} else sorted(devices - {"cpu"})[0],
         on_shared_memory=comm.on_shared_memory(), world_size=comm.world_size)
+    if not mine.overlap and not at_end and not overlap_policy.forced_off():
+        return overlap_policy.OverlapChoice(
+            True, "the fast path at_end is off (GRADRING_FAST_PATHS): buckets launch "
+                  "when ready")
+    return mine
 
 
 def rank0_groups(comm: Any, groups: list[list[int]], order: list[int],
-                 mine: overlap_policy.OverlapChoice, join_cap: int = 0
-                 ) -> tuple[list[list[int]], overlap_policy.OverlapChoice, int]:
-    """Rank 0's bucket assignment, overlap choice and join cap, on every rank.
+                 mine: overlap_policy.OverlapChoice, fast: FastPaths
+                 ) -> tuple[list[list[int]], overlap_policy.OverlapChoice, FastPaths]:
+    """Rank 0's bucket assignment, overlap choice and fast paths, on every rank.
 
     ``groups`` (this rank's assignment) was built by walking ``order``, so
     each bucket lists its parameters in walk order; one broadcast of the
     walk order and of each parameter's bucket number rebuilds rank 0's.
-    Rank 0's overlap choice (``mine`` there) and join cap in bytes (see
-    [Note: one collective at the end] in ``buckets/assign.py``) travel in
-    the same broadcast and become every rank's (see [Note: overlap needs a
-    free core]).
+    Rank 0's overlap choice (``mine`` there) and fast paths (see [Note: the
+    core and its fast paths] in ``gradring/fast_paths.py``) travel in the
+    same broadcast and become every rank's (see [Note: overlap needs a free
+    core]).
     """
     n = len(order)
     if comm.world_size == 1:
-        return groups, mine, join_cap
+        return groups, mine, fast
     plan = torch.empty(2 * n + 2, dtype=torch.int64)
     plan[:n] = torch.tensor(order, dtype=torch.int64)
     for g, idxs in enumerate(groups):
         plan[n + torch.tensor(idxs, dtype=torch.int64)] = g
     plan[2 * n] = int(mine.overlap)  # rank 0's overlap choice travels along
-    plan[2 * n + 1] = join_cap  # and its join cap
+    plan[2 * n + 1] = fast.bits()  # and its fast paths
     comm.broadcast_coalesced([plan])
     overlap = bool(plan[2 * n])
-    join_cap = int(plan[2 * n + 1])
+    fast = FastPaths.from_bits(int(plan[2 * n + 1]))
     why = mine.why if overlap == mine.overlap else \
         f"rank 0's choice (this rank would have chosen otherwise: {mine.why})"
     walk, bucket_of = plan[:n].tolist(), plan[n:2 * n].tolist()
     out: list[list[int]] = [[] for _ in range(max(bucket_of) + 1)]
     for i in walk:
         out[bucket_of[i]].append(i)
-    return out, overlap_policy.OverlapChoice(overlap, why), join_cap
+    return out, overlap_policy.OverlapChoice(overlap, why), fast

@@ -1,44 +1,33 @@
-"""The Reducer: per-iteration state machine that averages gradients across ranks.
+"""The Reducer: the per-iteration state machine that averages gradients across ranks.
 
 [Note: one backward, as the reducer sees it]
-1. ``prepare_for_backward`` (after forward) resets pending counts and, in
-   ``GraphMode.FIND_UNUSED``, records which parameters the forward never
-   reached (``graph.py``).
-2. Each parameter's gradient hook (on its accumulator, then on the tensor:
-   [Note: hooks that leave nothing behind] in ``grad_hooks.py``) calls
-   ``_on_grad``, and the
-   bucket's pending count drops. Where the gradient goes is what its slot's
-   kind says (decided once per bucket, see [Note: slot kinds] in
-   ``buckets/bucket.py``; the puts are in ``buckets/slot_io.py``), scaled by 1/world_size:
-   left in ``.grad`` with only the part the peers read copied into the
-   bucket (HOMED), copied into the slot with ``.grad`` pointed at it (LENT,
-   and VIEW under gradient_as_bucket_view),
-   plainly copied (COPIED), or copied a bucket's small slots at a time
-   (PACKED, [Note: packed slots] in ``buckets/packing.py``). COPIED slots and large
-   VIEW, HOMED and LENT ones are put in by the hook itself; the others are
-   deferred: when the bucket's last gradient arrives, they are put in
-   together ([Note: held slots] in ``buckets/bucket.py``). The first hook of a
-   backward also marks the unused parameters ready (their slots are zeroed).
-   Small gradients of the buckets the finalize reduces have no hook once the
-   bucket order is final: the end of the backward counts them in ([Note:
-   counted at the end] in ``end_count.py``).
-3. A bucket whose count reaches 0 is READY. Buckets launch strictly in index
-   order: a ready bucket waits until every lower bucket has launched, then all
-   ready ones go together. Launching is asynchronous, so bucket k's collective
-   overlaps the backward of earlier layers -- where a core is free for it;
-   otherwise every bucket is left to the finalize, as the last one is (see
-   [Note: overlap needs a free core] in ``overlap_policy.py``). Each launch is labelled
-   ``DDP bucket <k>`` for errors, desync checks and the flight recorder.
-4. When the last bucket launches, a callback is queued on the autograd engine.
-   (On the default path the last bucket is reduced by that callback itself,
-   see [Note: the last bucket].)
-   At the end of the backward it waits for every future bucket by bucket and
-   writes the results where ``.grad`` needs them (nothing to write for HOMED,
-   LENT and VIEW slots; one batched copy for a bucket's PACKED slots). When
-   ``loss.backward()`` returns, gradients are reduced.
-If a backward ends with a bucket that never became ready (an unused parameter
-without find_unused_parameters), the callback is never queued, the reduction
-stays unfinished, and the next forward raises, naming the parameters.
+1. ``prepare_for_backward`` (after the forward) resets the iteration's
+   state and, under ``find_unused_parameters``, records which parameters the
+   forward never reached (``graph.py``).
+2. Each parameter's gradient hook ([Note: where the hooks sit] in
+   ``grad_hooks.py``) calls ``_on_grad``, which marks the parameter ready:
+   its gradient goes into its bucket slot, scaled by 1/world_size, as its
+   slot's kind says ([Note: slot kinds] in ``buckets/bucket.py``), and the
+   bucket's pending count drops. The first hook of a backward also marks
+   the unused parameters ready (their slots are zeroed).
+3. A bucket whose count reaches 0 is READY, and ready buckets launch in
+   index order ([Note: in-order launch] in ``launcher.py``).
+4. When the last bucket has launched, the finalize is queued on the autograd
+   engine. At the end of the backward it takes each bucket's result in
+   order and writes it where ``.grad`` needs it. When ``loss.backward()``
+   returns, gradients are reduced.
+If a backward ends with a bucket that never became ready (an unused
+parameter without find_unused_parameters), the finalize is never queued, the
+reduction stays unfinished, and the next forward raises, naming the
+parameters.
+
+The Reducer coordinates; each concept lives with a collaborator that owns
+its state: the installed buckets and routes (``bucket_set.py``), launching
+and ending collectives (``launcher.py``), the rebuild (``rebuild.py``),
+static_graph's first iteration (``static_graph.py``), the hooks
+(``grad_hooks.py``), the owner registry (``owners.py``) and the overlap
+choice (``overlap_policy.py``). What the core does and which fast paths
+exist is in [Note: the core and its fast paths] (``gradring/fast_paths.py``).
 """
 
 from __future__ import annotations
@@ -53,34 +42,22 @@ from typing import Any
 import torch
 
 from gradring import config, errors
-from gradring.buckets import (
-    MIB,
-    Bucket,
-    BucketCaps,
-    BucketState,
-    assign_buckets,
-    bucket_key,
-    join_adjacent,
-)
-from gradring.buckets.bucket import SlotKind
-from gradring.buckets.grad_bucket import GradBucket
-from gradring.buckets.slot_io import PUT_AT_HOOK, put_deferred, write_grads
+from gradring.buckets import Bucket, BucketCaps, assign_buckets, bucket_key
+from gradring.buckets.slot_io import put_deferred, write_grads
+from gradring.fast_paths import FastPaths
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
-from gradring.observe.trace import CollectiveEvents, Trace, profiled, profiling
-from gradring.reducer.end_count import EndCounted
-from gradring.reducer.engine_callback import (
-    compiled_autograd_on,
-    in_compiled_autograd,
-    queue_engine_callback,
-)
+from gradring.observe.trace import Trace, profiled
+from gradring.reducer.bucket_set import BucketSet
+from gradring.reducer.engine_callback import queue_engine_callback
 from gradring.reducer.grad_hooks import GradHooks
+from gradring.reducer.launcher import CommHook, Launcher
 from gradring.reducer.owners import OWNERS
 from gradring.reducer.rebuild import Rebuild, overlap_choice, rank0_groups
 from gradring.reducer.state import IterationState
 from gradring.reducer.static_graph import StaticGraph
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+__all__ = ["CommHook", "Reducer"]
 
 # Compared by identity on the per-gradient path: module constants, one global
 # load each, instead of an attribute of the enum class.
@@ -90,7 +67,6 @@ _REDUCING = IterationState.REDUCING
 _FINALIZED = IterationState.FINALIZED
 _STATIC = GraphMode.STATIC
 _FIND_UNUSED = GraphMode.FIND_UNUSED
-_READY = BucketState.READY
 
 
 #: Numbers the reducers this process builds (see Reducer._serial).
@@ -136,57 +112,34 @@ class Reducer:
         self.grad_as_view = gradient_as_bucket_view
         # skip_all_reduce_unused_params: see [Note: skipped buckets].
         self.skip_unused_buckets = skip_unused_buckets
-        # Optional communication hook (set_comm_hook) ...
-        self.comm_hook: CommHook | None = None
-        # ... and the state it is called with.
-        self.comm_hook_state: Any = None
         # Sizes in bytes, fixed for the module's life (the bucket assignment's input).
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         # (dtype, device) keys: tensors of different keys never share a bucket.
         self._keys = [bucket_key(p) for p in self.params]
         # The recorded arrival order and what the rebuild made (see [Note: the rebuild]).
         self._rebuild = Rebuild(len(self.params), auto_cap=auto_cap)
-        # The rebuilt buckets as torch's DDP makes them, while the installed
-        # ones are joined (see [Note: one collective at the end] in buckets/assign.py).
-        self._unjoined: list[list[int]] | None = None
-        # Rank 0's GRADRING_JOIN_MB in bytes, set with every bucket assignment.
-        self._join_cap = 0
         # What static_graph's first iteration learnt (see [Note: static_graph's
         # first iteration]); unused in the other modes.
         self._static = StaticGraph(len(self.params))
+        # Ring buffer of timestamped events (overlap statistics, timelines).
+        self.trace = Trace()
+        # Launching and ending the buckets' collectives (and the comm hook).
+        self._launcher = Launcher(comm, self.trace, self._bucket_failed)
+        # The installed buckets and each parameter's route into them.
+        self._set = BucketSet(self.params, comm, view_mode=gradient_as_bucket_view)
         # Whether ready buckets launch at once or wait for the end of the
-        # backward, and why: rank 0's choice, set with every bucket assignment
-        # (see [Note: overlap needs a free core] in overlap_policy.py).
+        # backward, and why; and the fast paths in force: rank 0's, set with
+        # every bucket assignment (see [Note: overlap needs a free core] in
+        # overlap_policy.py and [Note: the core and its fast paths]).
         self.overlap = True
-        # Why (said by explain and overlap_stats).
         self.overlap_why = ""
+        self.fast = FastPaths()
         # Ranks may pass different bucket caps; torch's DDP then follows rank
         # 0's assignment, and so does this one.
         groups = self._rank0_groups(assign_buckets(self._sizes, initial_caps, keys=self._keys),
                                     list(range(len(self.params))))
         groups.reverse()
-        # The installed buckets, in launch order.
-        self.buckets: list[Bucket] = []
-        # param index -> (bucket index, slot index)
-        self._locator: list[tuple[int, int]] = []
-        # param index -> (its bucket, its slot, the put function of the slot's
-        # kind or None), looked up once per gradient (see [Note: the per-gradient path]).
-        self._route: list[tuple[Bucket, int, Callable[..., None] | None]] = []
-        # True once another live reducer acts on these parameters too (nested
-        # DDP): both then copy gradients, never keep or lend .grad.
-        self._shared = False
-        # Next bucket index to launch.
-        self._next_bucket = 0
-        # The small gradients counted in at the end of the backward, without a
-        # hook (see [Note: counted at the end] in end_count.py), and what their
-        # choice was made for: (wanted, overlap), or None when the buckets or
-        # their slot kinds changed since.
-        self._end = EndCounted(self.params)
-        self._end_for: tuple[bool, bool] | None = None
-        # Whether a backward of this reducer ran under compiled autograd: then
-        # every parameter keeps its hook for good.
-        self._compiled_backward_seen = False
-        self._install(groups)
+        self._set.install(groups, self.fast)
         # What _get_ddp_logging_data reports about the construction-time buckets.
         self.initial_bucket_sizes = [b.nbytes for b in self.buckets]
         # Optional per-bucket callback run after a bucket is reduced (fused optimizer).
@@ -195,13 +148,6 @@ class Reducer:
         self.error: str | None = None
         # Futures to wait for at the end of this backward (buffer comm hooks).
         self._post_backward_futures: list[torch.futures.Future] = []
-        # Ring buffer of timestamped events (overlap statistics, timelines).
-        self.trace = Trace()
-        # Profiler events named as torch's process group names its collectives
-        # (see [Note: torch's collective events] in observe/trace.py) ...
-        self._collective_events = CollectiveEvents()
-        # ... and those names, for this group's backend.
-        self._event_names = _collective_event_names(comm)
         # Division factor for the default path; Join may change it per iteration.
         self.divide_factor = comm.world_size
         # --- per-iteration state ---
@@ -213,14 +159,12 @@ class Reducer:
         self._first_hook_done = False
         # FIND_UNUSED: parameters the forward did not reach.
         self._unused: list[int] = []
-        # Indices of this backward's buckets that are not reduced ([Note: skipped buckets]).
-        self._skipped: frozenset[int] = frozenset()
         # Buckets reduced in the last backward (torch's logging key num_buckets_reduced).
         self.num_buckets_reduced = 0
         # FIND_UNUSED: 1 where this rank produced a gradient since the usage map
         # was last sent, no_sync backwards included (see [Note: used since the
         # last reduction]; a bytearray: setting an item of a tensor in every hook
-        # cost microseconds).
+        # costs microseconds).
         self._local_used = bytearray(len(self.params))
 
         # [Note: used since the last reduction]
@@ -255,19 +199,15 @@ class Reducer:
         self.num_backward = 0
         # Forwards that prepared a synchronised backward (set_static_graph's check, error keys).
         self.num_forward = 0
-        # Whether this backward records the gradients' arrival order (for the
-        # rebuild), and then what records each arrival (Rebuild.recorder).
-        self._record_arrival = False
+        # What records each arrival in the backward that records the order
+        # (for the rebuild), else None.
         self._note_arrival: Callable[[int], None] | None = None
-        # One gradient hook per parameter: on its accumulator until the choice
-        # of unhooked parameters is settled, then on the tensor, or none while
-        # the parameter is counted at the end instead (see [Note: hooks that
-        # leave nothing behind] in grad_hooks.py).
+        # One gradient hook per parameter (see [Note: where the hooks sit]).
         # The hooks live in C++ autograd metadata, where Python's cycle
         # collector cannot see them: a strong reference to the reducer would
         # keep it, its buckets and their shared memory alive as long as the
-        # model. Each is a partial (no Python frame of its own) of the static
-        # _on_grad with a weak reference and the parameter's index.
+        # model. Each is a partial of the static _on_grad with a weak
+        # reference and the parameter's index.
         self._hooks = GradHooks(self.params, functools.partial(Reducer._on_grad, weakref.ref(self)))
         # A reducer dropped without remove_hooks() takes its hooks with it.
         weakref.finalize(self, GradHooks.remove_all, self._hooks)
@@ -286,16 +226,29 @@ class Reducer:
             raise self._fail(errors.static_graph_too_late())
         self.mode = GraphMode.STATIC
 
+    @property
+    def comm_hook(self) -> CommHook | None:
+        """The communication hook set with ``set_comm_hook``, or None."""
+        return self._launcher.comm_hook
+
+    @property
+    def comm_hook_state(self) -> Any:
+        return self._launcher.comm_hook_state
+
     def set_comm_hook(self, hook: CommHook, state: Any) -> None:
         """Let ``hook(state, bucket)`` reduce each bucket instead of the built-in all-reduce."""
-        self.comm_hook, self.comm_hook_state = hook, state
-        for bucket in self.buckets:
-            bucket.decide_kinds(view_mode=self.grad_as_view, hooked=True)
-        self._build_routes()
+        self._launcher.comm_hook, self._launcher.comm_hook_state = hook, state
+        self._set.set_hooked()
 
     def set_divide_factor(self, factor: int) -> None:
         """What the default path divides gradients by (Join may lower it)."""
         self.divide_factor = factor
+
+    @property
+    def scale(self) -> float:
+        """What each gradient is multiplied by on its way into its bucket: 1
+        with a comm hook (the hook averages), else 1/divide_factor."""
+        return 1.0 if self._launcher.comm_hook is not None else 1.0 / self.divide_factor
 
     def install_post_backward_futures(self, futures: Sequence[torch.futures.Future]) -> None:
         """Wait for ``futures`` at the end of the coming backward (torch's buffer hooks)."""
@@ -309,6 +262,11 @@ class Reducer:
 
     # ------------------------------------------------------------ what it knows
     @property
+    def buckets(self) -> list[Bucket]:
+        """The installed buckets, in launch order."""
+        return self._set.buckets
+
+    @property
     def order_is_final(self) -> bool:
         """Whether the bucket order is settled: rebuilt once, or never to be
         rebuilt (find_unused_parameters); see [Note: the rebuild]."""
@@ -320,19 +278,10 @@ class Reducer:
         static_graph's first iteration])."""
         return self.mode is GraphMode.STATIC and self.num_backward == 0
 
-    def static_first_backward(self) -> bool:
-        """The same as ``in_static_first_iteration`` (the DDP side's name)."""
-        return self.in_static_first_iteration
-
     @property
     def require_finalize(self) -> bool:
         """Whether a backward marked gradients ready and its finalize has not run."""
         return self.state is IterationState.REDUCING
-
-    @property
-    def expect_hooks(self) -> bool:
-        """Whether gradient hooks count now (between a synchronised forward and finalize)."""
-        return self.state is IterationState.EXPECTING or self.state is IterationState.REDUCING
 
     @property
     def has_rebuilt(self) -> bool:
@@ -353,7 +302,7 @@ class Reducer:
 
     def bucket_of(self, param_index: int) -> int:
         """The index of the bucket parameter ``param_index`` is in."""
-        return self._locator[param_index][0]
+        return self._set.bucket_of(param_index)
 
     def index_of(self, param: torch.Tensor) -> int | None:
         """``param``'s index among this reducer's parameters, or None if not one of them."""
@@ -368,73 +317,20 @@ class Reducer:
         return list(self._unused)
 
     def grad_bytes_outside_buckets(self) -> int:
-        """Bytes of gradient memory that is not bucket memory: every ``.grad``
-        outside the buckets' buffers, plus the given-up gradients kept for reuse
-        (see [Note: recycled gradients] in buckets/lending.py)."""
-        spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in self.buckets]
-        outside = sum(b.lending.recycled_bytes() for b in self.buckets)
-        for p in self.params:
-            if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
-                outside += p.grad.numel() * p.grad.element_size()
-        return outside
+        """Bytes of gradient memory that is not bucket memory (every ``.grad``
+        outside the buckets' buffers)."""
+        return self._set.grad_bytes_outside()
 
     # ------------------------------------------------------------------ buckets
-    def _install(self, groups: list[list[int]]) -> None:
-        comm = self.comm
-        hooked = self.comm_hook is not None
-        buckets = []
-        locator: list[tuple[int, int]] = [(0, 0)] * len(self.params)
-        for bi, idxs in enumerate(groups):
-            bucket = Bucket(bi, idxs, [self.params[i] for i in idxs], comm.empty)
-            homable = (comm.world_size > 1 and not self.grad_as_view and not self._shared
-                       and bucket.buffer.dtype.is_floating_point
-                       and bucket.buffer.device.type == "cpu")
-            bucket.place(comm.own_range(bucket.buffer.numel()), homable=homable,
-                         view_mode=self.grad_as_view, hooked=hooked)
-            for slot, i in enumerate(idxs):
-                locator[i] = (bi, slot)
-            buckets.append(bucket)
-        self.buckets, self._locator = buckets, locator
-        # How many of torch's buckets each installed one holds (more than one
-        # only when joined, see _install_joined).
-        self._torch_buckets_in = [1] * len(buckets)
-        self._build_routes()
-        if self.grad_as_view:
-            # Keep accumulated values (e.g. from no_sync) and point .grad at the
-            # new views; a sparse .grad is never a view (as in torch's DDP).
-            with torch.no_grad():
-                for i, p in enumerate(self.params):
-                    if p.grad is not None and p.grad.layout is torch.strided:
-                        b, s = locator[i]
-                        view = buckets[b].views[s]
-                        view.copy_(p.grad)
-                        p.grad = view
-        self._next_bucket = 0
-
-    def _build_routes(self) -> None:
-        """Each parameter's bucket, slot and put function, from the stored slot kinds
-        (none for a held slot, see [Note: held slots] in buckets/bucket.py)."""
-        route = []
-        held = {(b.index, s) for b in self.buckets for s in b.held}
-        for b, s in self._locator:
-            bucket = self.buckets[b]
-            put = None if (b, s) in held else PUT_AT_HOOK[bucket.kinds[s]]
-            route.append((bucket, s, put))
-        self._route = route
-        self._end_for = None  # the unhooked slots are chosen again
-
     def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
-        """Rank 0's assignment on every rank; rank 0's overlap choice becomes ours."""
-        join_cap = int(config.current().join_mb * MIB)
-        groups, choice, self._join_cap = rank0_groups(
-            self.comm, groups, order, overlap_choice(self.comm, self._keys), join_cap)
+        """Rank 0's assignment on every rank; rank 0's overlap choice and fast paths
+        become ours."""
+        mine = config.current().fast_paths
+        groups, choice, self.fast = rank0_groups(
+            self.comm, groups, order, overlap_choice(self.comm, self._keys, at_end=mine.at_end),
+            mine)
         self.overlap, self.overlap_why = choice
         return groups
-
-    def _recording_arrival(self) -> bool:
-        # static_graph's first backward marks everything ready at once, in index
-        # order; the real arrival order is only seen in the second backward.
-        return not (self.order_is_final or self.in_static_first_iteration)
 
     def rebuild_if_needed(self) -> bool:
         """At the start of a forward: rebuild buckets in gradient-arrival order,
@@ -448,48 +344,42 @@ class Reducer:
         if cap is not None:
             self.bucket_cap_bytes = cap
         # Every rank must bucket identically: rank 0's order and caps win.
-        with profiled(self._event_names[1]):  # torch broadcasts here too
+        with profiled(self._launcher.broadcast_event):  # torch broadcasts here too
             groups = self._rank0_groups(
                 assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
         if self._joining_wanted():  # see [Note: one collective at the end] in buckets/assign.py
-            self._install_joined(groups)
+            self._set.install_joined(groups, self.fast, self._keys)
         else:
-            self._install(groups)
+            self._set.install(groups, self.fast)
         rebuild.done(groups, self._sizes)
         return True
+
+    def _finalize_may_reduce(self) -> bool:
+        """Whether the finalize may reduce buckets itself (see [Note: the last
+        bucket] in launcher.py): not with a comm hook, a fused optimizer
+        (post_reduce) or find_unused's map."""
+        return self.comm_hook is None and self.post_reduce is None \
+            and self.mode is not GraphMode.FIND_UNUSED
 
     def _joining_wanted(self) -> bool:
         """Whether the finalize reduces every bucket, so that joined buckets
         lose nothing (see [Note: one collective at the end] in buckets/assign.py)."""
-        return not self.overlap and self._finalize_may_reduce()
-
-    def _install_joined(self, groups: list[list[int]]) -> None:
-        """Install ``groups`` joined; remember them, and how many of them each
-        installed bucket holds (what torch's num_buckets_reduced counts)."""
-        joined = join_adjacent(groups, self._sizes, self._keys, self._join_cap)
-        self._install(joined)
-        if len(joined) == len(groups):
-            return
-        self._unjoined = groups
-        counts, k = [], 0
-        for bucket in joined:
-            covered = n = 0
-            while covered < len(bucket):
-                covered += len(groups[k])
-                k += 1
-                n += 1
-            counts.append(n)
-        self._torch_buckets_in = counts
+        return self.fast.joined and not self.overlap and self._finalize_may_reduce()
 
     def _unjoin_if_needed(self) -> bool:
         """At the start of a synchronised forward: install torch's buckets again
         if the joined ones no longer fit (a comm hook, a fused optimizer, overlap
         switched back on). True if it did."""
-        if self._unjoined is None or self._joining_wanted():
+        if not self._set.joined or self._joining_wanted():
             return False
-        groups, self._unjoined = self._unjoined, None
-        self._install(groups)
+        self._set.unjoin()
         return True
+
+    @property
+    def launches_when_ready(self) -> bool:
+        """Whether this backward's buckets (all but the last) launch as they become
+        ready, rather than all at the end of the backward."""
+        return self.overlap or not self._finalize_may_reduce()
 
     # ---------------------------------------------------------------- ownership
     def _claim(self, *, again: bool = False) -> None:
@@ -505,23 +395,16 @@ class Reducer:
 
     def share(self) -> None:
         """Another reducer reduces these gradients too: copy them, never keep
-        them in place in .grad (homed) or lend bucket memory."""
-        if self._shared:
-            return
-        self._shared = True
-        hooked = self.comm_hook is not None
-        for bucket in self.buckets:
-            bucket.place(bucket.own, homable=False, view_mode=self.grad_as_view, hooked=hooked)
-        self._build_routes()
+        them in place in .grad (homed)."""
+        self._set.share()
 
     def step_aside(self) -> None:
         """A newer reducer owns the parameters now: this one's hooks go quiet
         (it forgets a half-done backward) until its own next forward."""
         self._superseded = True
         self._end_iteration(finalized=False)
-        self._drain_launched()
-        for b in self.buckets:
-            b.reset()
+        self._launcher.drain(self.buckets, self.scale)
+        self._set.reset()
 
     # ---------------------------------------------------------------- iteration
     def _end_iteration(self, *, finalized: bool) -> None:
@@ -538,11 +421,6 @@ class Reducer:
         """Any forward with grad enabled, under no_sync() too: the previous
         synchronised backward must have finished its reduction (torch checks
         this in every such forward)."""
-        if self.state is _EXPECTING and self._end.indices and self._end.any_arrived():
-            # Only unhooked parameters took part in the backward since the last
-            # forward: its reduction is owed all the same.
-            self._count_arrived(self._end.missing())
-            self.state = _REDUCING
         if self.state is _REDUCING:
             self._raise_unfinished()
         # A backward after this forward is not "a second backward after one
@@ -566,18 +444,18 @@ class Reducer:
         self._rebuild.stamp_backward()
         self._ready = [False] * len(self.params)
         self._first_hook_done = False
-        self._record_arrival = self._recording_arrival()
-        self._note_arrival = self._rebuild.recorder() if self._record_arrival else None
-        self._next_bucket = 0
-        for b in self.buckets:
-            b.reset()
+        # static_graph's first backward marks everything ready at once, in index
+        # order; the real arrival order is only seen in the second backward.
+        recording = not (self.order_is_final or self.in_static_first_iteration)
+        self._note_arrival = self._rebuild.recorder() if recording else None
+        self._set.reset()
+        self._hooks.follow()
+        if self.order_is_final or self.num_backward >= 2:
+            self._hooks.settle()  # see [Note: where the hooks sit]
         if not self.overlap and not self.comm.on_shared_memory():
             # Shared memory was given up since (every rank at once): overlap again.
             self.overlap, self.overlap_why = True, "shared memory was given up"
-        self._hooks.follow()
-        self._choose_unhooked()
-        if self._end.indices:
-            self._end.snapshot()
+        skipped: frozenset[int] = frozenset()
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
@@ -591,7 +469,10 @@ class Reducer:
                 self._warned_nothing_unused = True
                 warnings.warn(errors.nothing_unused(), stacklevel=3)
             if self.skip_unused_buckets:
-                self._skipped = self._unused_buckets()
+                skipped = self._unused_buckets()
+        may_reduce = self._finalize_may_reduce()
+        self._launcher.begin(skipped=skipped, leave_all=may_reduce and not self.overlap,
+                             leave_last=may_reduce and self.fast.inline_last)
         self.num_buckets_reduced = 0
 
     # [Note: skipped buckets]
@@ -651,10 +532,6 @@ class Reducer:
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
             reducer.trace.mark("backward_start")
-            if in_compiled_autograd():
-                reducer._compiled_backward_seen = True
-            if reducer._end.indices:
-                reducer._queue_count_at_end()
             for j in reducer._unused_for_iteration():
                 reducer._mark_ready(j)
         if mode is _FIND_UNUSED and reducer.params[i].grad is not None:
@@ -675,34 +552,27 @@ class Reducer:
     # bucket, slot and put function come from one precomputed route (rebuilt
     # whenever slot kinds are decided), the bucket counts the gradient in with
     # one call (Bucket.arrive), what records the arrival order (a list's own
-    # append, unless bucket_cap_mb="auto" stamps too) is decided once per backward,
-    # grad mode is switched off only when it is on (it is off inside an
-    # ordinary backward; on under create_graph), the scale is multiplied as a
-    # cached 0-dim tensor (see packing.scale_tensor), and tracing marks
-    # buckets, never parameters. A deferred slot (PACKED, or a held VIEW,
-    # HOMED or LENT one) has no put function: its hook only counts, and
-    # put_deferred does the tensor work for the whole bucket once its last
-    # gradient has arrived.
+    # append, unless bucket_cap_mb="auto" stamps too) is decided once per
+    # backward, grad mode is switched off only when it is on (it is off inside
+    # an ordinary backward; on under create_graph), the scale is multiplied as
+    # a cached 0-dim tensor (see packing.scale_tensor), and tracing marks
+    # buckets, never parameters. A deferred slot (PACKED, or a held one) has
+    # no put function: its hook only counts, and put_deferred does the tensor
+    # work for the whole bucket once its last gradient has arrived.
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
             raise self._fail(errors.marked_twice(i, self.names[i]))
         ready[i] = True
         self.state = _REDUCING
-        bucket, s, put = self._route[i]
+        bucket, s, put = self._set.routes[i]
         full = bucket.arrive()
         if put is not None:
-            scale = 1.0 if self.comm_hook is not None else 1.0 / self.divide_factor
             grad_mode = torch.is_grad_enabled()
             if grad_mode:
                 torch._C._set_grad_enabled(False)
             try:
-                if self.params[i].grad is None:
-                    bucket.views[s].zero_()
-                    bucket.write_back(s)
-                else:
-                    # No local reference to the gradient here: lending counts them.
-                    put(bucket, s, scale)
+                put(bucket, s, self.scale)
             finally:
                 if grad_mode:
                     torch._C._set_grad_enabled(True)
@@ -711,205 +581,30 @@ class Reducer:
             note(i)
         if full:
             if bucket.deferred:
-                put_deferred(bucket, 1.0 if self.comm_hook is not None else
-                             1.0 / self.divide_factor, self.grad_as_view, s)
+                put_deferred(bucket, self.scale, self.grad_as_view)
             bucket.mark_ready()
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
 
-    def _finalize_may_reduce(self) -> bool:
-        """Whether the finalize may reduce buckets itself (see [Note: the last bucket]):
-        not with a comm hook, a fused optimizer (post_reduce) or find_unused's map."""
-        return self.comm_hook is None and self.post_reduce is None \
-            and self.mode is not GraphMode.FIND_UNUSED
-
-    @property
-    def launches_when_ready(self) -> bool:
-        """Whether this backward's buckets (all but the last) launch as they become
-        ready, rather than all at the end of the backward (see _launch_ready)."""
-        return self.overlap or not self._finalize_may_reduce()
-
     def _launch_ready(self) -> None:
         buckets = self.buckets
-        last = len(buckets) - 1
-        while self._next_bucket <= last and buckets[self._next_bucket].state is _READY:
-            bucket = buckets[self._next_bucket]
-            if self._next_bucket in self._skipped:  # see [Note: skipped buckets]
-                bucket.launch(_holding(bucket.buffer))
-                self._next_bucket += 1
-                continue
-            self.num_buckets_reduced += self._torch_buckets_in[self._next_bucket]
-            # The last bucket, or every bucket without a free core for the comm thread.
-            if (self._next_bucket == last or not self.overlap) and self._finalize_may_reduce():
-                bucket.leave_to_finalize()  # see [Note: the last bucket]
-            else:
-                self._launch(bucket)
-            self._next_bucket += 1
-        if self._next_bucket == len(buckets):
+        launcher = self._launcher
+        counts = self._set.torch_buckets_in
+        for k in launcher.launch_ready(buckets, self.scale):
+            self.num_buckets_reduced += counts[k]
+        if launcher.next_bucket == len(buckets):
             if self.mode is GraphMode.FIND_UNUSED:
                 used = torch.frombuffer(self._local_used, dtype=torch.uint8)
                 self._used_future = self.comm.all_reduce(used.to(torch.int32),
                                                          label="DDP unused-parameter map")
                 self._local_used = bytearray(len(self.params))  # sent: start afresh
-            if not self._delayed and not self._end.indices:  # else queued by the first hook
+            if not self._delayed:
                 queue_engine_callback(self._finalize)
-
-    def _launch(self, bucket: Bucket) -> None:
-        index, trace = bucket.index, self.trace
-        trace.mark("launch", index)
-        label = f"DDP bucket {index}"
-        it = trace.iteration  # the callback may run after finalize moved on
-        on_done = lambda _f: trace.mark("comm_done", index, it)  # noqa: E731
-        if profiling():
-            self._collective_events.open(self._event_names[0])
-        with profiled(f"gradring::bucket_all_reduce#{index}"):
-            if bucket.homes:
-                future = self.comm.all_reduce_homed(
-                    bucket.buffer, bucket.homed_pieces(), 1.0 / self.divide_factor,
-                    label=label, on_done=on_done)
-            elif self.comm_hook is None:
-                future = self.comm.all_reduce(bucket.buffer, label=label, on_done=on_done)
-            else:
-                gb = GradBucket(bucket, is_last=index == len(self.buckets) - 1)
-                with self.comm.labelled(label):
-                    future = self.comm_hook(self.comm_hook_state, gb)
-                future.add_done_callback(on_done)
-        bucket.launch(future)
-
-    # [Note: the last bucket]
-    # The last bucket becomes ready with the backward's last gradient, and the
-    # finalize, queued for the very end of the backward, waits for it at once:
-    # nothing is left to overlap it with. Handing it to the comm thread only
-    # added two thread wake-ups to the critical path (measured on a
-    # ResNet-shaped model, 2 ranks: about 0.35 ms from the launch until the
-    # comm thread ran it, and 0.1-0.4 ms from its end until the waiting
-    # thread ran again). So, on the default path (no comm hook; no fused
-    # optimizer, which steps the earlier buckets while the last one is still
-    # in flight; not find_unused_parameters, whose usage map follows the last
-    # bucket), it is only marked launched, and the finalize reduces it on its
-    # own thread, in order after the others (a synchronous call runs inline
-    # once the comm thread's queue is empty). Every rank does the same, so collectives still
-    # pair up in the same order. Without overlap (no core free for the comm
-    # thread, see [Note: overlap needs a free core] in overlap_policy.py) every
-    # bucket takes this path, in bucket order; all ranks follow rank 0's choice.
-    def _reduce_now(self, bucket: Bucket) -> torch.Tensor:
-        """Reduce the bucket left to the finalize (see [Note: the last bucket])."""
-        bucket.start_inline()
-        index, trace = bucket.index, self.trace
-        trace.mark("launch", index)
-        label = f"DDP bucket {index}"
-        if profiling():
-            self._collective_events.open(self._event_names[0])
-        try:
-            if bucket.homes:
-                self.comm.all_reduce_homed(
-                    bucket.buffer, bucket.homed_pieces(), 1.0 / self.divide_factor,
-                    label=label, async_op=False)
-            else:
-                self.comm.all_reduce(bucket.buffer, label=label, async_op=False)
-        except Exception as exc:
-            raise self._bucket_failed(bucket, exc) from exc
-        trace.mark("comm_done", index)
-        return bucket.buffer
-
-    def _wait_bucket(self, bucket: Bucket) -> Any:
-        """Wait for a bucket's collective; a failure names the bucket and its parameters."""
-        try:
-            return bucket.future.wait()
-        except Exception as exc:
-            raise self._bucket_failed(bucket, exc) from exc
-
-    def _drain_launched(self) -> None:
-        """Finish every collective this backward launched, ignoring failures, so
-        that none is left dangling for the peers (an abandoned or unfinished
-        reduction). A bucket left to the finalize (the last one, or every one
-        without overlap: see [Note: the last bucket]) is still issued: the
-        peers issue it too."""
-        for b in self.buckets:
-            try:
-                if b.inline:
-                    self._reduce_now(b)
-                elif b.future is not None:
-                    b.future.wait()
-            except Exception:  # noqa: BLE001 - the caller reports what matters
-                pass
-
-    # ------------------------------------------------------- counted at the end
-    def _end_count_wanted(self) -> bool:
-        """Whether small gradients may go without a hook (see [Note: counted at the end])."""
-        return (self.mode is GraphMode.DEFAULT and self.comm_hook is None
-                and self.post_reduce is None and not self.grad_as_view and not self._shared
-                and self._rebuild.has_rebuilt and not self._hooks.removed
-                and not self._compiled_backward_seen and not compiled_autograd_on())
-
-    def _choose_unhooked(self) -> None:
-        """Before a synchronised backward: choose again which parameters go
-        without a hook, if what the choice depends on changed."""
-        wanted = self._end_count_wanted()
-        if self._end_for == (wanted, self.overlap):
-            return
-        if (not wanted and self._hooks.provisional and not self.order_is_final
-                and self.num_backward < 2):
-            # Every parameter keeps its provisional hook until the order is
-            # final, or for two synchronised backwards where it does not become so.
-            return
-        self._end_for = (wanted, self.overlap)
-        if wanted:
-            last = len(self.buckets) - 1
-            unhooked = set(self._end.plan([
-                (b.index, b.param_indices, [k is SlotKind.PACKED for k in b.kinds])
-                for b in self.buckets
-                # Buckets the finalize reduces (see [Note: the last bucket]).
-                if not self.overlap or b.index == last]))
-        else:
-            self._end.clear()
-            unhooked = set()
-        self._hooks.settle(unhooked)
-
-    def _queue_count_at_end(self) -> None:
-        """The backward's first hook: count the unhooked gradients in when it ends."""
-        if self._compiled_backward_seen:
-            # Compiled autograd was switched on between this forward and its
-            # backward, for the first time: the end of the backward cannot be
-            # seen. Every parameter is hooked again from the next forward.
-            self._end_for = None
-            self._end.forget()
-            self._end_iteration(finalized=False)  # nothing of it is owed to the next forward
-            raise self._fail(errors.compiled_autograd_switched_on())
-        queue_engine_callback(self._count_at_end)
-
-    def _count_arrived(self, missing: list[int]) -> None:
-        """Mark the unhooked parameters not in ``missing`` ready."""
-        ready, gone = self._ready, set(missing)
-        for i in self._end.indices:
-            if i not in gone:
-                ready[i] = True
-
-    def _count_at_end(self) -> None:
-        """The end of the backward: count the unhooked gradients in, launch the
-        buckets they complete, and finalize (see [Note: counted at the end])."""
-        end = self._end
-        missing = end.missing()
-        self._count_arrived(missing)
-        end.forget()
-        if missing:
-            return  # the reduction stays owed: the next forward names what is missing
-        scale = 1.0 / self.divide_factor  # no comm hook on this path
-        for index, chosen in end.by_bucket:
-            bucket = self.buckets[index]
-            if bucket.arrive_many(len(chosen)):
-                if bucket.deferred:
-                    put_deferred(bucket, scale, self.grad_as_view, -1)
-                bucket.mark_ready()
-                self.trace.mark("ready", index)
-        self._launch_ready()
-        if self._next_bucket == len(self.buckets):
-            self._finalize()
 
     # ----------------------------------------------------------------- finalize
     def _finalize(self) -> None:
         self.trace.mark("backward_end")
-        if self._record_arrival:  # decided for this backward by prepare_for_backward
+        if self._note_arrival is not None:  # this backward recorded the order
             self._rebuild.stamp_end()
         used: list[int] | None = self._static.used()
         if self._used_future is not None:
@@ -922,18 +617,13 @@ class Reducer:
             self._used_future = None
             if self.mode is GraphMode.STATIC and len(used) == 2 * len(self.params):
                 used = self._static.keep_used(used)
+        launcher, scale = self._launcher, self.scale
         try:
             with torch.no_grad():
                 for bucket in self.buckets:
                     # Bucket by bucket: the later ones may still be in flight meanwhile.
                     with profiled(f"gradring::bucket_wait#{bucket.index}"):
-                        if bucket.inline:  # the wait is its reduction, on this thread
-                            with profiled(f"gradring::bucket_all_reduce#{bucket.index}"):
-                                value = self._reduce_now(bucket)
-                        else:
-                            value = self._wait_bucket(bucket)
-                    if isinstance(value, (list, tuple)):
-                        value = value[0]
+                        value = launcher.result(bucket, scale)
                     with profiled(f"gradring::bucket_write_grads#{bucket.index}"):
                         if value is not bucket.buffer:
                             bucket.buffer.copy_(value.reshape(-1))
@@ -946,7 +636,7 @@ class Reducer:
             for fut in futures:
                 fut.wait()
         finally:
-            self._collective_events.close_all()
+            launcher.close_events()
             self.trace.iteration += 1
             self._end_iteration(finalized=True)
             self.num_backward += 1
@@ -976,24 +666,24 @@ class Reducer:
     def shadow_backward(self) -> None:
         """Join: issue this backward's collectives with zero gradients (see [Note: shadowing])."""
         kept = []
+        launcher = self._launcher
         for bucket in self.buckets:
-            bucket.lending.claim()  # an old .grad kept elsewhere keeps its values
             # The zeros and the peers' sums are not this rank's gradients: where
-            # .grad lives in the bucket (view mode, lent), it is put back after.
-            holds_grads = self.grad_as_view or bucket.lending.any_in_use()
-            kept.append(bucket.buffer.clone() if holds_grads else None)
+            # .grad lives in the bucket (view mode), it is put back after.
+            kept.append(bucket.buffer.clone() if self.grad_as_view else None)
             bucket.buffer.zero_()
-            self._launch(bucket)
+            bucket.launch(launcher.reduce(bucket, self.scale, async_op=True,
+                                          is_last=bucket.index == len(self.buckets) - 1))
         for bucket, saved in zip(self.buckets, kept):
             bucket.future.wait()
             if saved is not None:
                 bucket.buffer.copy_(saved)
             bucket.reset()
-        self._collective_events.close_all()
+        launcher.close_events()
         if self.mode is GraphMode.FIND_UNUSED:
             zeros = torch.zeros(len(self.params), dtype=torch.int32)
             self.comm.all_reduce(zeros, label="DDP unused-parameter map").wait()
-        if self._recording_arrival():
+        if not (self.order_is_final or self.in_static_first_iteration):
             self._rebuild.stand_in()  # rebuild in step with the others
         self.num_backward += 1
 
@@ -1009,7 +699,7 @@ class Reducer:
         missing = [i for i, r in enumerate(self._ready) if not r]
         per_rank = {self.comm.rank: missing}
         per_rank.update(self._peer_missing(missing))
-        self._drain_launched()
+        self._launcher.drain(self.buckets, self.scale)
         self._end_iteration(finalized=False)
         raise self._fail(
             errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
@@ -1060,25 +750,7 @@ class Reducer:
         self._hooks.remove_all()
 
 
-def _holding(value: torch.Tensor) -> torch.futures.Future:
-    """A future that already holds ``value``."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-def _collective_event_names(comm: GroupComm) -> tuple[str, str]:
-    """The profiler names of an all-reduce and a broadcast over ``comm``'s group
-    as torch's process group records them (see [Note: torch's collective events])."""
-    try:
-        backend = str(torch.distributed.get_backend(comm.group))
-    except (RuntimeError, ValueError, AttributeError):
-        backend = "gradring"
-    return f"{backend}:all_reduce", f"{backend}:broadcast"
-
-
 def _debug_on() -> bool:
     """Whether TORCH_DISTRIBUTED_DEBUG is INFO or DETAIL (torch's errors say more then)."""
     dist = torch.distributed
     return dist.is_available() and dist.get_debug_level() != dist.DebugLevel.OFF
-

@@ -45,7 +45,7 @@ def _train_under_join(rank, world_size, impl, kind, counts, kwargs, join_kwargs)
         error = str(e)
     params = [p.detach().clone() for p in ddp.module.parameters()]
     # With the buffers, this rank's last .grad: a joined rank's shadow steps must
-    # not touch it (non-view gradients may live in bucket memory, see lending.py).
+    # not touch it.
     bufs = [b.clone() for b in ddp.module.buffers()] + [
         p.grad.clone() if p.grad is not None else torch.zeros_like(p)
         for p in ddp.module.parameters()]

@@ -85,13 +85,13 @@ def _model() -> nn.Module:
 
 
 def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0"),
-                join_mb: str = "0", hook_at: int | None = None) -> dict:
-    """Train gradring's DDP and torch's side by side. ``join_mb``: GRADRING_JOIN_MB
-    ("0": never join, so every bucket torch makes is reduced at the end on
+                fast: str = "-joined", hook_at: int | None = None) -> dict:
+    """Train gradring's DDP and torch's side by side. ``fast``: GRADRING_FAST_PATHS
+    ("-joined": never join, so every bucket torch makes is reduced at the end on
     its own); ``hook_at``: register torch's all-reduce comm hook on both
     after that many steps."""
     torch.set_num_threads(1)
-    with environ(GRADRING_OVERLAP=envs[rank], GRADRING_JOIN_MB=join_mb):
+    with environ(GRADRING_OVERLAP=envs[rank], GRADRING_FAST_PATHS=fast):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mine = gradring.DistributedDataParallel(_model(), **kwargs)
@@ -153,7 +153,7 @@ def test_every_bucket_at_the_end_matches_torch_bit_for_bit(pools, kwargs) -> Non
     {"bucket_cap_mb": 0.01, "static_graph": True},
 ])
 def test_buckets_reduced_at_the_end_are_joined_into_one_collective(pools, kwargs) -> None:
-    # GRADRING_JOIN_MB unset (256 MiB): torch's buckets, every one reduced at
+    # GRADRING_FAST_PATHS unset (joined on): torch's buckets, every one reduced at
     # the end, are installed as one; the logging data still gives torch's.
     for r in pools.run(2, _train_both, kwargs, ("0", "0"), ""):
         assert r["overlap"] is False, r

@@ -10,6 +10,7 @@ import pytest
 
 from gradring import config
 from gradring.comm import desync, select
+from gradring.fast_paths import FastPaths
 
 
 def test_defaults_when_nothing_is_set() -> None:
@@ -17,7 +18,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert c == config.Config()
     assert (c.transport, c.algo, c.timeout, c.check) == (None, None, None, False)
     assert (c.flight_recorder, c.flight_size, c.overlap, c.shm_yield_us) == (None, 256, "", 50.0)
-    assert c.join_mb == 256.0
+    assert c.fast_paths == FastPaths()
 
 
 def test_every_field_has_a_variable() -> None:
@@ -30,10 +31,12 @@ def test_good_values(tmp_path) -> None:
         "GRADRING_TRANSPORT": " SHM ", "GRADRING_ALGO": "Hierarchical",
         "GRADRING_TIMEOUT": "2.5", "GRADRING_CHECK": "on",
         "GRADRING_FLIGHT_RECORDER": str(tmp_path / "fr"), "GRADRING_FLIGHT_SIZE": "16",
-        "GRADRING_OVERLAP": "Off", "GRADRING_SHM_YIELD_US": "0", "GRADRING_JOIN_MB": "0.5"})
+        "GRADRING_OVERLAP": "Off", "GRADRING_SHM_YIELD_US": "0",
+        "GRADRING_FAST_PATHS": " -Joined, -held"})
     assert (c.transport, c.algo, c.timeout, c.check) == ("shm", "hierarchical", 2.5, True)
     assert c.flight_recorder == str(tmp_path / "fr") and c.flight_size == 16
-    assert c.overlap == "off" and c.shm_yield_us == 0.0 and c.join_mb == 0.5
+    assert c.overlap == "off" and c.shm_yield_us == 0.0
+    assert c.fast_paths == FastPaths(joined=False, held=False)
     # Empty means unset.
     assert config.parse({v: "" for v in config.VARIABLES}) == config.Config()
 
@@ -62,8 +65,8 @@ BAD = [
     ("GRADRING_SHM_YIELD_US", "-1", "[0, 1e+06]"),
     ("GRADRING_SHM_YIELD_US", "fast", "[0, 1e+06]"),
     ("GRADRING_SHM_YIELD_US", "nan", "[0, 1e+06]"),
-    ("GRADRING_JOIN_MB", "-1", "[0, 1.04858e+06]"),
-    ("GRADRING_JOIN_MB", "lots", "MiB"),
+    ("GRADRING_FAST_PATHS", "fast", "the names are homed, packed"),
+    ("GRADRING_FAST_PATHS", "homed,-packed", "not both"),
 ]
 
 

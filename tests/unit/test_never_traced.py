@@ -48,7 +48,8 @@ def test_every_module_is_never_traced_or_listed_as_traceable() -> None:
 def test_the_hook_path_is_never_traced() -> None:
     for m in ("gradring.reducer.reducer", "gradring.reducer.static_graph",
               "gradring.buckets.bucket", "gradring.buckets.slot_io", "gradring.buckets.packing",
-              "gradring.buckets.lending", "gradring.buckets.grad_bucket", "gradring.comm.homes",
+              "gradring.reducer.bucket_set", "gradring.reducer.launcher",
+              "gradring.buckets.grad_bucket", "gradring.comm.homes",
               "gradring.observe.trace", "gradring.graph"):
         assert m in _modules() and _never_traced(m), m
 

@@ -244,8 +244,7 @@ def interleaved_round(setups: dict[str, nn.Module], opts: dict[str, torch.optim.
 
 
 def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
-    """(bytes of .grad storage not inside a bucket, plus the spent gradients the
-    reducer keeps for reuse (see gradring/buckets/lending.py); bytes of bucket buffers)."""
+    """(bytes of .grad storage not inside a bucket; bytes of bucket buffers)."""
     return (ddp.reducer.grad_bytes_outside_buckets(),
             sum(b.nbytes for b in ddp.reducer.buckets))
 

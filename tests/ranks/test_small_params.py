@@ -1,7 +1,7 @@
-"""Small gradients counted in at the end of the backward, without hooks ([Note:
-counted at the end] in gradring/reducer/end_count.py), differentially against
-torch's DDP: the gradients bit for bit, and the errors of a parameter that got
-no gradient."""
+"""Small parameters (packed slots) beside large ones, differentially against
+torch's DDP: the gradients bit for bit over zero_grad, accumulation and
+no_sync patterns, the errors of a parameter that got no gradient, and a
+synchronised forward that no backward follows."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _STEPS = ["none", "none", "none", "zero", "accumulate", "between", "no_sync", "n
 def _train(rank: int, impl: type, base: nn.Module, kwargs: dict) -> dict:
     model = impl(copy.deepcopy(base), **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grads, unhooked, residue = [], [], []
+    grads = []
     gen = torch.Generator().manual_seed(100 + rank)
     for how in _STEPS:
         x = torch.randn(4, 96, generator=gen, dtype=torch.float64)
@@ -61,29 +61,7 @@ def _train(rank: int, impl: type, base: nn.Module, kwargs: dict) -> dict:
         out.sum().backward()
         grads.append([p.grad.clone() for p in model.module.parameters()])
         opt.step()
-        if impl is gradring.DistributedDataParallel:
-            unhooked.append(len(model.reducer._end.indices))
-            residue.append(_misplaced_hooks(model.reducer))
-    return {"grads": grads, "unhooked": unhooked, "residue": residue}
-
-
-def _misplaced_hooks(reducer) -> list[int]:
-    """The parameters whose tensor hooks are not what [Note: hooks that leave
-    nothing behind] says: none until the bucket order is final (the hooks sit
-    on the accumulators), then exactly one on each hooked parameter and none,
-    not even an emptied dict (autograd would still call it), on each
-    parameter counted at the end."""
-    counted = set(reducer._end.indices)
-    wrong = []
-    for i, p in enumerate(reducer.params):
-        hooks = p._post_accumulate_grad_hooks
-        if not reducer.order_is_final or i in counted:
-            ok = hooks is None
-        else:
-            ok = hooks is not None and len(hooks) == 1
-        if not ok:
-            wrong.append(i)
-    return wrong
+    return {"grads": grads}
 
 
 def _side_by_side(rank: int, world_size: int, overlap: str, cap_mb: float) -> dict:
@@ -103,21 +81,13 @@ def _side_by_side(rank: int, world_size: int, overlap: str, cap_mb: float) -> di
 
 
 @pytest.mark.parametrize("overlap,cap_mb", [("0", 0.01), ("1", 0.01), ("0", 25.0)])
-def test_unhooked_gradients_match_torch_bit_for_bit(pools, overlap, cap_mb):
+def test_small_gradients_match_torch_bit_for_bit(pools, overlap, cap_mb):
     for r in pools.run(2, _side_by_side, overlap, cap_mb):
         ours, theirs = r["gradring"], r["torch"]
         assert len(ours["grads"]) == len(theirs["grads"]) == len(_STEPS)
         for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
             for k, (x, y) in enumerate(zip(a, b)):
                 assert torch.equal(x, y), (step, _STEPS[step], k, (x - y).abs().max())
-        # Hooked while the order is recorded; unhooked from the rebuild on (with
-        # overlap, only the last bucket's small slots).
-        assert ours["unhooked"][0] == 0 and min(ours["unhooked"][2:]) > 0, ours["unhooked"]
-        # Until the order is final the hooks sit on the accumulators, so no
-        # parameter has a tensor hook; from then on each hooked one has exactly
-        # one, and no unhooked one has even an emptied dict. Each row lists the
-        # parameters that break this.
-        assert all(row == [] for row in ours["residue"]), ours["residue"]
 
 
 def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str,
@@ -136,9 +106,8 @@ def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str
             opt.zero_grad(set_to_none=True)
         try:
             out = model(x)
-            if step == 3 and which == "only_unhooked":
-                # The loss reaches the small parameters alone: with gradring, none
-                # of them has a hook (the large weight's is the bucket's only one).
+            if step == 3 and which == "only_small":
+                # The loss reaches the small parameters alone.
                 out = sum(p.sum() for p in model.module.small)
             out.sum().backward()
             opt.step()
@@ -147,16 +116,14 @@ def _unused_after_rebuild(rank: int, world_size: int, which: str, impl_name: str
             events.append(("error", step, str(e)))
             break
         model.module.skip = set()
-    return {"events": events,
-            "unhooked": len(model.reducer._end.indices) if impl_name == "gradring" else None}
+    return {"events": events}
 
 
 # "one_small": a small parameter the forward leaves out, so its gradient is
-# missing (the error names it). "only_unhooked": the loss reaches the small
-# parameters alone, so with gradring no hook runs at all (the large weight's is
-# the bucket's only one, and the error names it).
+# missing (the error names it). "only_small": the loss reaches the small
+# parameters alone, so the large weight's gradient is missing (the error names it).
 @pytest.mark.parametrize("which,named", [("one_small", "small.4"),
-                                         ("only_unhooked", "big.weight")])
+                                         ("only_small", "big.weight")])
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_missing_gradient_raises_at_next_forward_as_torch(pools, which, named, set_to_none):
     for impl in ("torch", "gradring"):
@@ -165,53 +132,7 @@ def test_missing_gradient_raises_at_next_forward_as_torch(pools, which, named, s
             assert (kind, step) == ("error", 4), r["events"]
             assert "Expected to have finished reduction in the prior iteration" in msg
             if impl == "gradring":
-                assert r["unhooked"] > 0
                 assert named in msg, msg
-
-
-def _compiled_autograd_around_backward_only(rank: int, world_size: int) -> dict:
-    import torch._dynamo
-    from torch._dynamo import compiled_autograd
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    base = Mixed(n_small=4)
-    ours = gradring.DistributedDataParallel(copy.deepcopy(base))
-    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    gen = torch.Generator().manual_seed(7 + rank)
-    xs = [torch.randn(4, 96, generator=gen) for _ in range(5)]
-    unhooked_before = None
-    error = None
-    for step, x in enumerate(xs):
-        ours.zero_grad(set_to_none=True)
-        out = ours(x)  # the forward outside compiled autograd, the backward inside
-        if step >= 3:
-            unhooked_before = unhooked_before if unhooked_before is not None \
-                else len(ours.reducer._end.indices)
-            try:
-                with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-                    out.sum().backward()
-            except RuntimeError as e:
-                error = (step, str(e))
-        else:
-            out.sum().backward()
-    theirs(xs[-1]).sum().backward()
-    diffs = [(a.grad - b.grad).abs().max().item()
-             for a, b in zip(ours.module.parameters(), theirs.module.parameters())]
-    return {"unhooked_before": unhooked_before, "error": error, "diffs": diffs,
-            "unhooked_after": len(ours.reducer._end.indices)}
-
-
-@pytest.mark.slow  # compiles with Dynamo: seconds the default suite does not have
-def test_compiled_autograd_switched_on_around_the_backward_alone(pools):
-    """Unhooked slots cannot be counted under compiled autograd: the first such
-    backward says so, and from the next forward on every parameter is hooked."""
-    for r in pools.run(2, _compiled_autograd_around_backward_only, timeout=300):
-        assert r["unhooked_before"] > 0, r
-        step, msg = r["error"]
-        assert step == 3 and "compiled autograd was switched on" in msg, r["error"]
-        assert r["unhooked_after"] == 0
-        assert max(r["diffs"]) < 1e-6, r["diffs"]
 
 
 def _forward_without_backward(rank: int, world_size: int, how: str) -> dict:

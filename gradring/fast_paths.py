@@ -1,0 +1,100 @@
+"""The reducer's fast paths: what each one is, and the switch that turns it off.
+
+[Note: the core and its fast paths]
+The reducer's *core* does what torch's Reducer does and nothing more: every
+gradient is copied into its bucket slot (scaled by 1/world_size) by its own
+hook, or becomes the slot under ``gradient_as_bucket_view``; buckets launch
+asynchronously in index order as they fill; the finalize waits for each and
+copies the results back into ``.grad``. It is the oracle: every fast path
+below must give the same bits and the same errors as the core, in every
+case, and ``tests/ranks/test_reducer_fuzz.py`` runs seeded random models and
+training patterns under the core, under the default, and under each fast
+path alone to check it.
+
+A fast path is a special case that won a paired measurement beyond the
+spread (``benchmarks/ablation.py``; the figures are in docs/design.md,
+"Fast paths, measured"). Each is one name in ``GRADRING_FAST_PATHS``:
+
+- ``homed``: a CPU bucket's gradient stays in ``.grad``; only the part the
+  peers read is copied into the bucket, and the collective writes the result
+  straight back into ``.grad`` ([Note: homed all-reduce] in ``comm/homes.py``).
+  Only where gradient and slot are both row-major: homing moves flat memory.
+- ``packed``: slots of at most ``SMALL_SLOT_NUMEL`` elements are copied in
+  and out a bucket at a time, by batched calls, when the bucket is ready
+  ([Note: packed slots] in ``buckets/packing.py``).
+- ``held``: small homed and view slots are put in when the bucket is ready
+  rather than by each hook ([Note: held slots] in ``buckets/bucket.py``).
+- ``at_end``: on a host with no core free for the comm thread, every bucket
+  is reduced on the training thread when the backward ends, instead of
+  launched when ready ([Note: overlap needs a free core] in
+  ``overlap_policy.py``).
+- ``joined``: when every bucket is reduced at the end, neighbouring buckets
+  are reduced as one collective ([Note: one collective at the end] in
+  ``buckets/assign.py``).
+- ``inline_last``: the last bucket is reduced by the finalize on its own
+  thread, not handed to the comm thread and waited for ([Note: the last
+  bucket] in ``launcher.py``).
+
+``GRADRING_FAST_PATHS`` is ``all`` (the default), ``none`` (the core), a
+comma-separated list of the names to keep, or of names each prefixed with
+``-`` to drop from all. It is read when a DDP is built and at its bucket
+rebuild, and rank 0's set travels with rank 0's bucket assignment, so every
+rank takes the same paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+#: Every fast path's name, in the order of the bits rank 0 broadcasts.
+NAMES = ("homed", "packed", "held", "at_end", "joined", "inline_last")
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """Which fast paths are on (see [Note: the core and its fast paths])."""
+
+    homed: bool = True
+    packed: bool = True
+    held: bool = True
+    at_end: bool = True
+    joined: bool = True
+    inline_last: bool = True
+
+    def bits(self) -> int:
+        """The set as an integer (bit k: ``NAMES[k]`` is on), for a broadcast."""
+        return sum(1 << k for k, f in enumerate(fields(self)) if getattr(self, f.name))
+
+    @classmethod
+    def from_bits(cls, bits: int) -> FastPaths:
+        return cls(**{name: bool(bits >> k & 1) for k, name in enumerate(NAMES)})
+
+    def describe(self) -> str:
+        on = [name for name in NAMES if getattr(self, name)]
+        return "all" if len(on) == len(NAMES) else ",".join(on) or "none"
+
+
+#: Every fast path on (the default), and the core (none on).
+ALL = FastPaths()
+CORE = FastPaths(**{name: False for name in NAMES})
+
+
+def parse(text: str) -> FastPaths:
+    """``GRADRING_FAST_PATHS``'s value as a set; ValueError names what is wrong."""
+    value = text.strip().lower()
+    if value in ("", "all"):
+        return ALL
+    if value == "none":
+        return CORE
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    dropping = [item.startswith("-") for item in items]
+    if any(dropping) and not all(dropping):
+        raise ValueError("either names to keep or names to drop (each with '-'), not both")
+    names = [item.lstrip("-") for item in items]
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise ValueError(f"unknown fast path(s) {', '.join(unknown)}; the names are "
+                         f"{', '.join(NAMES)}")
+    if all(dropping):
+        return FastPaths(**{name: name not in names for name in NAMES})
+    return FastPaths(**{name: name in names for name in NAMES})

@@ -1,0 +1,177 @@
+"""The installed buckets: where each parameter's gradient goes, and joining.
+
+[Note: installing buckets]
+A bucket assignment (lists of parameter indices, in launch order) becomes
+``Bucket`` objects: flat buffers from the group's allocator (shared memory on
+one host), each slot's kind decided once (see [Note: slot kinds] in
+``buckets/bucket.py``), and per parameter one *route*: its bucket, its slot,
+and the put function its hook calls (none for a deferred slot, which its
+bucket puts in when full). Under ``gradient_as_bucket_view`` an existing
+``.grad`` is copied into its new slot and pointed at it, so values
+accumulated before (``no_sync``) survive an install.
+
+When every bucket is reduced at the end of the backward, the assignment may
+be installed *joined* (fast path ``joined``: [Note: one collective at the
+end] in ``buckets/assign.py``). The assignment torch's DDP would make is kept
+beside it, with how many of torch's buckets each installed one holds (what
+torch's ``num_buckets_reduced`` counts), and installed again once joining no
+longer fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gradring.buckets import JOIN_CAP_BYTES, Bucket, join_adjacent
+from gradring.buckets.slot_io import PUT_AT_HOOK
+from gradring.fast_paths import FastPaths
+from gradring.group_comm import GroupComm
+
+#: A parameter's route: its bucket, its slot, and its hook's put function
+#: (None for a deferred slot).
+Route = tuple[Bucket, int, "Callable[[Bucket, int, float], None] | None"]
+
+
+class BucketSet:
+    """The reducer's installed buckets and each parameter's route into them."""
+
+    def __init__(self, params: Sequence[torch.Tensor], comm: GroupComm, *,
+                 view_mode: bool) -> None:
+        self._params = list(params)
+        self._comm = comm
+        # gradient_as_bucket_view: .grad is the slot.
+        self._view_mode = view_mode
+        # Sizes in bytes and (dtype, device) keys per parameter (joining reads them).
+        self._sizes = [p.numel() * p.element_size() for p in self._params]
+        # The installed buckets, in launch order.
+        self.buckets: list[Bucket] = []
+        # param index -> (bucket index, slot index).
+        self._locator: list[tuple[int, int]] = []
+        # param index -> route, looked up once per gradient.
+        self.routes: list[Route] = []
+        # How many of torch's buckets each installed one holds (more than one
+        # only when joined).
+        self.torch_buckets_in: list[int] = []
+        # torch's buckets while the installed ones are joined, else None.
+        self._unjoined: list[list[int]] | None = None
+        # Whether a comm hook is set (slots are then plain copies).
+        self._hooked = False
+        # Whether another live reducer acts on these parameters (nested DDP):
+        # gradients are then copied, never kept in .grad.
+        self._shared = False
+        # The fast paths in force (rank 0's, see rebuild.rank0_groups).
+        self._fast = FastPaths()
+
+    # ------------------------------------------------------------ installing
+    def install(self, groups: list[list[int]], fast: FastPaths) -> None:
+        """Install ``groups`` as they are (see [Note: installing buckets])."""
+        self._fast = fast
+        self._unjoined = None
+        self._install(groups)
+        self.torch_buckets_in = [1] * len(self.buckets)
+
+    def install_joined(self, groups: list[list[int]], fast: FastPaths, keys: Sequence) -> None:
+        """Install ``groups`` joined; remember them for ``unjoin``."""
+        joined = join_adjacent(groups, self._sizes, keys, JOIN_CAP_BYTES)
+        self.install(joined, fast)
+        if len(joined) == len(groups):
+            return
+        self._unjoined = groups
+        counts, k = [], 0
+        for bucket in joined:
+            covered = n = 0
+            while covered < len(bucket):
+                covered += len(groups[k])
+                k += 1
+                n += 1
+            counts.append(n)
+        self.torch_buckets_in = counts
+
+    @property
+    def joined(self) -> bool:
+        """Whether the installed buckets are joined torch buckets."""
+        return self._unjoined is not None
+
+    def unjoin(self) -> None:
+        """Install torch's buckets again (they were joined)."""
+        assert self._unjoined is not None
+        self.install(self._unjoined, self._fast)
+
+    def _install(self, groups: list[list[int]]) -> None:
+        comm, params = self._comm, self._params
+        buckets = []
+        locator: list[tuple[int, int]] = [(0, 0)] * len(params)
+        for bi, idxs in enumerate(groups):
+            bucket = Bucket(bi, idxs, [params[i] for i in idxs], comm.empty)
+            self._place(bucket)
+            for slot, i in enumerate(idxs):
+                locator[i] = (bi, slot)
+            buckets.append(bucket)
+        self.buckets, self._locator = buckets, locator
+        self._build_routes()
+        if self._view_mode:
+            # Keep accumulated values (e.g. from no_sync) and point .grad at the
+            # new views; a sparse .grad is never a view (as in torch's DDP).
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    if p.grad is not None and p.grad.layout is torch.strided:
+                        b, s = locator[i]
+                        view = buckets[b].views[s]
+                        view.copy_(p.grad)
+                        p.grad = view
+
+    def _place(self, bucket: Bucket) -> None:
+        fast, comm = self._fast, self._comm
+        homable = (fast.homed and comm.world_size > 1 and not self._view_mode
+                   and not self._shared and bucket.buffer.dtype.is_floating_point
+                   and bucket.buffer.device.type == "cpu")
+        bucket.place(comm.own_range(bucket.buffer.numel()), homable=homable,
+                     view_mode=self._view_mode, hooked=self._hooked,
+                     pack=fast.packed, hold=fast.held)
+
+    def _build_routes(self) -> None:
+        routes: list[Route] = []
+        held = {(b.index, s) for b in self.buckets for s in b.held}
+        for b, s in self._locator:
+            bucket = self.buckets[b]
+            put = None if (b, s) in held else PUT_AT_HOOK[bucket.kinds[s]]
+            routes.append((bucket, s, put))
+        self.routes = routes
+
+    # --------------------------------------------------- what changes the kinds
+    def set_hooked(self) -> None:
+        """A comm hook is registered: every slot becomes a plain copy (or view)."""
+        self._hooked = True
+        for bucket in self.buckets:
+            self._place(bucket)
+        self._build_routes()
+
+    def share(self) -> None:
+        """Another reducer reduces these gradients too: never keep them in .grad."""
+        if self._shared:
+            return
+        self._shared = True
+        for bucket in self.buckets:
+            self._place(bucket)
+        self._build_routes()
+
+    # ---------------------------------------------------------------- queries
+    def bucket_of(self, param_index: int) -> int:
+        """The index of the bucket parameter ``param_index`` is in."""
+        return self._locator[param_index][0]
+
+    def reset(self) -> None:
+        """Every bucket back to FILLING, for the next backward."""
+        for b in self.buckets:
+            b.reset()
+
+    def grad_bytes_outside(self) -> int:
+        """Bytes of ``.grad`` memory outside the buckets' buffers."""
+        spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in self.buckets]
+        outside = 0
+        for p in self._params:
+            if p.grad is not None and not any(lo <= p.grad.data_ptr() < hi for lo, hi in spans):
+                outside += p.grad.numel() * p.grad.element_size()
+        return outside

@@ -1,0 +1,180 @@
+"""Launching buckets in index order, and reducing or waiting for each at the finalize.
+
+[Note: in-order launch]
+Buckets launch strictly in index order, as in torch's DDP: a ready bucket
+waits until every lower bucket has launched, then all ready ones go
+together. Every rank issues the same collectives in the same order, so they
+pair up whatever order the gradients arrived in. A launch is asynchronous:
+the group's comm thread runs the collective while autograd computes the
+earlier layers. Each is labelled ``DDP bucket <k>`` for errors, desync checks
+and the flight recorder.
+
+[Note: the last bucket]
+The last bucket becomes ready with the backward's last gradient, and the
+finalize, queued for the very end of the backward, waits for it at once:
+nothing is left to overlap it with. Handing it to the comm thread only adds
+two thread wake-ups to the critical path. So (fast path ``inline_last``) it
+is only marked launched, and the finalize reduces it on its own thread, in
+order after the others. With the fast path ``at_end`` on a host with no core
+free for the comm thread, every bucket takes this path. Neither applies
+with a comm hook (it returns futures), a fused optimizer (it steps earlier
+buckets while later ones are in flight) or ``find_unused_parameters`` (its
+usage map follows the last bucket). Every rank does the same, so
+collectives still pair up in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradring.buckets import Bucket, BucketState
+from gradring.buckets.grad_bucket import GradBucket
+from gradring.group_comm import GroupComm
+from gradring.observe.trace import CollectiveEvents, Trace, profiled, profiling
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+_READY = BucketState.READY
+
+
+class Launcher:
+    """Issues one backward's bucket collectives in index order, and ends each one."""
+
+    def __init__(self, comm: GroupComm, trace: Trace,
+                 on_failure: Callable[[Bucket, Exception], RuntimeError]) -> None:
+        self._comm = comm
+        self._trace = trace
+        # Turns a failed collective into the error to raise (names the bucket).
+        self._on_failure = on_failure
+        # Next bucket index to launch in this backward.
+        self.next_bucket = 0
+        # Indices of this backward's buckets that are not reduced ([Note: skipped buckets]
+        # in reducer.py), and which ones the finalize reduces ([Note: the last bucket]).
+        self._skipped: frozenset[int] = frozenset()
+        self._leave_all = False
+        self._leave_last = False
+        # Profiler events named as torch's process group names its collectives
+        # (see [Note: torch's collective events] in observe/trace.py) ...
+        self._events = CollectiveEvents()
+        # ... and the names, for this group's backend.
+        self._event_names = _collective_event_names(comm)
+        # The comm hook and its state, when one is set.
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+
+    @property
+    def broadcast_event(self) -> str:
+        """The profiler name of a broadcast over this group."""
+        return self._event_names[1]
+
+    def begin(self, *, skipped: frozenset[int], leave_all: bool, leave_last: bool) -> None:
+        """A new backward: which buckets are skipped, and which the finalize reduces."""
+        self.next_bucket = 0
+        self._skipped = skipped
+        self._leave_all = leave_all
+        self._leave_last = leave_last
+
+    def launch_ready(self, buckets: list[Bucket], scale: float) -> list[int]:
+        """Launch every ready bucket whose lower buckets have launched; the
+        indices of those reduced (skipped ones are not)."""
+        last = len(buckets) - 1
+        reduced = []
+        while self.next_bucket <= last and buckets[self.next_bucket].state is _READY:
+            k = self.next_bucket
+            bucket = buckets[k]
+            self.next_bucket = k + 1
+            if k in self._skipped:
+                bucket.launch(_holding(bucket.buffer))
+                continue
+            reduced.append(k)
+            if self._leave_all or (k == last and self._leave_last):
+                bucket.leave_to_finalize()
+            else:
+                bucket.launch(self.reduce(bucket, scale, async_op=True, is_last=k == last))
+        return reduced
+
+    def reduce(self, bucket: Bucket, scale: float, *, async_op: bool,
+               is_last: bool = False) -> Any:
+        """Issue the bucket's collective: a future (``async_op``), or the
+        reduced flat buffer once done (the finalize's own thread)."""
+        index, trace = bucket.index, self._trace
+        trace.mark("launch", index)
+        label = f"DDP bucket {index}"
+        if profiling():
+            self._events.open(self._event_names[0])
+        comm = self._comm
+        if async_op:
+            it = trace.iteration  # the callback may run after the finalize moved on
+            on_done = lambda _f: trace.mark("comm_done", index, it)  # noqa: E731
+        else:
+            on_done = None
+            bucket.start_inline()
+        try:
+            with profiled(f"gradring::bucket_all_reduce#{index}"):
+                if bucket.homes:
+                    out = comm.all_reduce_homed(bucket.buffer, bucket.homed_pieces(), scale,
+                                                label=label, async_op=async_op,
+                                                on_done=on_done)
+                elif self.comm_hook is None:
+                    out = comm.all_reduce(bucket.buffer, label=label, async_op=async_op,
+                                          on_done=on_done)
+                else:
+                    gb = GradBucket(bucket, is_last=is_last)
+                    with comm.labelled(label):
+                        out = self.comm_hook(self.comm_hook_state, gb)
+                    out.add_done_callback(on_done)
+        except Exception as exc:
+            raise self._on_failure(bucket, exc) from exc
+        if not async_op:
+            trace.mark("comm_done", index)
+            return bucket.buffer
+        return out
+
+    def result(self, bucket: Bucket, scale: float) -> torch.Tensor:
+        """The finalize: the bucket's reduced values (reducing it here if it
+        was left to the finalize); a failure names the bucket."""
+        if bucket.inline:
+            with profiled(f"gradring::bucket_all_reduce#{bucket.index}"):
+                return self.reduce(bucket, scale, async_op=False)
+        try:
+            value = bucket.future.wait()
+        except Exception as exc:
+            raise self._on_failure(bucket, exc) from exc
+        return value[0] if isinstance(value, (list, tuple)) else value
+
+    def drain(self, buckets: list[Bucket], scale: float) -> None:
+        """Finish every collective this backward issued or owes, ignoring
+        failures, so that none is left dangling for the peers (a bucket left
+        to the finalize is still issued: the peers issue it too)."""
+        for b in buckets:
+            try:
+                if b.inline:
+                    self.reduce(b, scale, async_op=False)
+                elif b.future is not None:
+                    b.future.wait()
+            except Exception:  # noqa: BLE001 - the caller reports what matters
+                pass
+
+    def close_events(self) -> None:
+        """Close the profiler events of this backward's collectives."""
+        self._events.close_all()
+
+
+def _holding(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _collective_event_names(comm: GroupComm) -> tuple[str, str]:
+    """The profiler names of an all-reduce and a broadcast over ``comm``'s group
+    as torch's process group records them (see [Note: torch's collective events])."""
+    try:
+        backend = str(torch.distributed.get_backend(comm.group))
+    except (RuntimeError, ValueError, AttributeError):
+        backend = "gradring"
+    return f"{backend}:all_reduce", f"{backend}:broadcast"
