@@ -1,14 +1,22 @@
 """Restartable training with gradring under torchrun's elastic agent.
 
-Launch (2 processes, one restart allowed):
+Launch (2 processes, one restart allowed; files go to ./elastic-ckpt/):
 
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 examples/elastic_train.py \
-        --steps 20 --ckpt /tmp/elastic/ckpt.pt --out /tmp/elastic/final.pt
+        --steps 20 --ckpt elastic-ckpt/ckpt.pt --out elastic-ckpt/final.pt
 
     # simulate a crash: rank 1 kills itself (SIGKILL) at step 7 of the first attempt
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 examples/elastic_train.py \
-        --steps 20 --ckpt /tmp/elastic-crash/ckpt.pt --out /tmp/elastic-crash/final.pt \
+        --steps 20 --ckpt elastic-crash/ckpt.pt --out elastic-crash/final.pt \
         --crash-at 7 --crash-rank 1
+
+Keep checkpoints in a folder of your own (the defaults are under the current
+folder), not in a shared one such as /tmp: a checkpoint is a pickle, and one
+another user planted there must never be loaded. gradring's checkpoint
+functions load weights only and refuse a folder or file that is not yours or
+that others may write to, naming it (see [Note: checkpoints other users could
+plant] in gradring/tools/checkpoint.py); missing folders are created private
+(mode 0700).
 
 Every --every steps rank 0 writes an atomic checkpoint (model, optimizer, step).
 After a failure torchrun restarts every worker; they resume from the last
@@ -39,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradring
-from gradring.tools.checkpoint import load_if_exists, save_on_rank0
+from gradring.tools.checkpoint import load_if_exists, save_atomic, save_on_rank0
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +89,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--every", type=int, default=3)
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt", default=os.path.join("elastic-ckpt", "ckpt.pt"),
+                    help="checkpoint file (default elastic-ckpt/ckpt.pt); keep it in a "
+                         "folder only you can write to")
+    ap.add_argument("--out", default=os.path.join("elastic-ckpt", "final.pt"),
+                    help="final parameters (default elastic-ckpt/final.pt)")
     ap.add_argument("--crash-at", type=int, default=-1)
     ap.add_argument("--crash-rank", type=int, default=1)
     args = ap.parse_args()
@@ -122,7 +133,7 @@ def main() -> None:
             save_on_rank0({"model": model.module.state_dict(), "optim": opt.state_dict(),
                            "step": step + 1}, args.ckpt)
     if rank == 0:
-        torch.save(model.module.state_dict(), args.out)
+        save_atomic(model.module.state_dict(), args.out)
         print(f"attempt {attempt}: finished {args.steps} steps", flush=True)
     dist.destroy_process_group()
 

@@ -17,9 +17,11 @@ symbolic links in it, before the job starts (issue 31: links named
 ``rank0.json.<pid>.tmp`` once made a root job overwrite a root-only file).
 ``FlightRecorder.dump`` therefore
 
-- opens the folder itself without following a link (``O_DIRECTORY |
-  O_NOFOLLOW``) and does everything else through that descriptor, so the path
-  cannot be swapped under it afterwards;
+- reaches the folder one component at a time without following a link
+  that another user owns (``safe_files.open_folder``, see [Note: output files
+  in folders other users can reach] in gradring/tools/safe_files.py) and does
+  everything else through the folder's descriptor, so the path cannot be
+  swapped under it afterwards;
 - accepts the folder only if it is owned by this process's user or by root,
   and, if other users may write to it, only if it is sticky (then nobody else
   can remove or rename the files it creates there);
@@ -39,12 +41,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import json
 import os
 import secrets
 import socket
-import stat
 import tempfile
 import threading
 import time
@@ -58,6 +58,7 @@ import torch
 from gradring import config
 from gradring.comm import desync
 from gradring.comm.transport import Kind, describe_collective
+from gradring.tools import safe_files
 
 #: Ring-buffer length of the flight recorder.
 FLIGHT_SIZE = config.current().flight_size
@@ -223,9 +224,6 @@ class UnsafeFolder(OSError):
     """A dump folder that other users could use against us; the message says why."""
 
 
-#: Open a folder, never through a link at its last component.
-_FOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
 #: Create a file that did not exist, never through a link.
 _NEW_FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                    | getattr(os, "O_CLOEXEC", 0))
@@ -262,37 +260,18 @@ def write_into(directory: str, name: str, text: str) -> str:
 
 
 def _open_folder(directory: str) -> int:
-    """A descriptor of ``directory`` (created if missing) once it passes the checks."""
-    with contextlib.suppress(OSError):
-        os.makedirs(directory, mode=0o755, exist_ok=True)  # opening it says what went wrong
+    """A descriptor of ``directory`` (created if missing) once it passes the checks of
+    ``safe_files.open_folder``; raises UnsafeFolder saying why not."""
     try:
-        folder = os.open(directory, _FOLDER_FLAGS)
+        return safe_files.open_folder(directory, create=True, mode=0o755)
+    except safe_files.UnsafePath as exc:
+        same = os.path.normpath(exc.path) == os.path.normpath(directory)
+        raise UnsafeFolder(exc.reason if same else f"on its way, {exc.path}: {exc.reason}") \
+            from exc
+    except NotADirectoryError as exc:
+        raise UnsafeFolder("it is not a folder") from exc
     except OSError as exc:
-        if os.path.islink(directory):
-            raise UnsafeFolder("it is a symbolic link") from exc
-        if exc.errno == errno.ENOTDIR:
-            raise UnsafeFolder("it is not a folder") from exc
-        raise UnsafeFolder(f"it cannot be opened ({exc.strerror})") from exc
-    why = _refusal(os.fstat(folder))
-    if why is not None:
-        os.close(folder)
-        raise UnsafeFolder(why)
-    return folder
-
-
-def _refusal(st: os.stat_result) -> str | None:
-    """Why a folder with status ``st`` is refused, or None if it is accepted."""
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a folder"
-    if not hasattr(os, "geteuid"):
-        return None  # no owners to check (Windows)
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        return f"it is owned by uid {st.st_uid}, not by this job's user (uid {me}) or root"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        return (f"other users may write to it (mode {stat.filemode(st.st_mode)}) and it is "
-                "not sticky")
-    return None
+        raise UnsafeFolder(f"it cannot be opened ({exc.strerror or exc})") from exc
 
 
 def dist_rank() -> int:

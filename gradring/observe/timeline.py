@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -286,6 +287,25 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
     return _draw_summary(report, out, title)
 
 
+def _save(fig: Any, out: str, dpi: int) -> None:
+    """Write ``fig`` to the image ``out`` without following a link planted there (see
+    [Note: output files in folders other users can reach] in tools/safe_files.py);
+    the format is the name's extension (PNG without one)."""
+    from gradring.tools.safe_files import open_output
+
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    try:
+        if ext and ext not in fig.canvas.get_supported_filetypes():
+            raise ValueError(f"{out}: matplotlib cannot write .{ext} images")
+        with open_output(out, "wb") as f:
+            fig.savefig(f, dpi=dpi, format=ext or "png")
+    except BaseException:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)  # the caller's close is skipped by the error
+        raise
+
+
 def _legend(ax: Any, extra: Sequence[Any] = (), rename: dict[str, str] | None = None) -> None:
     from matplotlib.patches import Patch
 
@@ -353,7 +373,7 @@ def _draw_gantt(report: TimelineReport, out: str, title: str | None) -> str:
             {"backward": "backward after the last bucket was ready"})
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    _save(fig, out, dpi=120)
     plt.close(fig)
     return out
 
@@ -413,7 +433,7 @@ def _draw_summary(report: TimelineReport, out: str, title: str | None) -> str:
     axes[-1, 0].set_xlabel("iteration" + ("" if per_bin == 1 else f" (bins of {per_bin})"))
     fig.suptitle(title or f"gradring: {len(its)} steps, every phase per step")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    _save(fig, out, dpi=100)
     plt.close(fig)
     return out
 
@@ -484,7 +504,7 @@ def _draw_spans(trace: str | dict[str, Any], out: str, *, last: int = 3,
               frameon=False)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    _save(fig, out, dpi=120)
     plt.close(fig)
     return out
 

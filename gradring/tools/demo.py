@@ -14,6 +14,13 @@ draws a timeline of the last iterations from the ranks' merged trace, and
 ends with ``gradring explain``'s summary of the step (docs/overlap.md and
 docs/explain.md say how to read them). Every file goes into ``--out``
 (default: a new folder named for the run), and the demo prints each path.
+
+The demo may run as root in a folder other users can write to, so it writes
+nothing through what they could have prepared (see [Note: output files in
+folders other users can reach] in ``safe_files.py``): the default folder is
+created new (mode 0700; a random suffix is added if the name is taken), an
+``--out`` folder that exists must be ours and writable by us alone, and every
+file is opened without following a link and refused if somebody else's.
 """
 
 from __future__ import annotations
@@ -179,18 +186,33 @@ def main(argv: list[str] | None = None) -> int:
                     help="a quick run for CI: 1 epoch of 10 batches")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="folder for every file the demo writes (default: a new folder "
-                         "gradring-demo-YYYYMMDD-HHMMSS)")
+                         "gradring-demo-YYYYMMDD-HHMMSS; an existing one must be yours and "
+                         "writable by you alone)")
     ap.add_argument("--timeline", default=None, metavar="PNG",
                     help="where to draw the timeline (default OUT/timeline.png; '' to skip)")
     ap.add_argument("--trace", default=None, metavar="JSON",
                     help="where to keep the merged Chrome trace (default OUT/trace.json)")
     a = ap.parse_args(argv)
     from gradring.tools.launch import run_local
+    from gradring.tools.safe_files import (
+        UnsafePath,
+        check_output,
+        make_fresh_dir,
+        make_output_dir,
+        open_output,
+    )
 
-    out = a.out or time.strftime("gradring-demo-%Y%m%d-%H%M%S")
-    os.makedirs(out, exist_ok=True)
-    image = os.path.join(out, "timeline.png") if a.timeline is None else a.timeline
-    merged = a.trace or os.path.join(out, "trace.json")
+    try:
+        out = make_output_dir(a.out) if a.out else \
+            make_fresh_dir(time.strftime("gradring-demo-%Y%m%d-%H%M%S"))
+        image = os.path.join(out, "timeline.png") if a.timeline is None else a.timeline
+        merged = a.trace or os.path.join(out, "trace.json")
+        for path in (image, merged, os.path.join(out, "explain.txt")):
+            if path:
+                check_output(path)
+    except OSError as exc:  # UnsafePath included: it names the path and the reason
+        print(f"gradring demo: {exc}", file=sys.stderr)
+        return 2
     epochs, max_batches = (1, 10) if a.small else (a.epochs, None)
     torch.set_num_threads(1)
     print(f"gradring demo: {a.nproc} processes, digits MLP, per-rank batch {a.batch}; "
@@ -210,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     for line in _overlap_summary(results[0]):
         print(line)
     print("per-rank traces: " + ", ".join(r["trace"] for r in results))
-    for line in _draw(results, image, merged):
-        print(line)
     summary = os.path.join(out, "explain.txt")
-    with open(summary, "w") as f:
-        f.write(results[0]["explain"] + "\n")
+    try:
+        for line in _draw(results, image, merged):
+            print(line)
+        with open_output(summary, "w") as f:
+            f.write(results[0]["explain"] + "\n")
+    except UnsafePath as exc:
+        print(f"gradring demo: {exc}", file=sys.stderr)
+        return 2
     print(f"explain summary: {summary}")
     print(results[0]["explain"])
     return 0 if ok and same_everywhere else 1

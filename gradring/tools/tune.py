@@ -368,12 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [cwd] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     caps = [float(c) for c in a.caps.split(",") if c.strip()]
+    if a.json:
+        from gradring.tools.safe_files import check_output
+
+        try:
+            check_output(a.json)  # refuse a planted link before the long measurement
+        except OSError as exc:
+            print(f"gradring tune: {exc}", file=sys.stderr)
+            return 2
     r = tune_bucket_cap(nproc=a.nproc, workload=a.workload, caps_mb=caps, steps=a.steps,
                         rounds=a.rounds, measure_all=a.measure_all,
                         per_bucket_ms=a.per_bucket_ms)
     print(report(r, nproc=a.nproc, name=a.workload))
     if a.json:
-        with open(a.json, "w") as f:
+        from gradring.tools.safe_files import open_output
+
+        with open_output(a.json, "w") as f:  # never through a link planted there
             json.dump(_as_json(r), f, indent=1)
     return 0
 
