@@ -11,6 +11,16 @@ comes from an atomic counter (``store.instance_prefix``), so a re-created
 group or a restarted job on the same store never reads stale markers. Each
 rank also posts its pid and host key (``topology.host_key``): a peer's pid
 says whether it still lives only when both share a host.
+
+[Note: the store is not trusted]
+Any local process that can reach the job's store (a TCPStore port, a
+FileStore file) can write any key. Everything read back is therefore checked
+against what :meth:`PeerBoard.post` and :meth:`PeerBoard.attach` write --
+JSON of the right shape, field types and ranges (:func:`parse_status`,
+:func:`parse_identity`) -- before anything indexes it. A value that fails
+raises :class:`StoreValueError`, which names the key; the watchdog fails the
+collectives it watches with it (see watchdog.py), so a forged value ends the
+wait with an error instead of killing the thread that enforces the deadline.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import time
 from typing import Any
 
 from gradring.comm.store import instance_prefix
+from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import segments
 from gradring.comm.transports.topology import host_key
 
@@ -29,6 +40,92 @@ from gradring.comm.transports.topology import host_key
 BOARD_AFTER_S = 0.5
 #: How often blocked waits (torch transport, watchdog thread) consult the board.
 POLL_S = 0.25
+
+
+#: The states a rank posts (see :meth:`PeerBoard.post`).
+STATES = ("waiting", "failed", "left")
+#: Longest value accepted from the store (``why`` is cut at 2,000 characters).
+MAX_VALUE_BYTES = 64 * 1024
+_MAX_INT = 2**63 - 1
+
+
+class StoreValueError(CollectiveError):
+    """A value in the group's store is not one gradring wrote (forged or corrupt);
+    ``key`` is its key in the group's store. See [Note: the store is not trusted]."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"gradring: the value of store key {key!r} is not one gradring "
+                         f"writes: {problem}; another process with access to the job's "
+                         "store may have written it")
+        self.key = key
+
+
+def _shown(raw: Any) -> str:
+    text = repr(raw[:60]) if isinstance(raw, (bytes, str)) else repr(raw)
+    return text + ("..." if isinstance(raw, (bytes, str)) and len(raw) > 60 else "")
+
+
+def _json_value(key: str, raw: Any) -> Any:
+    """``raw`` (bytes from ``store.get``) decoded as JSON, or StoreValueError."""
+    if isinstance(raw, str):
+        raw = raw.encode()
+    if not isinstance(raw, (bytes, bytearray)):
+        raise StoreValueError(key, f"expected bytes, got {type(raw).__name__}")
+    if len(raw) > MAX_VALUE_BYTES:
+        raise StoreValueError(key, f"{len(raw)} bytes, more than {MAX_VALUE_BYTES}")
+    try:
+        return json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise StoreValueError(key, f"{_shown(raw)} is not JSON ({exc})") from None
+
+
+def _is_int(v: Any, low: int, high: int = _MAX_INT) -> bool:
+    return type(v) is int and low <= v <= high
+
+
+def parse_status(key: str, raw: Any) -> dict[str, Any]:
+    """A peer's status as :meth:`PeerBoard.post` writes it, checked field by field
+    (unknown fields dropped); StoreValueError naming ``key`` otherwise."""
+    v = _json_value(key, raw)
+    if not isinstance(v, dict):
+        raise StoreValueError(key, f"{_shown(raw)} is a JSON {type(v).__name__}, not an "
+                                   "object with the fields state, seq, what, pid")
+    if v.get("state") not in STATES:
+        raise StoreValueError(key, f"state {v.get('state')!r} is not one of {', '.join(STATES)}")
+    if not _is_int(v.get("seq"), 0):
+        raise StoreValueError(key, f"seq {v.get('seq')!r} is not a whole number >= 0")
+    if not _is_int(v.get("pid"), 1, 2**31 - 1):
+        raise StoreValueError(key, f"pid {v.get('pid')!r} is not a process id")
+    out: dict[str, Any] = {"state": v["state"], "seq": v["seq"], "pid": v["pid"]}
+    for name in ("what", "why", "error"):
+        text = v.get(name, "")
+        if not isinstance(text, str):
+            raise StoreValueError(key, f"{name} {text!r} is not text")
+        out[name] = text
+    fp = v.get("fp")
+    if fp is not None and not (isinstance(fp, list) and len(fp) <= 4096
+                               and all(type(w) is int for w in fp)):
+        raise StoreValueError(key, f"fp {_shown(repr(fp))} is not a list of whole numbers")
+    out["fp"] = fp
+    t = v.get("time", 0.0)
+    if type(t) not in (int, float):
+        raise StoreValueError(key, f"time {t!r} is not a number")
+    out["time"] = float(t)
+    return out
+
+
+def parse_identity(key: str, raw: Any) -> tuple[int, str]:
+    """A peer's ``(pid, host key)`` as :meth:`PeerBoard.attach` writes it; StoreValueError
+    naming ``key`` otherwise."""
+    v = _json_value(key, raw)
+    if not (isinstance(v, list) and len(v) == 2):
+        raise StoreValueError(key, f"{_shown(raw)} is not a [pid, host] pair")
+    pid, host = v
+    if not _is_int(pid, 1, 2**31 - 1):
+        raise StoreValueError(key, f"pid {pid!r} is not a process id")
+    if not isinstance(host, str) or len(host) > 4096:
+        raise StoreValueError(key, f"host {_shown(host)} is not a host key")
+    return pid, host
 
 
 class PeerBoard:
@@ -60,8 +157,18 @@ class PeerBoard:
             except Exception:  # noqa: BLE001 - diagnostics only
                 self._dead = True
 
+    def _get(self, key: str) -> Any | None:
+        """The raw value at ``key``, None when it is missing; a store that fails marks
+        the board dead (then None too). Never blocks on a missing key."""
+        try:
+            return self._store.get(key) if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - diagnostics only: the store host may be gone
+            self._dead = True
+            return None
+
     def dead_peers(self) -> list[tuple[int, int]]:
-        """``(rank, pid)`` of peers on this host whose process is gone."""
+        """``(rank, pid)`` of peers on this host whose process is gone. Raises
+        StoreValueError for a peer identity gradring did not write."""
         if self._prefix is None or self._dead:
             return []
         me = host_key()
@@ -70,13 +177,11 @@ class PeerBoard:
                 if p == self.rank or p in self._ids:
                     continue
                 key = f"{self._prefix}id/{p}"
-                try:
-                    if self._store.check([key]):
-                        pid, host = json.loads(self._store.get(key))
-                        self._ids[p] = (pid, host)
-                except Exception:  # noqa: BLE001 - diagnostics only
-                    self._dead = True
+                raw = self._get(key)
+                if self._dead:
                     return []
+                if raw is not None:
+                    self._ids[p] = parse_identity(key, raw)
         return [(p, pid) for p, (pid, host) in sorted(self._ids.items())
                 if host == me and not segments.pid_alive(pid)]
 
@@ -98,7 +203,8 @@ class PeerBoard:
                 self._dead = True
 
     def read(self) -> dict[int, dict[str, Any]]:
-        """Every peer's latest status that exists (never blocks on a missing key)."""
+        """Every peer's latest status that exists (never blocks on a missing key).
+        Raises StoreValueError for a status gradring did not write."""
         found: dict[int, dict[str, Any]] = {}
         if self._prefix is None or self._dead:
             return found
@@ -107,12 +213,11 @@ class PeerBoard:
                 if p == self.rank:
                     continue
                 key = f"{self._prefix}{p}"
-                try:
-                    if self._store.check([key]):
-                        found[p] = json.loads(self._store.get(key))
-                except Exception:  # noqa: BLE001 - diagnostics only
-                    self._dead = True
+                raw = self._get(key)
+                if self._dead:
                     break
+                if raw is not None:
+                    found[p] = parse_status(key, raw)
         return found
 
 

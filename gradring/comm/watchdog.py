@@ -24,6 +24,17 @@ collective (sequence number, kind, bytes, dtype) and which ranks arrived and
 which did not; the DDP reducer adds the bucket and its parameters.
 
 The peer board is in ``board.py``, the flight recorder in ``recorder.py``.
+
+[Note: the watchdog thread never dies]
+The thread is the only deadline of native and torch-transport collectives:
+if it died, their waits would have none. So nothing it meets ends it. A
+check that raises -- a store value another process forged (``board.py``'s
+``StoreValueError``, see [Note: the store is not trusted]), a store that
+answers nonsense, a bug -- becomes the verdict on the collectives it was
+checking: they fail the way a timeout fails them (``on_fail`` with a
+``WatchdogError`` that carries the cause's type and text), and the thread
+goes on watching the rest. If even failing a collective raises, its future
+gets the error directly.
 """
 
 from __future__ import annotations
@@ -37,7 +48,14 @@ from typing import Any
 import torch
 
 from gradring.comm import desync
-from gradring.comm.board import BOARD_AFTER_S, POLL_S, PeerBoard, arrivals, describe_status
+from gradring.comm.board import (
+    BOARD_AFTER_S,
+    POLL_S,
+    PeerBoard,
+    StoreValueError,
+    arrivals,
+    describe_status,
+)
 from gradring.comm.recorder import Entry
 
 #: Seconds an idle watchdog thread lingers before exiting.
@@ -136,7 +154,13 @@ class Watchdog:
             fp = e.fingerprint()
             w.board.post("waiting", e.seq, e.describe(), fp=fp)
             if id(w.board) not in seen:
-                seen[id(w.board)] = (w.board.dead_peers(), w.board.read())
+                try:
+                    seen[id(w.board)] = (w.board.dead_peers(), w.board.read())
+                except StoreValueError as exc:  # a forged value: the verdict, for all its waits
+                    seen[id(w.board)] = exc
+            if isinstance(seen[id(w.board)], StoreValueError):
+                exc = seen[id(w.board)]
+                return WatchdogError(f"{type(exc).__name__}: {exc}")
             dead, board = seen[id(w.board)]
             if dead:
                 return WatchdogError("; ".join(f"rank {p} (pid {pid}) has exited"
@@ -160,6 +184,23 @@ class Watchdog:
         return None
 
     def _loop(self) -> None:
+        while True:
+            try:
+                self._watch_until_idle()
+                return
+            except Exception as exc:  # noqa: BLE001 - see [Note: the watchdog thread never dies]
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fail every watched collective with ``exc`` (the loop itself broke)."""
+        with self._lock:
+            pending = list(self._watched)
+        for w in pending:
+            cause = WatchdogError(f"the watchdog thread failed: {type(exc).__name__}: {exc}")
+            cause.__cause__ = exc
+            self._fail(w, cause)
+
+    def _watch_until_idle(self) -> None:
         idle_since = time.monotonic()
         while True:
             with self._lock:
@@ -176,9 +217,28 @@ class Watchdog:
                 idle_since = now
             seen: dict[int, Any] = {}
             for w in watched:
-                cause = self._check(w, now, seen)
+                try:
+                    cause = self._check(w, now, seen)
+                except Exception as exc:  # noqa: BLE001 - see [Note: the watchdog thread never dies]
+                    cause = WatchdogError(f"the watchdog could not check this collective: "
+                                          f"{type(exc).__name__}: {exc}")
+                    cause.__cause__ = exc
                 if cause is not None:
-                    self._settle(w, w.on_fail(cause))
+                    self._fail(w, cause)
+
+    def _fail(self, w: _Watched, cause: BaseException) -> None:
+        """Fail ``w`` with ``on_fail(cause)``; with ``cause`` itself if that raises."""
+        try:
+            err = w.on_fail(cause)
+        except Exception as exc:  # noqa: BLE001 - the future must still end
+            err = cause
+            err.__context__ = exc
+        try:
+            self._settle(w, err)
+        except Exception:  # noqa: BLE001 - its future was completed meanwhile
+            with self._lock:
+                if w in self._watched:
+                    self._watched.remove(w)
 
     def cancel(self, owner: Any, reason: str) -> None:
         """Fail what is still watched for ``owner`` (its group is shutting down)."""
