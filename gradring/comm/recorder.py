@@ -19,7 +19,7 @@ symbolic links in it, before the job starts (issue 31: links named
 
 - reaches the folder one component at a time without following a link
   that another user owns (``safe_files.open_folder``, see [Note: output files
-  in folders other users can reach] in gradring/tools/safe_files.py) and does
+  in folders other users can reach] in gradring/safe_files.py) and does
   everything else through the folder's descriptor, so the path cannot be
   swapped under it afterwards;
 - accepts the folder only if it is owned by this process's user or by root,
@@ -55,10 +55,9 @@ from typing import Any
 
 import torch
 
-from gradring import config
+from gradring import config, safe_files
 from gradring.comm import desync
 from gradring.comm.transport import Kind, describe_collective
-from gradring.tools import safe_files
 
 #: Ring-buffer length of the flight recorder.
 FLIGHT_SIZE = config.current().flight_size

@@ -289,9 +289,9 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
 
 def _save(fig: Any, out: str, dpi: int) -> None:
     """Write ``fig`` to the image ``out`` without following a link planted there (see
-    [Note: output files in folders other users can reach] in tools/safe_files.py);
+    [Note: output files in folders other users can reach] in safe_files.py);
     the format is the name's extension (PNG without one)."""
-    from gradring.tools.safe_files import open_output
+    from gradring.safe_files import open_output
 
     ext = os.path.splitext(out)[1].lstrip(".").lower()
     try:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.tools.safe_files import UnsafePath, atomic_output, open_private_input
+from gradring.safe_files import UnsafePath, atomic_output, open_private_input
 
 __all__ = ["UnsafePath", "load_if_exists", "save_atomic", "save_on_rank0"]
 

@@ -193,14 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, metavar="JSON",
                     help="where to keep the merged Chrome trace (default OUT/trace.json)")
     a = ap.parse_args(argv)
-    from gradring.tools.launch import run_local
-    from gradring.tools.safe_files import (
+    from gradring.safe_files import (
         UnsafePath,
         check_output,
         make_fresh_dir,
         make_output_dir,
         open_output,
     )
+    from gradring.tools.launch import run_local
 
     try:
         out = make_output_dir(a.out) if a.out else \

@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         [cwd] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     caps = [float(c) for c in a.caps.split(",") if c.strip()]
     if a.json:
-        from gradring.tools.safe_files import check_output
+        from gradring.safe_files import check_output
 
         try:
             check_output(a.json)  # refuse a planted link before the long measurement
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                         per_bucket_ms=a.per_bucket_ms)
     print(report(r, nproc=a.nproc, name=a.workload))
     if a.json:
-        from gradring.tools.safe_files import open_output
+        from gradring.safe_files import open_output
 
         with open_output(a.json, "w") as f:  # never through a link planted there
             json.dump(_as_json(r), f, indent=1)

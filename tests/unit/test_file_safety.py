@@ -9,7 +9,7 @@ report. The other user's things are made by root and handed to ``nobody``
 ``nobody``, inside a sticky, world-writable folder under /tmp. Each writer
 must refuse with an error naming the path, and the file a link points at
 must stay as it was. See [Note: output files in folders other users can
-reach] in gradring/tools/safe_files.py.
+reach] in gradring/safe_files.py.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import pytest
 import torch
 from torch import nn
 
+from gradring import safe_files
 from gradring.comm.recorder import FlightRecorder
-from gradring.tools import checkpoint, demo, safe_files, tune
-from gradring.tools.safe_files import UnsafePath
+from gradring.safe_files import UnsafePath
+from gradring.tools import checkpoint, demo, tune
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                                 reason="needs root, to act as a second user")
