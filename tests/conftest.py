@@ -4,14 +4,47 @@ import os
 
 import pytest
 
-# On a CI machine with as many ranks as cores the reducer would reduce every
-# bucket at the end of the backward (see [Note: overlap needs a free core] in
-# gradring/reducer/overlap_policy.py). The suite keeps testing the launch at ready
-# time, the path of machines with cores to spare; test_overlap_policy.py tests
-# the other one. Rank pools and example subprocesses inherit this.
-os.environ.setdefault("GRADRING_OVERLAP", "1")
-
+from tests.support.env import run_with_environ
 from tests.support.rankpool import RankPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# [Note: both policies]
+# The suite runs the host's overlap policy: on a machine with as many ranks as
+# cores (a laptop, a 2-core CI box) that is the at-the-end path, buckets reduced
+# when the backward ends and joined (see [Note: overlap needs a free core] in
+# gradring/reducer/overlap_policy.py). The files that compare gradring's DDP
+# against torch's run twice, once per policy: [host] as the host decides, and
+# [ready] with GRADRING_OVERLAP=1, buckets launched as they become ready (the
+# path of hosts with a core to spare). Their rank bodies get the variable
+# through the pools (Pools.environ).
+BOTH_POLICIES = {
+    "tests/ranks/test_ddp_behaviour.py", "tests/ranks/test_ddp_corners.py",
+    "tests/ranks/test_ddp_corners_more.py", "tests/ranks/test_ddp_identity.py",
+    "tests/ranks/test_ddp_oracle.py", "tests/ranks/test_ddp_surface.py",
+    "tests/ranks/test_grad_layout.py", "tests/ranks/test_small_params.py",
+    "tests/ranks/test_no_sync_unused.py", "tests/ranks/test_join.py",
+    "tests/ranks/test_hooks.py", "tests/ranks/test_sparse_grads.py",
+    "tests/ranks/test_skip_unused_buckets.py", "tests/ranks/test_irregular.py",
+    "tests/ranks/test_reducer_fast_path.py", "tests/ranks/test_mixed_precision.py",
+}
+POLICIES = {"host": {}, "ready": {"GRADRING_OVERLAP": "1"}}
+
+
+def pytest_generate_tests(metafunc) -> None:  # noqa: ANN001
+    path = os.path.relpath(str(metafunc.definition.path), ROOT)
+    if path in BOTH_POLICIES and "pools" in metafunc.fixturenames:
+        metafunc.fixturenames.append("policy")
+        metafunc.parametrize("policy", list(POLICIES), indirect=True)
+
+
+@pytest.fixture
+def policy(request, pools):  # noqa: ANN001
+    """Set the pools' environment for the test (see [Note: both policies])."""
+    pools.environ = POLICIES[request.param]
+    yield request.param
+    pools.environ = {}
+
 
 # [Note: the default suite and the slow one]
 # `pytest -q` (the README's command) runs what needs at most the shared rank
@@ -63,11 +96,16 @@ class Pools:
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
+        # Environment variables set around every rank body (see [Note: both policies]).
+        self.environ: dict[str, str] = {}
 
     def run(self, world_size: int, fn, *args, timeout: float = 120, **kwargs):
         pool = self._pools.get(world_size)
         if pool is None:
             pool = self._pools[world_size] = RankPool(world_size)
+        if self.environ:
+            return pool.run(run_with_environ, self.environ, fn, *args, timeout=timeout,
+                            **kwargs)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from gradring.buckets import MIB
 from gradring.observe import timeline
 from gradring.observe.overlap import export_chrome_trace, merge_traces
 from gradring.tools import tune, workloads
+from tests.support.env import environ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,10 +32,11 @@ def train_and_export(rank: int, world: int, out_dir: str, steps: int) -> str:
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))
-    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=1)
     x = torch.randn(4, 512)
-    for _ in range(steps):
-        ddp(x).pow(2).mean().backward()
+    with environ(GRADRING_OVERLAP="1"):  # four buckets, launched during the backward
+        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=1)
+        for _ in range(steps):
+            ddp(x).pow(2).mean().backward()
     assert len(ddp.reducer.buckets) == 4
     return export_chrome_trace(ddp, os.path.join(out_dir, f"rank{rank}.json"))
 
@@ -146,15 +148,21 @@ def test_workloads_from_names_specs_and_parts() -> None:
         workloads.load_workload("no_such_model")
 
 
+def _tune_rank_launching_when_ready(rank: int, world: int, *args, **kwargs):
+    with environ(GRADRING_OVERLAP="1"):
+        return tune.tune_rank(rank, world, *args, **kwargs)
+
+
 def test_tune_rank_on_real_ranks(pools) -> None:
-    results = pools.run(2, tune.tune_rank, "tiny", (0.25, 1.0), steps=2, rounds=1)
+    results = pools.run(2, _tune_rank_launching_when_ready, "tiny", (0.25, 1.0), steps=2,
+                        rounds=1)
     r = results[0]
     assert results[1] is None
     assert [q.cap_mb for q in r.predictions] == [0.25, 1.0, 25.0]
     assert r.chosen.cap_mb in (0.25, 1.0, 25.0) and r.default.cap_mb == 25.0
     assert set(r.measured) == {r.chosen.cap_mb, 25.0}
     assert all(m["step_ms"] > 0 for m in r.measured.values())
-    # The pools force GRADRING_OVERLAP=1: buckets launched when ready, as predicted.
+    # GRADRING_OVERLAP=1: buckets launched when ready, as predicted.
     assert all(m["launch_when_ready"] == 1.0 for m in r.measured.values()), r.measured
     assert r.per_bucket_ms == r.curve.times_ms[0] > 0
     assert len(r.profile.ready_ms) == 8 and r.curve.sizes[-1] == MIB + 4 * 256 * 4

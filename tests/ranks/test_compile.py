@@ -3,6 +3,7 @@ overlap, compiled autograd. Oracles: torch's own DDP (eager for gradients,
 compiled for the number of graphs) on the same model, inputs and caps."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -104,6 +105,18 @@ def _dynamo_counters():
 # ---------------------------------------------------------------- rank bodies
 
 
+def _launched_when_ready(fn):
+    """Run the rank body with buckets launched when ready, at torch's bucket
+    boundaries, whatever the host (the at-the-end policy joins them into one:
+    _joined_then_hooked tests that split)."""
+    @functools.wraps(fn)
+    def body(*args):
+        with environ(GRADRING_OVERLAP="1"):
+            return fn(*args)
+    return body
+
+
+@_launched_when_ready
 def _graph_counts(rank, world_size, order, backend_name, n, d, cap, steps=6):
     import torch._dynamo
 
@@ -136,6 +149,7 @@ def _graph_counts(rank, world_size, order, backend_name, n, d, cap, steps=6):
             "buckets": len(ddp.reducer.buckets)}
 
 
+@_launched_when_ready
 def _graphs_per_bucket(rank, world_size, order, cap, steps=4):
     """6 x Linear(1024): the graphs handed to the backend once the buckets are
     rebuilt, against the buckets that run."""
@@ -162,11 +176,9 @@ def _graphs_per_bucket(rank, world_size, order, cap, steps=4):
             "piece_buckets": compile_split.splits(ddp)[-1].piece_buckets}
 
 
+@_launched_when_ready
 def _overlap_compiled(rank, world_size, order, compiled_backward=False):
     import contextlib
-    import os
-
-    os.environ["GRADRING_OVERLAP"] = "1"  # launches at ready time whatever the host
 
     import torch._dynamo
     from torch._dynamo import compiled_autograd
@@ -190,6 +202,7 @@ def _overlap_compiled(rank, world_size, order, compiled_backward=False):
             "order": event_order(ddp, it)}
 
 
+@_launched_when_ready
 def _variants(rank, world_size, variant):
     """static_graph, gradient_as_bucket_view, a comm hook: compiled gradients
     against torch's eager DDP with the same options."""
@@ -258,6 +271,7 @@ def _joined_then_hooked(rank, world_size, order):
             "pieces": [s.piece_buckets for s in compile_split.splits(ddp)]}
 
 
+@_launched_when_ready
 def _compiled_autograd(rank, world_size, compile_forward):
     import torch._dynamo
     from torch._dynamo import compiled_autograd

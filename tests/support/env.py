@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 @contextmanager
@@ -22,3 +23,11 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
+
+
+def run_with_environ(rank: int, world_size: int, values: dict[str, str], fn: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+    """A pool rank's body: ``fn(rank, world_size, *args, **kwargs)`` with
+    ``values`` set in the environment (see [Note: both policies] in tests/conftest.py)."""
+    with environ(**values):
+        return fn(rank, world_size, *args, **kwargs)
