@@ -742,6 +742,14 @@ class Reducer:
         find_unused_parameters)."""
         return self._graph_static
 
+    def _run_allreduce_hook(self, bucket: Any) -> torch.futures.Future:
+        """torch's name, called by its mixed-precision and optimizer-in-backward
+        comm hooks: sum ``bucket.buffer()`` over the group in place (not
+        divided: the caller divides); the future resolves to that buffer."""
+        buf = bucket.buffer()
+        fut = self.comm.all_reduce(buf, label=f"DDP bucket {bucket.index()}")
+        return fut.then(lambda f: f.value()[0])
+
     def _delay_all_reduce(self) -> None:
         """torch's ``_delay_all_reduce``: static_graph's first iteration, reduce all now."""
         self.delay_all_reduce()

@@ -114,7 +114,7 @@ def test_listed_name_is_on_gradring(where: dict, obj: str, name: str) -> None:
         "class, whose __init__ never ran: implement it on gradring's"
 
 
-# ------------------------------------------------ the pending reducer name, in use
+# ------------------------------------------------ a reducer name, in use
 def _run_allreduce_hook(rank: int, world: int) -> dict:
     """A comm hook the way torch's mixed-precision and optimizer-in-backward hooks
     are written: ``ddp.reducer._run_allreduce_hook(bucket)`` sums the bucket's buffer
@@ -143,7 +143,6 @@ def _run_allreduce_hook(rank: int, world: int) -> dict:
     return {"equal": all(torch.equal(a, b) for a, b in zip(out["theirs"], out["ours"]))}
 
 
-@pytest.mark.xfail(strict=True, reason="reducer attribute pending")
 def test_run_allreduce_hook_as_torch(pools) -> None:
     for r in pools.run(2, _run_allreduce_hook):
         assert r["equal"], r
