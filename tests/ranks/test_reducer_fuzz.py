@@ -1,0 +1,48 @@
+"""The differential fuzzer: random scenarios under the reducer's core, the
+default and each fast path alone, and torch's DDP (see [Note: the
+differential fuzzer] in tests/support/fuzz.py).
+
+A failing seed replays alone with
+``GRADRING_FUZZ_SEEDS=<seed> pytest -q tests/ranks/test_reducer_fuzz.py -m ''``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.fuzz import run_seed
+
+#: Seeds the default suite runs (a few seconds each); the slow suite runs more.
+DEFAULT_SEEDS = range(12)
+SLOW_SEEDS = range(1000, 1150)
+
+
+def _seeds(default: range) -> list[int]:
+    chosen = os.environ.get("GRADRING_FUZZ_SEEDS")
+    if not chosen:
+        return list(default)
+    if "-" in chosen:
+        lo, hi = (int(v) for v in chosen.split("-"))
+        return list(range(lo, hi))
+    return [int(v) for v in chosen.split(",")]
+
+
+def _check(pools, seed: int, max_numel: int) -> None:
+    found = pools.run(2, run_seed, seed, max_numel, timeout=600)
+    problems = [line for rank_lines in found for line in rank_lines]
+    assert not problems, (
+        "\n".join(problems) + f"\nreplay: GRADRING_FUZZ_SEEDS={seed} "
+        "pytest -q tests/ranks/test_reducer_fuzz.py -m ''")
+
+
+@pytest.mark.parametrize("seed", _seeds(DEFAULT_SEEDS))
+def test_fast_paths_match_the_core_and_torch(pools, seed: int) -> None:
+    _check(pools, seed, max_numel=300_000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", _seeds(SLOW_SEEDS))
+def test_fast_paths_match_the_core_and_torch_more_seeds(pools, seed: int) -> None:
+    _check(pools, seed, max_numel=1_000_000)

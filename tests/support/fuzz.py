@@ -1,0 +1,282 @@
+"""Seeded random DDP scenarios, run under each reducer configuration in one rank.
+
+[Note: the differential fuzzer]
+A seed makes a *scenario*: a model of random parameters (1 element to
+several MiB, float32 and float64, some made from transposed tensors, one
+sometimes shared by two terms of the loss, some left out of the loss on some
+ranks), DDP's arguments (``find_unused_parameters``, ``static_graph``,
+``gradient_as_bucket_view``, a bucket cap, torch's allreduce or fp16
+compression comm hook) and a training pattern (``zero_grad`` with
+``set_to_none`` True or False or none at all, ``no_sync`` steps, a second
+backward after one forward, Join with uneven inputs). Every rank builds the
+same scenario from the seed.
+
+The scenario then runs once per reducer configuration (``GRADRING_FAST_PATHS``
+``none``, the core; ``all``, the default; each fast path alone; and the
+at-the-end pair ``at_end,joined``), and, where torch's DDP can run it on this
+backend, once under torch's DDP. Each run records, per step, every
+parameter's ``.grad`` and, after the optimizer step, the parameters, or the
+error that stopped it (its type and first line). Every configuration must
+give the core's bits and errors; torch's DDP must give the core's too. A
+mismatch is reported with the seed and the command that replays it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradring
+
+#: The reducer configurations every scenario runs under, the core first.
+CONFIGS = ("none", "all", "homed", "packed", "held", "at_end", "joined", "inline_last",
+           "at_end,joined")
+
+
+@dataclass
+class Scenario:
+    """One random DDP scenario (see [Note: the differential fuzzer])."""
+
+    seed: int
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    transposed: list[bool]
+    shared: int | None  # a parameter used by two terms of the loss
+    unused: dict[int, list[int]]  # rank -> parameters its loss leaves out
+    find_unused: bool
+    static_graph: bool
+    view: bool
+    cap_mb: float
+    hook: str | None  # None, "allreduce" or "fp16"
+    steps: list[str]  # per step: "none" | "zero" | "keep" | "no_sync" | "twice"
+    join_extra: int  # Join: rank 1 trains this many steps more (0: no Join)
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return (f"seed={self.seed} params={len(self.shapes)} "
+                f"numels={[_numel(s) for s in self.shapes]} find_unused={self.find_unused} "
+                f"static_graph={self.static_graph} view={self.view} cap_mb={self.cap_mb} "
+                f"hook={self.hook} steps={self.steps} join_extra={self.join_extra} "
+                f"shared={self.shared} unused={self.unused}")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def make(seed: int, *, world_size: int, max_numel: int) -> Scenario:
+    """The scenario of ``seed`` (the same on every rank)."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    shapes, dtypes, transposed = [], [], []
+    for _ in range(n):
+        size = rng.choice([1, rng.randint(2, 64), rng.randint(65, 4096), rng.randint(4097, 70000),
+                           rng.randint(70001, max(70002, max_numel))])
+        size = min(size, max_numel)
+        if size >= 4 and rng.random() < 0.4:
+            a = rng.choice([d for d in range(2, 65) if size % d == 0] or [1])
+            shapes.append((a, size // a))
+            transposed.append(a > 1 and rng.random() < 0.4)
+        else:
+            shapes.append((size,))
+            transposed.append(False)
+        dtypes.append(rng.choice([torch.float32, torch.float32, torch.float64]))
+    find_unused = rng.random() < 0.35
+    static_graph = not find_unused and rng.random() < 0.25
+    unused: dict[int, list[int]] = {}
+    if (find_unused or static_graph) and n > 1 and rng.random() < 0.6:
+        for r in range(world_size):
+            if rng.random() < 0.6:
+                unused[r] = rng.sample(range(n), rng.randint(1, n - 1))
+    elif n > 1 and rng.random() < 0.1:
+        # A parameter every rank leaves out without find_unused_parameters: the
+        # next forward raises, naming it (the errors are compared too). Left
+        # out on some ranks only, it would leave the others waiting in a
+        # collective, under torch's DDP as here, until the timeout.
+        k = rng.randrange(n)
+        unused = {r: [k] for r in range(world_size)}
+    hook = rng.choice([None, None, None, "allreduce", "fp16"])
+    join_extra = 0
+    if not static_graph and rng.random() < 0.2:
+        join_extra = rng.randint(1, 2)
+    patterns = ["none", "zero", "keep", "no_sync", "twice"]
+    steps = [rng.choice(patterns) for _ in range(rng.randint(2, 5))]
+    if static_graph:
+        # static_graph: the same graph every iteration (no second backward).
+        steps = [s for s in steps if s != "twice"] or ["none"]
+    if join_extra:
+        steps = [s for s in steps if s not in ("twice", "no_sync")] or ["none"]
+    return Scenario(
+        seed=seed, shapes=shapes, dtypes=dtypes, transposed=transposed,
+        shared=rng.randrange(n) if rng.random() < 0.3 else None, unused=unused,
+        find_unused=find_unused, static_graph=static_graph, view=rng.random() < 0.35,
+        cap_mb=rng.choice([0.001, 0.02, 0.5, 25.0]), hook=hook, steps=steps,
+        join_extra=join_extra)
+
+
+class FuzzNet(nn.Module):
+    """The scenario's parameters; the loss gives each an elementwise gradient
+    that depends on the parameter and on the rank's input."""
+
+    def __init__(self, sc: Scenario) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(sc.seed)
+        ps, bases = [], []
+        for shape, dtype, t in zip(sc.shapes, sc.dtypes, sc.transposed):
+            if t:
+                data = torch.randn(shape[::-1], generator=gen, dtype=dtype).t()
+            else:
+                data = torch.randn(shape, generator=gen, dtype=dtype)
+            ps.append(nn.Parameter(data))
+            bases.append(torch.randn(shape, generator=gen, dtype=dtype))
+        self.ps = nn.ParameterList(ps)
+        # Plain attributes, not buffers: DDP would broadcast buffers every forward.
+        self.bases = bases
+        self.shared = sc.shared
+        self.skip: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.sum()
+        total = x.new_zeros(())
+        for k, p in enumerate(self.ps):
+            if k in self.skip:
+                continue
+            base = self.bases[k]
+            term = (p * base).sum() * s + (p * p).sum() * 0.01
+            total = total + term.to(total.dtype)
+        if self.shared is not None and self.shared not in self.skip:
+            p = self.ps[self.shared]
+            total = total + (p * p * 0.5).sum().to(total.dtype)
+        return total
+
+
+@contextlib.contextmanager
+def _fast_paths(value: str | None) -> Iterator[None]:
+    old = os.environ.get("GRADRING_FAST_PATHS")
+    if value is None:
+        os.environ.pop("GRADRING_FAST_PATHS", None)
+    else:
+        os.environ["GRADRING_FAST_PATHS"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GRADRING_FAST_PATHS", None)
+        else:
+            os.environ["GRADRING_FAST_PATHS"] = old
+
+
+def _hook(name: str | None) -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {None: None, "allreduce": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook}[name]
+
+
+def _train(sc: Scenario, rank: int, impl: type) -> list[Any]:
+    """Run the scenario under ``impl``; the record (see [Note: the differential fuzzer])."""
+    model = FuzzNet(sc)
+    model.skip = set(sc.unused.get(rank, []))
+    ddp = impl(model, find_unused_parameters=sc.find_unused, static_graph=sc.static_graph,
+               gradient_as_bucket_view=sc.view, bucket_cap_mb=sc.cap_mb)
+    hook = _hook(sc.hook)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1000 * sc.seed + rank)
+    record: list[Any] = []
+    steps = list(sc.steps) + (["none"] * sc.join_extra if rank == 1 else [])
+    join = ddp.join() if sc.join_extra else contextlib.nullcontext()
+    try:
+        with join:
+            for how in steps:
+                x = torch.randn(3, 4, generator=gen)
+                if how == "none":
+                    opt.zero_grad(set_to_none=True)
+                elif how == "zero":
+                    opt.zero_grad(set_to_none=False)
+                elif how == "no_sync":
+                    with ddp.no_sync():
+                        ddp(x * 0.5).backward()
+                loss = ddp(x)
+                if how == "twice":
+                    loss.backward(retain_graph=True)
+                loss.backward()
+                record.append([None if p.grad is None else p.grad.detach().clone()
+                               for p in model.parameters()])
+                opt.step()
+                record.append([p.detach().clone() for p in model.parameters()])
+    except Exception as exc:  # noqa: BLE001 - the error is part of the record
+        record.append(("error", type(exc).__name__, str(exc).splitlines()[0]))
+    return record
+
+
+def _diff(a: list[Any], b: list[Any], *, error_text: bool = True) -> str | None:
+    """Where two records differ, or None if they are the same bits (and
+    errors; ``error_text``: their texts' first lines too, else only their types)."""
+    if len(a) != len(b):
+        return f"{len(a)} entries against {len(b)}: last {a[-1:]!s:.200} / {b[-1:]!s:.200}"
+    for k, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, tuple) or isinstance(y, tuple):
+            if (x != y) if error_text else (x[:2] != y[:2]):
+                return f"entry {k}: {x!s:.300} against {y!s:.300}"
+            continue
+        for j, (s, t) in enumerate(zip(x, y)):
+            if (s is None) != (t is None):
+                return f"entry {k} param {j}: None against a tensor"
+            if s is not None and not (s.dtype == t.dtype and torch.equal(s, t)):
+                return f"entry {k} param {j}: max diff {(s - t).abs().max().item():g}"
+    return None
+
+
+def torch_can_run(sc: Scenario) -> bool:
+    """Whether torch's DDP runs the scenario here as gradring's does (gloo, CPU)."""
+    # A second backward after one forward raises under torch's DDP where it
+    # only accumulates under gradring's (docs/ddp-differences.md).
+    return "twice" not in sc.steps
+
+
+def run_seed(rank: int, world_size: int, seed: int, max_numel: int,
+             configs: tuple[str, ...] = CONFIGS) -> list[str]:
+    """Every rank: run ``seed``'s scenario under each configuration (and torch's
+    DDP where it can), and return the mismatches against the core."""
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        # A second backward after one forward warns once per DDP, as it should.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _run_seed(rank, world_size, seed, max_numel, configs)
+
+
+def _run_seed(rank: int, world_size: int, seed: int, max_numel: int,
+              configs: tuple[str, ...]) -> list[str]:
+    sc = make(seed, world_size=world_size, max_numel=max_numel)
+    out = []
+    with _fast_paths(configs[0]):
+        core = _train(sc, rank, gradring.DistributedDataParallel)
+    for cfg in configs[1:]:
+        with _fast_paths(cfg):
+            got = _train(sc, rank, gradring.DistributedDataParallel)
+        d = _diff(got, core)
+        if d is not None:
+            out.append(f"rank {rank} GRADRING_FAST_PATHS={cfg}: {d}")
+    if torch_can_run(sc):
+        got = _train(sc, rank, nn.parallel.DistributedDataParallel)
+        d = _diff(got, core, error_text=False)
+        if d is not None:
+            out.append(f"rank {rank} torch's DDP: {d}")
+    dist.barrier()
+    if out:
+        out.insert(0, sc.describe())
+    return out
