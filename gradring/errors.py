@@ -319,13 +319,3 @@ def param_mapping_incomplete(given: int, named: int) -> str:
         f"lengths: {given} vs {named}. (gradring: the list given holds parameters DDP "
         "does not reduce.)"
     )
-
-
-def compiled_autograd_switched_on() -> str:
-    return (
-        "gradring DDP: compiled autograd was switched on between a forward and its "
-        "backward. The reducer had planned this backward without it (small gradients "
-        "counted in when the backward ends, which compiled autograd does not report), "
-        "so it cannot reduce it. Switch compiled autograd on before the forward; from "
-        "the next forward on, every parameter is hooked again."
-    )

@@ -103,7 +103,7 @@ class GroupComm:
 
     def exchange_lists(self, tag: str, mine: list[int]) -> dict[int, list[int]]:
         """Swap small integer lists with the other ranks through the store (error paths)."""
-        from gradring._store import exchange_lists  # local: only on the error path
+        from gradring.comm.store import exchange_lists  # local: only on the error path
 
         return exchange_lists(self, tag, mine)
 

@@ -46,14 +46,3 @@ def in_compiled_autograd() -> bool:
     """Whether a compiled-autograd backward is running (without importing Dynamo)."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return ca is not None and bool(ca.in_compiled_autograd_region)
-
-
-def compiled_autograd_on() -> bool:
-    """Whether compiled autograd is switched on now, by its context manager or
-    by Dynamo's config (without importing Dynamo)."""
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    if ca is None:
-        return False
-    config = sys.modules.get("torch._dynamo.config")
-    return bool(getattr(ca, "compiled_autograd_enabled", False)
-                or getattr(config, "compiled_autograd", False))

@@ -122,11 +122,6 @@ def slots_offset(world_size: int) -> int:
     return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def slot_offset(world_size: int, peer: int, k: int) -> int:
-    """Byte offset of slot ``k`` of the channel towards ``peer``."""
-    return slots_offset(world_size) + (peer * SLOTS + k) * SLOT_BYTES
-
-
 def control_size(world_size: int) -> int:
     """Bytes of one rank's control segment, mailbox slots included."""
     return slots_offset(world_size) + world_size * SLOTS * SLOT_BYTES
