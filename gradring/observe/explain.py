@@ -591,8 +591,8 @@ def format_explanation(x: Explanation) -> str:
 # ------------------------------------------------------------------ entry points
 def measure_link(ddp: Any) -> CommCurve:
     """All-reduce time against size on ``ddp``'s group, up to its gradients' size
-    (``autocap.measure_allreduce``). Collective: every rank calls it."""
-    from gradring.reducer.autocap import curve_sizes, measure_allreduce
+    (``link_curve.measure_allreduce``). Collective: every rank calls it."""
+    from gradring.link_curve import curve_sizes, measure_allreduce
 
     total = sum(p.numel() * p.element_size() for p in ddp.reducer.params)
     return measure_allreduce(ddp.comm, curve_sizes(total))

@@ -25,28 +25,26 @@ is rougher than ``gradring tune``'s, which times several. Without a rebuild
 (``find_unused_parameters=True`` without ``static_graph``) there is nothing
 to decide at and the default cap stays, with a warning.
 
-``measure_allreduce`` is also the tuner's way of timing the curve: it lives
-here, beside the runtime, so that ``gradring tune`` imports the runtime and
-never the other way round.
+The curve is timed by ``link_curve.measure_allreduce``, as ``gradring tune``
+and ``gradring explain`` time it.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from gradring.link_curve import curve_sizes, measure_allreduce
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,
     Profile,
     choose,
     simulate,
-    sweep_sizes,
 )
 
 AUTO = "auto"
@@ -64,43 +62,6 @@ class AutoCap(NamedTuple):
 
 def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
-
-
-def curve_sizes(total_bytes: int, points: int = 6) -> list[int]:
-    """A handful of message sizes from 4 KiB up to the whole model (log-spaced)."""
-    sizes = sweep_sizes(max(total_bytes, 4096))
-    if len(sizes) <= points:
-        return sizes
-    step = (len(sizes) - 1) / (points - 1)
-    return sorted({sizes[round(k * step)] for k in range(points)})
-
-
-def measure_allreduce(comm: Any, sizes: Sequence[int], *, reps: int | None = None,
-                      budget_bytes: int = 64 * MIB,
-                      sync: Callable[[], Any] | None = None) -> CommCurve:
-    """Median ms of one asynchronous all-reduce (float32) per size, on ``comm``'s own
-    memory (``comm.empty``, as DDP's buckets are). Collective: every rank of the group
-    calls it at the same point.
-
-    ``reps`` calls per size after one warm-up (which also first-touches the pages);
-    None: as many as fit ``budget_bytes``, 3 to 20. ``sync``, when given, runs before
-    every timed call (the tuner passes a barrier so ranks start each call together)."""
-    buf = comm.empty(max(sizes) // 4 + 1, torch.float32, torch.device("cpu"))
-    buf.zero_()
-    times = []
-    for size in sizes:
-        view = buf.narrow(0, 0, max(1, size // 4))
-        comm.all_reduce(view).wait()  # warm-up, first touch of the pages
-        n = reps if reps is not None else max(3, min(20, budget_bytes // max(size, 1)))
-        samples = []
-        for _ in range(n):
-            if sync is not None:
-                sync()
-            t = time.perf_counter()
-            comm.all_reduce(view).wait()
-            samples.append((time.perf_counter() - t) * 1e3)
-        times.append(statistics.median(samples))
-    return CommCurve(list(sizes), times)
 
 
 def decide(profile: Profile, curve: CommCurve,

@@ -17,7 +17,7 @@ ratio. The tuner does exactly that, then simulates the reducer:
 2. All-reduce time against message size, with gradring.comm on the real
    process group, on a ``comm.empty`` buffer (as DDP's buckets are), issued
    asynchronously as the reducer does (engine thread + future):
-   ``autocap.measure_allreduce``, with a barrier before every timed call.
+   ``link_curve.measure_allreduce``, with a barrier before every timed call.
 3. For each candidate cap the step model ([Note: the step model] in
    ``gradring/step_model.py``) seals buckets over the arrival order as the
    rebuild does, runs their all-reduces one after another from the measured
@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
-from gradring.reducer.autocap import measure_allreduce
+from gradring.link_curve import measure_allreduce
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,

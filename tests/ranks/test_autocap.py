@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gradring
-from gradring import step_model
+from gradring import link_curve, step_model
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
 from gradring.reducer import autocap
@@ -49,7 +49,7 @@ def test_fixed_cost_collective_picks_the_largest_cap() -> None:
 
 
 def test_curve_sizes_reach_the_model() -> None:
-    sizes = autocap.curve_sizes(48 * MIB)
+    sizes = link_curve.curve_sizes(48 * MIB)
     assert len(sizes) <= 6 and sizes[0] == 4096 and sizes[-1] == 48 * MIB
     assert sizes == sorted(sizes)
 

@@ -209,8 +209,8 @@ def explain_case(rank: int, world: int, case: str, out_dir: str | None = None) -
     out = {"keys": result.keys(), "text": result.text, "parts": result.parts,
            "straggler": result.straggler, "unused_last": len(ddp.reducer.unused_in_last_forward())}
     if out_dir is not None:
+        from gradring.link_curve import curve_sizes, measure_allreduce
         from gradring.observe.overlap import export_chrome_trace, merge_traces
-        from gradring.reducer.autocap import curve_sizes, measure_allreduce
 
         total = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
         curve = measure_allreduce(ddp.comm, curve_sizes(total))

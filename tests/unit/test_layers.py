@@ -2,7 +2,7 @@
 
 ``import gradring`` must stay free of ``gradring.tools`` (the CLI, the tuner
 and its workloads, argparse): the runtime and the tools share only the pure
-step model (``gradring/step_model.py``) and ``autocap.measure_allreduce``.
+step model (``gradring/step_model.py``) and ``link_curve.measure_allreduce``.
 Each check runs in a fresh interpreter, so nothing an earlier test imported
 can hide or fake a dependency.
 """
