@@ -26,7 +26,7 @@ methods delegate to these functions; the reducer contributes one primitive,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,13 +39,47 @@ Join = _torch_join.Join
 Joinable = _torch_join.Joinable
 JoinHook = _torch_join.JoinHook
 
-__all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable"]
+__all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoiningDDP"]
+
+
+class JoiningReducer(Protocol):
+    """What Join asks of the DDP's reducer."""
+
+    def set_divide_factor(self, factor: int) -> None: ...
+
+    def rebuild_if_needed(self) -> bool: ...
+
+    def shadow_backward(self) -> None: ...
+
+
+class JoiningDDP(Protocol):
+    """Everything Join reads and calls on a DDP (``ddp/module.py``'s class):
+    the group, the device, the reducer, the two syncs, and the two flags
+    Join sets (torch's names)."""
+
+    divide_by_initial_world_size: bool
+    require_forward_param_sync: bool
+
+    @property
+    def comm(self) -> GroupComm: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def reducer(self) -> JoiningReducer: ...
+
+    def _sync_buffers(self, *, active: bool = True) -> None: ...
+
+    def _sync_params_and_buffers(self, src: int, *, buffers: bool = True) -> None: ...
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None: ...
 
 
 class DDPJoinHook(JoinHook):
     """What a joined rank runs while the others keep training."""
 
-    def __init__(self, ddp: Any,
+    def __init__(self, ddp: JoiningDDP,
                  divide_by_initial_world_size: bool = True) -> None:
         # The DDP instance whose collectives are shadowed.
         self.ddp = ddp
@@ -73,7 +107,7 @@ def highest_rank(comm: GroupComm, cond: bool, device: torch.device) -> int:
     return int(t.item())
 
 
-def set_division(ddp: Any, *, initial: bool) -> None:
+def set_division(ddp: JoiningDDP, *, initial: bool) -> None:
     """Average over the initial world size, or (``initial=False``) over the ranks
     still training, which each forward then counts (see :func:`notify`)."""
     ddp.divide_by_initial_world_size = initial
@@ -81,7 +115,7 @@ def set_division(ddp: Any, *, initial: bool) -> None:
         ddp.reducer.set_divide_factor(ddp.comm.world_size)
 
 
-def notify(ddp: Any, sync: bool) -> None:
+def notify(ddp: JoiningDDP, sync: bool) -> None:
     """A rank still training, at the start of each forward: Join's all-reduce of
     1 (its sum is the number of such ranks), then the sync flag ``sync``."""
     work = Join.notify_join_context(ddp)
@@ -92,13 +126,13 @@ def notify(ddp: Any, sync: bool) -> None:
     any_rank(ddp.comm, sync, ddp.device)
 
 
-def buffer_source(ddp: Any, active: bool) -> int:
+def buffer_source(ddp: JoiningDDP, active: bool) -> int:
     """Under Join, the rank whose buffers a forward's sync sends: the highest
     rank still training (``active``), as torch does (rank 0 outside Join)."""
     return highest_rank(ddp.comm, active, ddp.device)
 
 
-def shadow_iteration(ddp: Any) -> None:
+def shadow_iteration(ddp: JoiningDDP) -> None:
     """A joined rank mirrors one training iteration of the others ([Note: shadowing])."""
     should_sync = any_rank(ddp.comm, False, ddp.device)
     if should_sync:
@@ -109,7 +143,7 @@ def shadow_iteration(ddp: Any) -> None:
         ddp.reducer.shadow_backward()
 
 
-def sync_final_model(ddp: Any, *, is_last_joiner: bool) -> int:
+def sync_final_model(ddp: JoiningDDP, *, is_last_joiner: bool) -> int:
     """After everyone joined: the last joiner's parameters and buffers win.
     Returns that rank (torch's ``_authoritative_rank``)."""
     rank = highest_rank(ddp.comm, is_last_joiner, ddp.device)
