@@ -1,4 +1,4 @@
-"""Two or three independent jobs on one host never disturb each other (issue 31 §3).
+"""Two or three independent jobs on one host never disturb each other.
 
 Several small jobs (world 2, each with its own FileStore, fresh processes) run
 at once. A healthy *anchor* job connects first and trains until every other

@@ -1,4 +1,4 @@
-"""Nothing of a torchrun job outlives it, whoever dies (issue 31, section 2 and 4).
+"""Nothing of a torchrun job outlives it, whoever dies.
 
 Each test starts a fresh ``torchrun --standalone`` job of this file (run as a
 script it is the worker: ``--job NAME``), kills or stops some of its

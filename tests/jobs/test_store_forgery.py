@@ -1,4 +1,4 @@
-"""A forged store value in a real job (issue 47): the wait ends with an error naming the key.
+"""A forged store value in a real job: the wait ends with an error naming the key.
 
 Any local process that can reach a job's store can write a rank's board key.
 ``"42"`` there used to kill rank 0's watchdog thread (``TypeError: 'int'

@@ -1,4 +1,4 @@
-"""Forged store values against the peer board and the watchdog thread (issue 47).
+"""Forged store values against the peer board and the watchdog thread.
 
 Any local process that reaches the job's store can write a board key. The
 board must reject what gradring did not write, naming the key (see [Note: the

@@ -1,6 +1,6 @@
 """Every file gradring's tools write, against a second local user who prepared the ground.
 
-Issue 47: run as root in a shared sticky folder, ``gradring demo`` wrote
+Before these checks, run as root in a shared sticky folder, ``gradring demo`` wrote
 ``explain.txt`` and ``timeline.png`` through links another user planted, and
 the checkpoint loader unpickled whatever that user left at the documented
 ``/tmp/elastic/ckpt.pt``. The test process is root, like the job in the

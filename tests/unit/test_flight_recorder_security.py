@@ -1,4 +1,4 @@
-"""The flight recorder against a second local user who prepares its folder (issue 31).
+"""The flight recorder against a second local user who prepares its folder.
 
 The test process is root, like the job in the report. A child running as
 ``nobody`` (uid/gid 65534) creates the recorder folder or plants symbolic
