@@ -22,18 +22,15 @@ spread (``benchmarks/ablation.py``; the figures are in docs/design.md,
 - ``packed``: slots of at most ``SMALL_SLOT_NUMEL`` elements are copied in
   and out a bucket at a time, by batched calls, when the bucket is ready
   ([Note: packed slots] in ``buckets/packing.py``).
-- ``held``: small homed and view slots are put in when the bucket is ready
-  rather than by each hook ([Note: held slots] in ``buckets/bucket.py``).
-- ``at_end``: on a host with no core free for the comm thread, every bucket
-  is reduced on the training thread when the backward ends, instead of
-  launched when ready ([Note: overlap needs a free core] in
-  ``overlap_policy.py``).
-- ``joined``: when every bucket is reduced at the end, neighbouring buckets
-  are reduced as one collective ([Note: one collective at the end] in
-  ``buckets/assign.py``).
 - ``inline_last``: the last bucket is reduced by the finalize on its own
   thread, not handed to the comm thread and waited for ([Note: the last
   bucket] in ``launcher.py``).
+
+Three more were measured the same way and removed: ``held`` (small slots put
+in when their bucket is ready), ``at_end`` (every bucket reduced at the end
+of the backward on a host with no free core), ``joined`` (those buckets as
+one collective), which never won beyond the spread; and, earlier, lent
+gradients and end counting, which could be wrong (see docs/design.md).
 
 ``GRADRING_FAST_PATHS`` is ``all`` (the default), ``none`` (the core), a
 comma-separated list of the names to keep, or of names each prefixed with
@@ -47,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 #: Every fast path's name, in the order of the bits rank 0 broadcasts.
-NAMES = ("homed", "packed", "held", "at_end", "joined", "inline_last")
+NAMES = ("homed", "packed", "inline_last")
 
 
 @dataclass(frozen=True)
@@ -56,9 +53,6 @@ class FastPaths:
 
     homed: bool = True
     packed: bool = True
-    held: bool = True
-    at_end: bool = True
-    joined: bool = True
     inline_last: bool = True
 
     def bits(self) -> int:

@@ -10,14 +10,12 @@ from tests.support.rankpool import RankPool
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # [Note: both policies]
-# The suite runs the host's overlap policy: on a machine with as many ranks as
-# cores (a laptop, a 2-core CI box) that is the at-the-end path, buckets reduced
-# when the backward ends and joined (see [Note: overlap needs a free core] in
-# gradring/reducer/overlap_policy.py). The files that compare gradring's DDP
-# against torch's run twice, once per policy: [host] as the host decides, and
-# [ready] with GRADRING_OVERLAP=1, buckets launched as they become ready (the
-# path of hosts with a core to spare). Their rank bodies get the variable
-# through the pools (Pools.environ).
+# The suite runs gradring's default, buckets launched as they become ready
+# (see [Note: overlap needs a free core] in gradring/reducer/overlap_policy.py).
+# The files that compare gradring's DDP against torch's run twice, once per
+# policy: [ready], the default, and [at_end] with GRADRING_OVERLAP=0, every
+# bucket reduced on the training thread when the backward ends. Their rank
+# bodies get the variable through the pools (Pools.environ).
 BOTH_POLICIES = {
     "tests/ranks/test_ddp_behaviour.py", "tests/ranks/test_ddp_corners.py",
     "tests/ranks/test_ddp_corners_more.py", "tests/ranks/test_ddp_identity.py",
@@ -28,7 +26,7 @@ BOTH_POLICIES = {
     "tests/ranks/test_skip_unused_buckets.py", "tests/ranks/test_irregular.py",
     "tests/ranks/test_reducer_fast_path.py", "tests/ranks/test_mixed_precision.py",
 }
-POLICIES = {"host": {}, "ready": {"GRADRING_OVERLAP": "1"}}
+POLICIES = {"ready": {}, "at_end": {"GRADRING_OVERLAP": "0"}}
 
 
 def pytest_generate_tests(metafunc) -> None:  # noqa: ANN001

@@ -9,17 +9,15 @@ The names ``gradring.buckets`` exported as one module are re-exported here.
 from gradring.buckets.assign import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
-    JOIN_CAP_BYTES,
     MIB,
     BucketCaps,
     assign_buckets,
     bucket_key,
-    join_adjacent,
 )
-from gradring.buckets.bucket import HELD_SLOT_NUMEL, Bucket, BucketState, SlotKind
+from gradring.buckets.bucket import Bucket, BucketState, SlotKind
 
 __all__ = [
-    "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "HELD_SLOT_NUMEL",
-    "JOIN_CAP_BYTES", "MIB", "Bucket", "BucketCaps", "BucketState", "SlotKind",
-    "assign_buckets", "bucket_key", "join_adjacent",
+    "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES",
+    "MIB", "Bucket", "BucketCaps", "BucketState", "SlotKind",
+    "assign_buckets", "bucket_key",
 ]

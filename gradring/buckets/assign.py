@@ -11,26 +11,6 @@ where each bucket's first tensor sits in the walk. DDP calls this twice:
   last-defined layers (whose gradients arrive first) land in bucket 0;
 - at the rebuild, over the order in which gradients actually arrived during a
   backward, with caps [1 MiB, bucket_cap, ...]; no reversal is needed there.
-
-[Note: one collective at the end]
-Buckets exist so that the first gradients can be reduced while autograd still
-computes the others. When nothing overlaps (every bucket is reduced when the
-backward ends, see [Note: overlap needs a free core] in
-``reducer/overlap_policy.py``), a bucket boundary buys nothing and costs a
-collective: each one synchronises the ranks twice, and under a competing load
-every synchronisation may wait for a descheduled peer. So in that case the
-reducer installs the rebuild's buckets joined (:func:`join_adjacent`):
-neighbouring buckets of one key become one, up to ``JOIN_CAP_BYTES``
-(fast path ``joined``: see [Note: the core and its fast paths] in
-``gradring/fast_paths.py``). The
-buckets torch's DDP would make are still what ``_get_ddp_logging_data``
-reports, and what the reducer installs again, at the next synchronised
-forward, once something needs them as they are: a comm hook or a fused
-optimizer registered later (both see buckets), or overlap switched back on
-(shared memory given up); under ``torch.compile`` the graph is then split
-at them again (``after_rebuild`` in ``compile/split.py``). Which elements are
-summed, and in which rank order, does not depend on the bucket: the results
-are the same bits.
 """
 
 from __future__ import annotations
@@ -46,8 +26,6 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 #: bucket_cap_mb's default.
 DEFAULT_BUCKET_CAP_MB = 25
 MIB = 1024 * 1024
-#: The largest bucket joining makes (see [Note: one collective at the end]).
-JOIN_CAP_BYTES = 256 * MIB
 
 
 def assign_buckets(
@@ -95,28 +73,6 @@ def assign_buckets(
     position = {idx: pos for pos, idx in enumerate(walk)}
     sealed.sort(key=lambda b: position[b[0]])
     return sealed
-
-
-def join_adjacent(groups: Sequence[Sequence[int]], sizes: Sequence[int],
-                  keys: Sequence[Hashable], cap: int) -> list[list[int]]:
-    """Join neighbouring groups whose tensors share a key, while the joined
-    group stays within ``cap`` bytes (see [Note: one collective at the end]).
-    Order is kept: the result, flattened, lists the same indices in the same order.
-
-    >>> join_adjacent([[0], [1], [2], [3]], [400, 400, 400, 400], ["a", "a", "b", "b"], 1000)
-    [[0, 1], [2, 3]]
-    """
-    out: list[list[int]] = []
-    filled = 0
-    for group in groups:
-        nbytes = sum(sizes[i] for i in group)
-        if out and group and keys[out[-1][0]] == keys[group[0]] and filled + nbytes <= cap:
-            out[-1].extend(group)
-            filled += nbytes
-        else:
-            out.append(list(group))
-            filled = nbytes
-    return out
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,6 @@ import torch
 
 from gradring.buckets.packing import SMALL_SLOT_NUMEL, Run, packed_runs
 
-#: HOMED and VIEW slots of at most this many elements (1 MiB of fp32) are held
-#: until their bucket is ready (see [Note: held slots]); larger ones are put
-#: in by their hook.
-HELD_SLOT_NUMEL = 262144
-
 
 class SlotKind(enum.Enum):
     """How one parameter's gradient travels through its bucket slot.
@@ -38,10 +33,8 @@ class SlotKind(enum.Enum):
       copied in and out like ``COPIED``, but a bucket's small slots at a
       time when the bucket is ready ([Note: packed slots] in ``packing.py``).
 
-    PACKED slots, and (fast path ``held``) VIEW and HOMED slots up to
-    HELD_SLOT_NUMEL elements, are *deferred*: their hooks only count, and the
-    tensor work is done for the whole bucket when its last gradient arrives
-    (see [Note: held slots]).
+    PACKED slots are *deferred*: their hooks only count, and the tensor work
+    is done for the whole bucket when its last gradient arrives.
 
     A gradient that does not fit its slot's kind at run time (no gradient,
     a non-contiguous or sparse one) falls back to ``COPIED``.
@@ -51,29 +44,6 @@ class SlotKind(enum.Enum):
     HOMED = "homed"
     COPIED = "copied"
     PACKED = "packed"
-
-
-# [Note: held slots]
-# A hook that puts a gradient in runs right after a layer's backward has
-# evicted the interpreter's working set from the caches, where every first
-# touch is slow. So (fast path ``held``) small VIEW and HOMED slots are
-# *held*: the hook only counts, the gradient waits in .grad, and when the
-# bucket's last gradient arrives every held slot is put in in one burst (then
-# the packed slots), in slot order, by the same put functions. The bucket
-# launches at the same moment; only the puts moved. Reading .grad then also
-# sees what later hooks of the same parameter did to it, which is what
-# torch's reducer sees (its hook runs after them).
-#
-# Only slots of at most HELD_SLOT_NUMEL elements (1 MiB of fp32) are held.
-# A large gradient is best copied while autograd has just written it and it
-# is still in cache, and its copy dwarfs the cold start. In view mode a held
-# slot's new gradient also lives beside its slot until the bucket fills, so
-# holding large view slots would keep a whole bucket's new gradients alive at
-# once: the memory gradient_as_bucket_view is chosen to save.
-
-
-#: The kinds whose small slots are held (PACKED slots are always deferred).
-_HELD_KINDS = (SlotKind.VIEW, SlotKind.HOMED)
 
 
 class BucketState(enum.Enum):
@@ -149,11 +119,9 @@ class Bucket:
         self.write_back: Callable[[int], None] = self.to_write.append
         # Per slot, how its gradient travels (see [Note: slot kinds]).
         self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
-        # Whether some slots are deferred (VIEW, PACKED or held): the reducer puts
-        # them in when the bucket's last gradient arrives.
+        # Whether some slots are deferred (PACKED): the reducer puts them in
+        # when the bucket's last gradient arrives.
         self.deferred = False
-        # The held slots, put in when the bucket is ready (see [Note: held slots]).
-        self.held: list[int] = []
         # The PACKED slots, as runs of neighbours (see [Note: packed slots]).
         self.runs: tuple[Run, ...] = ()
         # Every packed slot's parameter and view, in slot order, for the
@@ -212,16 +180,16 @@ class Bucket:
         self.to_write.clear()
 
     def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
-              hooked: bool, pack: bool, hold: bool) -> None:
+              hooked: bool, pack: bool) -> None:
         """Set the own chunk and whether the bucket may be homed, then decide
         every slot's kind (see [Note: slot kinds])."""
         self.own = own
         self.homable = homable
-        self.decide_kinds(view_mode=view_mode, hooked=hooked, pack=pack, hold=hold)
+        self.decide_kinds(view_mode=view_mode, hooked=hooked, pack=pack)
 
-    def decide_kinds(self, *, view_mode: bool, hooked: bool, pack: bool, hold: bool) -> None:
+    def decide_kinds(self, *, view_mode: bool, hooked: bool, pack: bool) -> None:
         """Decide each slot's kind: a comm hook sees plain copies, never homes.
-        ``pack`` and ``hold``: the fast paths ``packed`` and ``held`` are on."""
+        ``pack``: the fast path ``packed`` is on."""
         for s in range(len(self.params)):
             if view_mode:
                 kind = SlotKind.VIEW
@@ -234,9 +202,7 @@ class Bucket:
             self.kinds[s] = kind
         self.runs = packed_runs([k is SlotKind.PACKED for k in self.kinds], self.offsets,
                                 self.numels, self.params, self.param_indices)
-        self.held = [s for s, k in enumerate(self.kinds)
-                     if hold and k in _HELD_KINDS and self.numels[s] <= HELD_SLOT_NUMEL]
-        self.deferred = bool(self.runs) or bool(self.held)
+        self.deferred = bool(self.runs)
         self.packed_params = [p for run in self.runs for p in run.params]
         self.packed_flat = len(self.runs) == 1 and self.runs[0].flat
         self._view_packed()

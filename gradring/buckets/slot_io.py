@@ -18,20 +18,13 @@ from gradring.buckets.bucket import Bucket, SlotKind
 from gradring.buckets.packing import copy_in, copy_in_all, copy_out, copy_out_all, scale_tensor
 
 
-def put_deferred(bucket: Bucket, scale: float, view_mode: bool) -> None:
-    """The bucket's last gradient arrived: put in its held slots (VIEW ones
-    in view mode), and its PACKED slots (see [Note: held slots])."""
+def put_deferred(bucket: Bucket, scale: float) -> None:
+    """The bucket's last gradient arrived: put in its PACKED slots (see
+    [Note: packed slots] in ``packing.py``)."""
     grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
     if grad_mode:
         torch._C._set_grad_enabled(False)
     try:
-        if view_mode:
-            _put_views(bucket, scale)
-            return
-        for s in bucket.held:
-            put_homed(bucket, s, scale)
-        if not bucket.runs:
-            return
         if not grad_mode and not bucket.packed_flat and \
                 copy_in_all(bucket.packed_views, bucket.packed_params, scale):
             return
@@ -52,29 +45,6 @@ def put_nothing(bucket: Bucket, s: int) -> None:
     zeros, and the finalize writes the result back."""
     bucket.views[s].zero_()
     bucket.write_back(s)
-
-
-def _put_views(bucket: Bucket, scale: float) -> None:
-    """gradient_as_bucket_view, the held slots (see [Note: held slots]): each
-    is put in by ``put_view``, except that slots autograd summed into in
-    place are scaled together (the whole buffer in one multiply when that is
-    every slot)."""
-    st = scale_tensor(scale, bucket.buffer.dtype) if scale != 1.0 else None
-    views, params = bucket.views, bucket.params
-    summed = []  # slots that already were their .grad
-    for s in bucket.held:
-        grad = params[s].grad
-        if grad is not None and grad.layout is torch.strided and \
-                grad.data_ptr() == views[s].data_ptr():
-            summed.append(views[s])
-        else:
-            del grad
-            put_view(bucket, s, scale)
-    if st is not None and summed:
-        if len(summed) == len(views):
-            bucket.buffer.mul_(st)
-        else:
-            torch._foreach_mul_(summed, st)
 
 
 def put_view(bucket: Bucket, s: int, scale: float) -> None:
@@ -104,8 +74,7 @@ def put_view(bucket: Bucket, s: int, scale: float) -> None:
 
 
 # How a gradient goes into its slot, one function per kind (called by the
-# hook, or for a held slot when its bucket is ready); each falls back to
-# COPIED when the gradient does not fit its own kind.
+# hook); each falls back to COPIED when the gradient does not fit its own kind.
 def put_homed(bucket: Bucket, s: int, scale: float) -> None:
     """Copy in (scaled) only what the peers read, the part outside this rank's
     own chunk; the collective reads the rest from ``.grad`` and writes the
@@ -216,8 +185,7 @@ def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
 
 
 #: Per slot kind, what its hook puts in with (see [Note: slot kinds]); None
-#: for the kind that is always deferred (see [Note: packed slots]). A held
-#: slot of the other kinds has none either (see [Note: held slots]).
+#: for the kind that is always deferred (see [Note: packed slots]).
 PUT_AT_HOOK: dict[SlotKind, Callable[[Bucket, int, float], None] | None] = {
     SlotKind.VIEW: put_view, SlotKind.PACKED: None,
     SlotKind.HOMED: put_homed, SlotKind.COPIED: put_copied,

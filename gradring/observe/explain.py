@@ -83,8 +83,6 @@ MIN_SAVING_FRACTION = 0.02
 NO_TRADEOFF = ("find_unused", "broadcast_buffers", "bucket_view")
 #: Findings said whenever their condition holds, whatever their saving: how the run went.
 ALWAYS = ("at_the_end",)
-#: The at-the-end finding's title when the reason is the host's cores (the reducer's words).
-NO_FREE_CORE = "no core is free"
 NO_TRADEOFF_MIN_MS = 0.25
 #: Buckets up to this size measure the per-bucket cost in the run itself.
 SMALL_BUCKET_BYTES = 64 * 1024
@@ -476,20 +474,19 @@ def _at_the_end_finding(p: dict[str, float], facts: dict[str, Any],
     """Every bucket was reduced after the backward ([Note: overlap needs a free core]
     in reducer/overlap_policy.py): say so, and what launching at ready time would save."""
     why = facts.get("overlap_why", "")
-    reason = "because no core is free" if NO_FREE_CORE in why else f"({why})"
+    reason = f"({why})"
     own = p["last_bucket"] + p["exposed"]  # the exposed time less waiting for peers
     pred = overlapped_exposed_ms(buckets, p["backward"])
     ready = ", ".join(f"{b['ready']:.2f}" for b in buckets)
     return Finding(
         "at_the_end", f"buckets were reduced after the backward {reason}",
-        "free a core for the comm thread (fewer ranks x intra-op threads than cores on the "
-        "host), then buckets launch as they become ready; GRADRING_OVERLAP=1 forces it, at "
-        "the cost of a core taken from a backward when none is free",
+        "unset GRADRING_OVERLAP (or set it to 1): buckets then launch as they become "
+        "ready, as in torch's DDP",
         max(0.0, own - pred),
         f"{len(buckets)} bucket(s) ran {own:.2f} ms/step of collectives after the backward "
         f"(waiting for peers left out; the reducer: {why}); launched when ready (at "
         f"{ready} ms of a {p['backward']:.2f} ms backward) with the same run times, "
-        f"{pred:.2f} ms would be left exposed if a core were free")
+        f"{pred:.2f} ms would be left exposed")
 
 
 def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str, Any],

@@ -1,4 +1,4 @@
-"""The installed buckets: where each parameter's gradient goes, and joining.
+"""The installed buckets: where each parameter's gradient goes.
 
 [Note: installing buckets]
 A bucket assignment (lists of parameter indices, in launch order) becomes
@@ -9,13 +9,6 @@ and the put function its hook calls (none for a deferred slot, which its
 bucket puts in when full). Under ``gradient_as_bucket_view`` an existing
 ``.grad`` is copied into its new slot and pointed at it, so values
 accumulated before (``no_sync``) survive an install.
-
-When every bucket is reduced at the end of the backward, the assignment may
-be installed *joined* (fast path ``joined``: [Note: one collective at the
-end] in ``buckets/assign.py``). The assignment torch's DDP would make is kept
-beside it, with how many of torch's buckets each installed one holds (what
-torch's ``num_buckets_reduced`` counts), and installed again once joining no
-longer fits.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gradring.buckets import JOIN_CAP_BYTES, Bucket, join_adjacent
+from gradring.buckets import Bucket
 from gradring.buckets.slot_io import PUT_AT_HOOK
 from gradring.fast_paths import FastPaths
 from gradring.group_comm import GroupComm
@@ -51,11 +44,6 @@ class BucketSet:
         self._locator: list[tuple[int, int]] = []
         # param index -> route, looked up once per gradient.
         self.routes: list[Route] = []
-        # How many of torch's buckets each installed one holds (more than one
-        # only when joined).
-        self.torch_buckets_in: list[int] = []
-        # torch's buckets while the installed ones are joined, else None.
-        self._unjoined: list[list[int]] | None = None
         # Whether a comm hook is set (slots are then plain copies).
         self._hooked = False
         # Whether another live reducer acts on these parameters (nested DDP):
@@ -66,38 +54,9 @@ class BucketSet:
 
     # ------------------------------------------------------------ installing
     def install(self, groups: list[list[int]], fast: FastPaths) -> None:
-        """Install ``groups`` as they are (see [Note: installing buckets])."""
+        """Install ``groups`` (see [Note: installing buckets])."""
         self._fast = fast
-        self._unjoined = None
         self._install(groups)
-        self.torch_buckets_in = [1] * len(self.buckets)
-
-    def install_joined(self, groups: list[list[int]], fast: FastPaths, keys: Sequence) -> None:
-        """Install ``groups`` joined; remember them for ``unjoin``."""
-        joined = join_adjacent(groups, self._sizes, keys, JOIN_CAP_BYTES)
-        self.install(joined, fast)
-        if len(joined) == len(groups):
-            return
-        self._unjoined = groups
-        counts, k = [], 0
-        for bucket in joined:
-            covered = n = 0
-            while covered < len(bucket):
-                covered += len(groups[k])
-                k += 1
-                n += 1
-            counts.append(n)
-        self.torch_buckets_in = counts
-
-    @property
-    def joined(self) -> bool:
-        """Whether the installed buckets are joined torch buckets."""
-        return self._unjoined is not None
-
-    def unjoin(self) -> None:
-        """Install torch's buckets again (they were joined)."""
-        assert self._unjoined is not None
-        self.install(self._unjoined, self._fast)
 
     def _install(self, groups: list[list[int]]) -> None:
         comm, params = self._comm, self._params
@@ -129,15 +88,13 @@ class BucketSet:
                    and bucket.buffer.device.type == "cpu")
         bucket.place(comm.own_range(bucket.buffer.numel()), homable=homable,
                      view_mode=self._view_mode, hooked=self._hooked,
-                     pack=fast.packed, hold=fast.held)
+                     pack=fast.packed)
 
     def _build_routes(self) -> None:
         routes: list[Route] = []
-        held = {(b.index, s) for b in self.buckets for s in b.held}
         for b, s in self._locator:
             bucket = self.buckets[b]
-            put = None if (b, s) in held else PUT_AT_HOOK[bucket.kinds[s]]
-            routes.append((bucket, s, put))
+            routes.append((bucket, s, PUT_AT_HOOK[bucket.kinds[s]]))
         self.routes = routes
 
     # --------------------------------------------------- what changes the kinds

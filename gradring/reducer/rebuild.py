@@ -108,21 +108,6 @@ class Rebuild:
         self._order.clear()
 
 
-def overlap_choice(comm: Any, keys: Sequence[tuple[torch.dtype, torch.device]], *,
-                   at_end: bool) -> overlap_policy.OverlapChoice:
-    """This rank's overlap choice for its parameters' devices and group;
-    ``at_end``: whether the fast path of that name may be chosen."""
-    devices = {key[1].type for key in keys}
-    mine = overlap_policy.choose(
-        device_type="cpu" if devices <= {"cpu"} else sorted(devices - {"cpu"})[0],
-        on_shared_memory=comm.on_shared_memory(), world_size=comm.world_size)
-    if not mine.overlap and not at_end and not overlap_policy.forced_off():
-        return overlap_policy.OverlapChoice(
-            True, "the fast path at_end is off (GRADRING_FAST_PATHS): buckets launch "
-                  "when ready")
-    return mine
-
-
 def rank0_groups(comm: Any, groups: list[list[int]], order: list[int],
                  mine: overlap_policy.OverlapChoice, fast: FastPaths
                  ) -> tuple[list[list[int]], overlap_policy.OverlapChoice, FastPaths]:

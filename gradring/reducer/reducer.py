@@ -48,12 +48,13 @@ from gradring.fast_paths import FastPaths
 from gradring.graph import GraphMode, reachable_params
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import Trace, profiled
+from gradring.reducer import overlap_policy
 from gradring.reducer.bucket_set import BucketSet
 from gradring.reducer.engine_callback import queue_engine_callback
 from gradring.reducer.grad_hooks import GradHooks
 from gradring.reducer.launcher import CommHook, Launcher
 from gradring.reducer.owners import OWNERS
-from gradring.reducer.rebuild import Rebuild, overlap_choice, rank0_groups
+from gradring.reducer.rebuild import Rebuild, rank0_groups
 from gradring.reducer.state import IterationState
 from gradring.reducer.static_graph import StaticGraph
 
@@ -325,20 +326,17 @@ class Reducer:
     def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
         """Rank 0's assignment on every rank; rank 0's overlap choice and fast paths
         become ours."""
-        mine = config.current().fast_paths
         groups, choice, self.fast = rank0_groups(
-            self.comm, groups, order, overlap_choice(self.comm, self._keys, at_end=mine.at_end),
-            mine)
+            self.comm, groups, order, overlap_policy.choose(), config.current().fast_paths)
         self.overlap, self.overlap_why = choice
         return groups
 
     def rebuild_if_needed(self) -> bool:
         """At the start of a forward: rebuild buckets in gradient-arrival order,
-        once (see [Note: the rebuild]); later, unjoin them if needed. True if
-        the installed buckets changed."""
+        once (see [Note: the rebuild]). True if the installed buckets changed."""
         rebuild = self._rebuild
         if self.order_is_final or not rebuild.complete():
-            return self._unjoin_if_needed()
+            return False
         order = rebuild.order()
         caps, cap = rebuild.caps(self.comm, self.names, self._sizes, self._keys, self.caps)
         if cap is not None:
@@ -347,10 +345,7 @@ class Reducer:
         with profiled(self._launcher.broadcast_event):  # torch broadcasts here too
             groups = self._rank0_groups(
                 assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
-        if self._joining_wanted():  # see [Note: one collective at the end] in buckets/assign.py
-            self._set.install_joined(groups, self.fast, self._keys)
-        else:
-            self._set.install(groups, self.fast)
+        self._set.install(groups, self.fast)
         rebuild.done(groups, self._sizes)
         return True
 
@@ -360,20 +355,6 @@ class Reducer:
         (post_reduce) or find_unused's map."""
         return self.comm_hook is None and self.post_reduce is None \
             and self.mode is not GraphMode.FIND_UNUSED
-
-    def _joining_wanted(self) -> bool:
-        """Whether the finalize reduces every bucket, so that joined buckets
-        lose nothing (see [Note: one collective at the end] in buckets/assign.py)."""
-        return self.fast.joined and not self.overlap and self._finalize_may_reduce()
-
-    def _unjoin_if_needed(self) -> bool:
-        """At the start of a synchronised forward: install torch's buckets again
-        if the joined ones no longer fit (a comm hook, a fused optimizer, overlap
-        switched back on). True if it did."""
-        if not self._set.joined or self._joining_wanted():
-            return False
-        self._set.unjoin()
-        return True
 
     @property
     def launches_when_ready(self) -> bool:
@@ -556,7 +537,7 @@ class Reducer:
     # backward, grad mode is switched off only when it is on (it is off inside
     # an ordinary backward; on under create_graph), the scale is multiplied as
     # a cached 0-dim tensor (see packing.scale_tensor), and tracing marks
-    # buckets, never parameters. A deferred slot (PACKED, or a held one) has
+    # buckets, never parameters. A deferred slot (PACKED) has
     # no put function: its hook only counts, and put_deferred does the tensor
     # work for the whole bucket once its last gradient has arrived.
     def _mark_ready(self, i: int) -> None:
@@ -581,7 +562,7 @@ class Reducer:
             note(i)
         if full:
             if bucket.deferred:
-                put_deferred(bucket, self.scale, self.grad_as_view)
+                put_deferred(bucket, self.scale)
             bucket.mark_ready()
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
@@ -589,9 +570,7 @@ class Reducer:
     def _launch_ready(self) -> None:
         buckets = self.buckets
         launcher = self._launcher
-        counts = self._set.torch_buckets_in
-        for k in launcher.launch_ready(buckets, self.scale):
-            self.num_buckets_reduced += counts[k]
+        self.num_buckets_reduced += len(launcher.launch_ready(buckets, self.scale))
         if launcher.next_bucket == len(buckets):
             if self.mode is GraphMode.FIND_UNUSED:
                 used = torch.frombuffer(self._local_used, dtype=torch.uint8)

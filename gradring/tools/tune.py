@@ -35,10 +35,10 @@ ratio. The tuner does exactly that, then simulates the reducer:
 5. DDP then really trains with the chosen cap and with the 25 MiB default
    (or every candidate), in rounds interleaved with the plain model, and both
    predicted and measured step times are shown. Where that DDP reduced every
-   bucket when the backward ended (no core free for overlap, see [Note:
-   overlap needs a free core] in ``reducer/overlap_policy.py``), the buckets
-   it ran were joined and no cap could hide anything: the report says so and
-   keeps the default, whatever the clock said.
+   bucket when the backward ended (``GRADRING_OVERLAP=0``, see [Note:
+   overlap needs a free core] in ``reducer/overlap_policy.py``), no cap
+   could hide anything: the report says so and keeps the default, whatever
+   the clock said.
 
 The model leaves out what the reducer itself costs per byte (copying each
 gradient into its bucket, writing the results back into ``.grad``) and that
@@ -289,10 +289,6 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
         tag = "chosen" if q is r.chosen else ("default" if q is r.default else "")
         lines.append(f"cap {q.cap_mb:<5g}{tag:>8} {q.step_ms:>7.1f} ms {m['step_ms']:>7.1f} ms "
                      f"{q.exposed_ms:>10.2f} ms {m['exposed_ms']:>10.2f} ms {int(m['buckets']):>8}")
-    if at_the_end(r):
-        lines.append("measured: every bucket waited for the end of the backward, where "
-                     "gradring joins neighbouring buckets (up to GRADRING_JOIN_MB): the "
-                     "buckets column counts the joined ones")
     same = [q.cap_mb for q in r.predictions if q.buckets == r.default.buckets]
     if len(same) > 1:
         lines.append(f"caps {', '.join(f'{c:g}' for c in same)} MiB all give the same "
@@ -314,13 +310,13 @@ def recommendation(r: TuneResult) -> str:
     """The verdict line: a cap other than the default only for a measured gain
     beyond the round-to-round spread of both measurements, and never when the
     DDP it ran reduced every bucket at the end of the backward (then the cap
-    changes nothing but how buckets are joined)."""
+    changes nothing that can be hidden)."""
     why = at_the_end(r)
     if why:
         return (f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB}): "
-                f"on this host gradring reduced every bucket when the backward ended "
+                f"gradring reduced every bucket when the backward ended "
                 f"({why}), so no cap can hide communication here; the predictions above "
-                f"assume buckets launched when ready (rerun with GRADRING_OVERLAP=1 to "
+                f"assume buckets launched when ready (rerun without GRADRING_OVERLAP=0 to "
                 f"measure that)")
     if r.chosen.buckets == r.default.buckets:
         return f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB})"

@@ -107,8 +107,7 @@ def _dynamo_counters():
 
 def _launched_when_ready(fn):
     """Run the rank body with buckets launched when ready, at torch's bucket
-    boundaries, whatever the host (the at-the-end policy joins them into one:
-    _joined_then_hooked tests that split)."""
+    boundaries, whatever the host."""
     @functools.wraps(fn)
     def body(*args):
         with environ(GRADRING_OVERLAP="1"):
@@ -233,45 +232,6 @@ def _variants(rank, world_size, variant):
             "graphs_after_warmup": len(ours.graphs)}
 
 
-def _joined_then_hooked(rank, world_size, order):
-    """Every bucket reduced at the end of the backward (so joined into one, see
-    [Note: one collective at the end]), then torch's allreduce_hook registered
-    before step 4 (so torch's buckets come back): compiled gradients against
-    torch's eager DDP doing the same, and the pieces the graphs were split into."""
-    import torch._dynamo
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    torch._dynamo.reset()
-    n, d, steps, hooked_from = 4, 64, 7, 3
-    kw = {"bucket_cap_mb": 0.02}
-    module = _Stack(n, d)
-    xs = _inputs(rank, steps, d)
-    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module), **kw)
-    want = []
-    for k, x in enumerate(xs):
-        if k == hooked_from:
-            ref.register_comm_hook(None, allreduce_hook)
-        ref.zero_grad(set_to_none=True)
-        ref(x).sum().backward()
-        want.append(_grads(ref.module))
-    ours = _Counting()
-    with environ(GRADRING_OVERLAP="0"):
-        model, ddp = _wrap(gradring.DistributedDataParallel, module, order, ours, **kw)
-        diffs, buckets, graphs = [], [], []
-        for k, x in enumerate(xs):
-            if k == hooked_from:
-                ddp.register_comm_hook(None, allreduce_hook)
-            ddp.zero_grad(set_to_none=True)
-            model(x).sum().backward()
-            diffs.append(_max_diff(_grads(module), want[k]))
-            buckets.append(len(ddp.reducer.buckets))
-            graphs.append(len(ours.graphs))
-    return {"diffs": diffs, "buckets": buckets, "graphs": graphs,
-            "torch_buckets": len(_sizes(ref._get_ddp_logging_data()["rebuilt_bucket_sizes"])),
-            "pieces": [s.piece_buckets for s in compile_split.splits(ddp)]}
-
-
-@_launched_when_ready
 def _compiled_autograd(rank, world_size, compile_forward):
     import torch._dynamo
     from torch._dynamo import compiled_autograd
@@ -396,20 +356,3 @@ def test_static_graph_first_iteration_under_compiled_autograd_is_refused(pools):
     for msg in pools.run(2, _static_first_under_ca, timeout=300):
         assert "static_graph=True: the first iteration cannot run under compiled autograd" \
             in msg, msg
-
-
-@pytest.mark.parametrize("order", ["compile(DDP)", "DDP(compile)"])
-def test_joined_buckets_under_compile_then_a_comm_hook(pools, order):
-    # At the end of the backward the rebuilt buckets are joined into one, and the
-    # graph is compiled as one piece. A comm hook registered later brings torch's
-    # buckets back at the next forward, and the graph is split at them again
-    # (one more compile), so that the hook's buckets launch as the backward goes.
-    for r in pools.run(2, _joined_then_hooked, order, timeout=300):
-        assert max(r["diffs"]) < _TOL, r
-        nb = r["torch_buckets"]
-        assert nb >= 2, r
-        # steps 1-2: provisional buckets, the rebuild, joined from step 2's forward on
-        assert r["buckets"][1:3] == [1, 1] and r["buckets"][3:] == [nb] * 4, r
-        assert r["pieces"][-2] == [[0]], r  # the joined bucket: one piece
-        assert r["pieces"][-1] == [[k] for k in reversed(range(nb))], r
-        assert r["graphs"][4:] == [r["graphs"][3]] * 3, r  # nothing compiled after that

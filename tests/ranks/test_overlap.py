@@ -203,9 +203,8 @@ def run_held(rank: int, world: int, overlap: str) -> dict:
     at the end of the backward). See [Note: overlap by events, not durations]."""
     import gradring
 
-    # GRADRING_OVERLAP is read at the rebuild (the 2nd forward); GRADRING_FAST_PATHS=-joined
-    # keeps both buckets at the end too (see [Note: one collective at the end]).
-    with environ(GRADRING_OVERLAP=overlap, GRADRING_FAST_PATHS="-joined"):
+    # GRADRING_OVERLAP is read at the rebuild (the 2nd forward).
+    with environ(GRADRING_OVERLAP=overlap):
         ddp = gradring.DistributedDataParallel(HeldEarly())
         x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
 

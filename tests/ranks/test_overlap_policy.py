@@ -1,13 +1,13 @@
-"""When buckets launch: at ready time, or all at the end of the backward.
+"""When buckets launch: at ready time (the default, as torch's DDP), or all at
+the end of the backward (``GRADRING_OVERLAP=0``).
 
-The choice itself is a pure function of the host (checked here with made-up
-hosts); the reductions it leads to must give torch's DDP's bits either way
-(checked in real ranks against torch's DDP, with the choice forced off).
+The choice is a pure function of the variable (checked here); the reductions
+it leads to must give torch's DDP's bits either way (checked in real ranks
+against torch's DDP).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -16,64 +16,20 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradring
-from gradring.reducer.overlap_policy import _quota_along, choose
+from gradring.reducer.overlap_policy import choose
 from tests.support.env import environ
 
 
-def _cpu(**kw):
-    args = {"device_type": "cpu", "on_shared_memory": True, "world_size": 2, "threads": 1,
-            "cores": 2, "env": ""}
-    args.update(kw)
-    return choose(**args)
-
-
-def test_no_free_core_reduces_at_the_end() -> None:
-    c = _cpu()
-    assert not c.overlap and "no core is free" in c.why and "2 rank(s) x 1" in c.why
-    assert not _cpu(threads=2, cores=4).overlap     # 2 ranks x 2 threads on 4 cores
-
-
-def test_a_free_core_overlaps() -> None:
-    assert _cpu(cores=3).overlap
-    assert _cpu(world_size=4, threads=2, cores=16).overlap
-
-
-def test_local_world_size_counts_ranks_outside_the_group(monkeypatch) -> None:
-    assert _cpu(cores=4).overlap
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    c = _cpu(cores=4)
-    assert not c.overlap and "4 rank(s)" in c.why
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")  # unreadable: the group's size
-    assert _cpu(cores=4).overlap
-
-
-def test_off_the_cpu_or_across_hosts_always_overlaps() -> None:
-    assert _cpu(device_type="cuda").overlap
-    assert _cpu(on_shared_memory=False).overlap
-    assert _cpu(world_size=1).overlap
+def test_buckets_launch_when_ready_by_default() -> None:
+    c = choose(env="")
+    assert c.overlap and "as in torch's DDP" in c.why
+    assert choose(env="auto").overlap
 
 
 @pytest.mark.parametrize("env,expect", [("1", True), ("on", True), ("0", False), ("off", False)])
-def test_the_environment_overrides_the_host(env, expect) -> None:
-    c = _cpu(cores=64 if not expect else 1, env=env)
+def test_the_environment_decides(env, expect) -> None:
+    c = choose(env=env)
     assert c.overlap is expect and c.why == f"GRADRING_OVERLAP={env}"
-
-
-def test_cgroup_quotas_are_read_along_the_path(tmp_path) -> None:
-    # v2: a 2-core quota on the parent, none on the leaf; v1: 1.5 cores -> 1.
-    (tmp_path / "v2" / "a" / "b").mkdir(parents=True)
-    (tmp_path / "v2" / "a" / "cpu.max").write_text("200000 100000\n")
-    (tmp_path / "v2" / "a" / "b" / "cpu.max").write_text("max 100000\n")
-    assert _quota_along(str(tmp_path / "v2"), "a/b", ("cpu.max",)) == 2
-    (tmp_path / "v1" / "x").mkdir(parents=True)
-    (tmp_path / "v1" / "x" / "cpu.cfs_quota_us").write_text("150000\n")
-    (tmp_path / "v1" / "x" / "cpu.cfs_period_us").write_text("100000\n")
-    (tmp_path / "v1" / "cpu.cfs_quota_us").write_text("-1\n")
-    (tmp_path / "v1" / "cpu.cfs_period_us").write_text("100000\n")
-    files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
-    assert _quota_along(str(tmp_path / "v1"), "x", files) == 1
-    assert _quota_along(str(tmp_path / "v1"), "", files) is None
-    assert _quota_along(str(tmp_path / "none"), "x", files) is None
 
 
 # ------------------------------------------------------------------ real ranks
@@ -85,13 +41,12 @@ def _model() -> nn.Module:
 
 
 def _train_both(rank: int, world_size: int, kwargs: dict, envs: tuple = ("0", "0"),
-                fast: str = "-joined", hook_at: int | None = None) -> dict:
-    """Train gradring's DDP and torch's side by side. ``fast``: GRADRING_FAST_PATHS
-    ("-joined": never join, so every bucket torch makes is reduced at the end on
-    its own); ``hook_at``: register torch's all-reduce comm hook on both
+                hook_at: int | None = None) -> dict:
+    """Train gradring's DDP and torch's side by side (``envs``: each rank's
+    GRADRING_OVERLAP); ``hook_at``: register torch's all-reduce comm hook on both
     after that many steps."""
     torch.set_num_threads(1)
-    with environ(GRADRING_OVERLAP=envs[rank], GRADRING_FAST_PATHS=fast):
+    with environ(GRADRING_OVERLAP=envs[rank]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mine = gradring.DistributedDataParallel(_model(), **kwargs)
@@ -147,27 +102,12 @@ def test_every_bucket_at_the_end_matches_torch_bit_for_bit(pools, kwargs) -> Non
         assert r["shm"], r
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"bucket_cap_mb": 0.01},
-    {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True},
-    {"bucket_cap_mb": 0.01, "static_graph": True},
-])
-def test_buckets_reduced_at_the_end_are_joined_into_one_collective(pools, kwargs) -> None:
-    # GRADRING_FAST_PATHS unset (joined on): torch's buckets, every one reduced at
-    # the end, are installed as one; the logging data still gives torch's.
-    for r in pools.run(2, _train_both, kwargs, ("0", "0"), ""):
-        assert r["overlap"] is False, r
-        assert r["torch_buckets"] >= 3 and r["buckets"] == 1 and r["launches"] == 1, r
-        assert r["logged_alike"], r
-        assert r["all_after_end"] and r["same"], r
-
-
-def test_a_comm_hook_registered_later_sees_torchs_buckets_again(pools) -> None:
-    # A comm hook reduces per bucket: the joined buckets are unjoined at the
-    # next synchronised forward, and the hook then launches each when ready.
-    for r in pools.run(2, _train_both, {"bucket_cap_mb": 0.01}, ("0", "0"), "", 3):
-        assert r["buckets_before_hook"] == 1, r
-        assert r["buckets"] == r["torch_buckets"] >= 3 and r["launches"] == r["buckets"], r
+def test_a_comm_hook_registered_later_launches_each_bucket_when_ready(pools) -> None:
+    # A comm hook returns futures: with GRADRING_OVERLAP=0 too, each bucket is
+    # launched when ready from the next synchronised forward on.
+    for r in pools.run(2, _train_both, {"bucket_cap_mb": 0.01}, ("0", "0"), 3):
+        assert r["buckets_before_hook"] == r["buckets"] == r["torch_buckets"] >= 3, r
+        assert r["launches"] == r["buckets"] and not r["all_after_end"], r
         assert r["logged_alike"] and r["same"], r
 
 
@@ -185,8 +125,7 @@ def test_every_rank_follows_rank_0s_choice(pools, kwargs) -> None:
 
 def _unused_at_the_end(rank: int, world_size: int) -> str:
     torch.set_num_threads(1)
-    os.environ["GRADRING_OVERLAP"] = "0"
-    try:
+    with environ(GRADRING_OVERLAP="0"):
         torch.manual_seed(0)
         module = nn.ModuleDict({"a": nn.Linear(32, 32), "idle": nn.Linear(32, 32),
                                 "b": nn.Linear(32, 32)})
@@ -199,8 +138,6 @@ def _unused_at_the_end(rank: int, world_size: int) -> str:
             return "no error"
         except RuntimeError as e:
             return str(e)
-    finally:
-        os.environ["GRADRING_OVERLAP"] = "1"
 
 
 def test_unused_parameter_with_every_bucket_at_the_end_names_it(pools) -> None:

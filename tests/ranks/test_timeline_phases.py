@@ -12,6 +12,7 @@ from torch import nn
 
 from gradring.observe import timeline
 from gradring.observe.overlap import export_chrome_trace, merge_traces
+from tests.support.env import environ
 
 
 def _needs_matplotlib() -> None:
@@ -20,12 +21,16 @@ def _needs_matplotlib() -> None:
 
 
 def train_steps(rank: int, world: int, out_dir: str, steps: int, width: int) -> str:
+    with environ(GRADRING_OVERLAP="0"):
+        return _train_steps(rank, world, out_dir, steps, width)
+
+
+def _train_steps(rank: int, world: int, out_dir: str, steps: int, width: int) -> str:
     """``steps`` full training steps (forward, loss, backward, optimizer), buckets
     reduced after the backward so that every step has exposed communication."""
     import gradring
 
     torch.set_num_threads(1)
-    os.environ["GRADRING_OVERLAP"] = "0"
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
     ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.1)

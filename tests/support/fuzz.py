@@ -12,8 +12,9 @@ backward after one forward, Join with uneven inputs). Every rank builds the
 same scenario from the seed.
 
 The scenario then runs once per reducer configuration (``GRADRING_FAST_PATHS``
-``none``, the core; ``all``, the default; each fast path alone; and the
-at-the-end pair ``at_end,joined``), and, where torch's DDP can run it on this
+``none``, the core; ``all``, the default; each fast path alone; and the core
+and the default with every bucket reduced at the end of the backward,
+``GRADRING_OVERLAP=0``), and, where torch's DDP can run it on this
 backend, once under torch's DDP. Each run records, per step, every
 parameter's ``.grad`` and, after the optimizer step, the parameters, or the
 error that stopped it (its type and first line). Every configuration must
@@ -37,9 +38,10 @@ from torch import nn
 
 import gradring
 
-#: The reducer configurations every scenario runs under, the core first.
-CONFIGS = ("none", "all", "homed", "packed", "held", "at_end", "joined", "inline_last",
-           "at_end,joined")
+#: The reducer configurations every scenario runs under, the core first:
+#: GRADRING_FAST_PATHS, and GRADRING_OVERLAP ("" launches when ready).
+CONFIGS = (("none", ""), ("all", ""), ("homed", ""), ("packed", ""), ("inline_last", ""),
+           ("all", "0"), ("none", "0"))
 
 
 @dataclass
@@ -163,19 +165,19 @@ class FuzzNet(nn.Module):
 
 
 @contextlib.contextmanager
-def _fast_paths(value: str | None) -> Iterator[None]:
-    old = os.environ.get("GRADRING_FAST_PATHS")
-    if value is None:
-        os.environ.pop("GRADRING_FAST_PATHS", None)
-    else:
-        os.environ["GRADRING_FAST_PATHS"] = value
+def _config(config: tuple[str, str]) -> Iterator[None]:
+    """GRADRING_FAST_PATHS and GRADRING_OVERLAP set to ``config`` inside the block."""
+    values = dict(zip(("GRADRING_FAST_PATHS", "GRADRING_OVERLAP"), config))
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("GRADRING_FAST_PATHS", None)
-        else:
-            os.environ["GRADRING_FAST_PATHS"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _hook(name: str | None) -> Any:
@@ -249,7 +251,7 @@ def torch_can_run(sc: Scenario) -> bool:
 
 
 def run_seed(rank: int, world_size: int, seed: int, max_numel: int,
-             configs: tuple[str, ...] = CONFIGS) -> list[str]:
+             configs: tuple[tuple[str, str], ...] = CONFIGS) -> list[str]:
     """Every rank: run ``seed``'s scenario under each configuration (and torch's
     DDP where it can), and return the mismatches against the core."""
     torch.set_num_threads(1)
@@ -260,17 +262,18 @@ def run_seed(rank: int, world_size: int, seed: int, max_numel: int,
 
 
 def _run_seed(rank: int, world_size: int, seed: int, max_numel: int,
-              configs: tuple[str, ...]) -> list[str]:
+              configs: tuple[tuple[str, str], ...]) -> list[str]:
     sc = make(seed, world_size=world_size, max_numel=max_numel)
     out = []
-    with _fast_paths(configs[0]):
+    with _config(configs[0]):
         core = _train(sc, rank, gradring.DistributedDataParallel)
     for cfg in configs[1:]:
-        with _fast_paths(cfg):
+        with _config(cfg):
             got = _train(sc, rank, gradring.DistributedDataParallel)
         d = _diff(got, core)
         if d is not None:
-            out.append(f"rank {rank} GRADRING_FAST_PATHS={cfg}: {d}")
+            out.append(f"rank {rank} GRADRING_FAST_PATHS={cfg[0]} "
+                       f"GRADRING_OVERLAP={cfg[1]!r}: {d}")
     if torch_can_run(sc):
         got = _train(sc, rank, nn.parallel.DistributedDataParallel)
         d = _diff(got, core, error_text=False)

@@ -1,12 +1,11 @@
 """Pure bucket assignment: no process group needed."""
 
-import random
 import sys
 
 import pytest
 import torch
 
-from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets, join_adjacent
+from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 
 
 def test_style_example():
@@ -83,38 +82,3 @@ def test_random_invariants():
             assert total >= cap and total - sizes[grp[-1]] < cap
 
 
-# ----------------------------------------------------------- join_adjacent
-
-def test_join_adjacent_keeps_the_order_and_respects_keys_and_the_cap() -> None:
-    sizes = [400, 400, 400, 400, 2000, 8]
-    keys = ["f", "f", "d", "d", "d", "f"]
-    groups = [[1], [0], [2], [3], [4], [5]]
-    assert join_adjacent(groups, sizes, keys, 1000) == [[1, 0], [2, 3], [4], [5]]
-    assert join_adjacent(groups, sizes, keys, 10**9) == [[1, 0], [2, 3, 4], [5]]
-    assert join_adjacent(groups, sizes, keys, 0) == groups  # 0 never joins
-    assert join_adjacent([], [], [], 100) == []
-
-
-def test_join_adjacent_properties_on_random_assignments() -> None:
-    # Same indices in the same order; one key per bucket; a joined bucket
-    # within the cap; and no two neighbours left that could have been joined.
-    rng = random.Random(7)
-    for _ in range(200):
-        n = rng.randint(1, 30)
-        sizes = [rng.choice([4, 64, 4096, 1 << 20]) for _ in range(n)]
-        keys = [rng.choice(["f32", "f64"]) for _ in range(n)]
-        order = list(range(n))
-        rng.shuffle(order)
-        groups = assign_buckets(sizes, [rng.choice([64, 5000, 1 << 21])], keys=keys, order=order)
-        cap = rng.choice([0, 100, 10_000, 1 << 22])
-        joined = join_adjacent(groups, sizes, keys, cap)
-        assert [i for g in joined for i in g] == [i for g in groups for i in g]
-        assert all(len({keys[i] for i in g}) == 1 for g in joined)
-        nbytes = [sum(sizes[i] for i in g) for g in joined]
-        originals = {tuple(g) for g in groups}
-        assert all(b <= cap or tuple(g) in originals for g, b in zip(joined, nbytes))
-        starts = {g[0]: g for g in groups}
-        for k in range(len(joined) - 1):
-            nxt = starts[joined[k + 1][0]]  # the first of torch's buckets in the next one
-            assert keys[joined[k][0]] != keys[nxt[0]] \
-                or nbytes[k] + sum(sizes[i] for i in nxt) > cap
