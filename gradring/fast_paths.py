@@ -22,15 +22,13 @@ spread (``benchmarks/ablation.py``; the figures are in docs/design.md,
 - ``packed``: slots of at most ``SMALL_SLOT_NUMEL`` elements are copied in
   and out a bucket at a time, by batched calls, when the bucket is ready
   ([Note: packed slots] in ``buckets/packing.py``).
-- ``inline_last``: the last bucket is reduced by the finalize on its own
-  thread, not handed to the comm thread and waited for ([Note: the last
-  bucket] in ``launcher.py``).
-
-Three more were measured the same way and removed: ``held`` (small slots put
-in when their bucket is ready), ``at_end`` (every bucket reduced at the end
-of the backward on a host with no free core), ``joined`` (those buckets as
-one collective), which never won beyond the spread; and, earlier, lent
-gradients and end counting, which could be wrong (see docs/design.md).
+Four more were measured the same way and removed: ``held`` (small slots
+put in when their bucket is ready), ``at_end`` (every bucket reduced at the
+end of the backward on a host with no free core), ``joined`` (those buckets
+as one collective) and ``inline_last`` (the last bucket reduced by the
+finalize on its own thread), which showed no win beyond what an identical
+configuration shows by chance; and, earlier, lent gradients and end
+counting, which could be wrong (see docs/design.md).
 
 ``GRADRING_FAST_PATHS`` is ``all`` (the default), ``none`` (the core), a
 comma-separated list of the names to keep, or of names each prefixed with
@@ -44,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 #: Every fast path's name, in the order of the bits rank 0 broadcasts.
-NAMES = ("homed", "packed", "inline_last")
+NAMES = ("homed", "packed")
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,6 @@ class FastPaths:
 
     homed: bool = True
     packed: bool = True
-    inline_last: bool = True
 
     def bits(self) -> int:
         """The set as an integer (bit k: ``NAMES[k]`` is on), for a broadcast."""

@@ -97,8 +97,8 @@ class Bucket:
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
         self.future: Any = None
-        # Left to be reduced by the finalize on its own thread: the last bucket,
-        # or every bucket without overlap (see [Note: the last bucket] in reducer/reducer.py).
+        # Left to be reduced by the finalize on its own thread (see [Note: buckets
+        # left to the finalize] in reducer/launcher.py).
         self.inline = False
         # The part of the buffer this rank reduces itself (homes.own_range), set by
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
@@ -151,7 +151,7 @@ class Bucket:
 
     def leave_to_finalize(self) -> None:
         """Counted as launched, but the finalize reduces it on its own thread
-        (see [Note: the last bucket] in reducer/reducer.py)."""
+        (see [Note: buckets left to the finalize] in reducer/launcher.py)."""
         self.state = BucketState.LAUNCHED
         self.inline = True
 

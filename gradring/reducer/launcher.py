@@ -9,22 +9,20 @@ the group's comm thread runs the collective while autograd computes the
 earlier layers. Each is labelled ``DDP bucket <k>`` for errors, desync checks
 and the flight recorder.
 
-[Note: the last bucket]
-The last bucket becomes ready with the backward's last gradient, and the
-finalize, queued for the very end of the backward, waits for it at once:
-nothing is left to overlap it with. Handing it to the comm thread only adds
-two thread wake-ups to the critical path. So (fast path ``inline_last``) it
-is only marked launched, and the finalize reduces it on its own thread, in
-order after the others. With the fast path ``at_end`` on a host with no core
-free for the comm thread, every bucket takes this path. Neither applies
-with a comm hook (it returns futures), a fused optimizer (it steps earlier
-buckets while later ones are in flight) or ``find_unused_parameters`` (its
-usage map follows the last bucket). Every rank does the same, so
-collectives still pair up in the same order.
+[Note: buckets left to the finalize]
+With ``GRADRING_OVERLAP=0`` (see [Note: overlap needs a free core] in
+``overlap_policy.py``) a ready bucket is only marked launched, and the
+finalize reduces every bucket on its own thread, in index order, when the
+backward ends. This does not apply with a comm hook (it returns futures), a
+fused optimizer (it steps earlier buckets while later ones are in flight)
+or ``find_unused_parameters`` (its usage map follows the last bucket).
+Every rank follows rank 0's choice, so collectives still pair up in the
+same order.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +50,10 @@ class Launcher:
         # Next bucket index to launch in this backward.
         self.next_bucket = 0
         # Indices of this backward's buckets that are not reduced ([Note: skipped buckets]
-        # in reducer.py), and which ones the finalize reduces ([Note: the last bucket]).
+        # in reducer.py), and whether the finalize reduces them all ([Note: buckets
+        # left to the finalize]).
         self._skipped: frozenset[int] = frozenset()
         self._leave_all = False
-        self._leave_last = False
         # Profiler events named as torch's process group names its collectives
         # (see [Note: torch's collective events] in observe/trace.py) ...
         self._events = CollectiveEvents()
@@ -70,12 +68,11 @@ class Launcher:
         """The profiler name of a broadcast over this group."""
         return self._event_names[1]
 
-    def begin(self, *, skipped: frozenset[int], leave_all: bool, leave_last: bool) -> None:
-        """A new backward: which buckets are skipped, and which the finalize reduces."""
+    def begin(self, *, skipped: frozenset[int], leave_all: bool) -> None:
+        """A new backward: which buckets are skipped, and whether the finalize reduces all."""
         self.next_bucket = 0
         self._skipped = skipped
         self._leave_all = leave_all
-        self._leave_last = leave_last
 
     def launch_ready(self, buckets: list[Bucket], scale: float) -> list[int]:
         """Launch every ready bucket whose lower buckets have launched; the
@@ -90,7 +87,7 @@ class Launcher:
                 bucket.launch(_holding(bucket.buffer))
                 continue
             reduced.append(k)
-            if self._leave_all or (k == last and self._leave_last):
+            if self._leave_all:
                 bucket.leave_to_finalize()
             else:
                 bucket.launch(self.reduce(bucket, scale, async_op=True, is_last=k == last))
@@ -106,32 +103,29 @@ class Launcher:
         if profiling():
             self._events.open(self._event_names[0])
         comm = self._comm
-        if async_op:
-            it = trace.iteration  # the callback may run after the finalize moved on
-            on_done = lambda _f: trace.mark("comm_done", index, it)  # noqa: E731
-        else:
-            on_done = None
+        if not async_op:
             bucket.start_inline()
         try:
             with profiled(f"gradring::bucket_all_reduce#{index}"):
                 if bucket.homes:
                     out = comm.all_reduce_homed(bucket.buffer, bucket.homed_pieces(), scale,
-                                                label=label, async_op=async_op,
-                                                on_done=on_done)
+                                                label=label, async_op=async_op)
                 elif self.comm_hook is None:
-                    out = comm.all_reduce(bucket.buffer, label=label, async_op=async_op,
-                                          on_done=on_done)
+                    out = comm.all_reduce(bucket.buffer, label=label, async_op=async_op)
                 else:
                     gb = GradBucket(bucket, is_last=is_last)
                     with comm.labelled(label):
                         out = self.comm_hook(self.comm_hook_state, gb)
-                    out.add_done_callback(on_done)
         except Exception as exc:
             raise self._on_failure(bucket, exc) from exc
         if not async_op:
             trace.mark("comm_done", index)
             return bucket.buffer
-        return out
+        # The completion is marked by the thread that completes the collective,
+        # and the future the finalize waits for completes only after that mark:
+        # a done-callback on ``out`` itself could still be running when the wait
+        # returns, and the iteration's trace would miss its end.
+        return out.then(functools.partial(_mark_done, trace, index, trace.iteration))
 
     def result(self, bucket: Bucket, scale: float) -> torch.Tensor:
         """The finalize: the bucket's reduced values (reducing it here if it
@@ -161,6 +155,12 @@ class Launcher:
     def close_events(self) -> None:
         """Close the profiler events of this backward's collectives."""
         self._events.close_all()
+
+
+def _mark_done(trace: Trace, index: int, iteration: int, fut: torch.futures.Future) -> Any:
+    """Bucket ``index``'s collective of ``iteration`` completed: trace it, pass its value on."""
+    trace.mark("comm_done", index, iteration)
+    return fut.value()
 
 
 def _holding(value: torch.Tensor) -> torch.futures.Future:

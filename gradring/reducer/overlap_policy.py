@@ -18,8 +18,8 @@ lost beyond it on the 12 x Linear(1024) MLP under load (docs/design.md,
 "Fast paths, measured"). So the host no longer decides.
 
 ``GRADRING_OVERLAP=0`` still reduces every bucket on the training thread
-when the backward ends, in bucket order (the path the last bucket takes,
-see [Note: the last bucket] in ``launcher.py``), for a user whose own
+when the backward ends, in bucket order (see [Note: buckets left to the
+finalize] in ``launcher.py``), for a user whose own
 measurement (``gradring bench ddp --overlap``) says it pays on their host;
 the results are the same bits either way. Every rank follows rank 0's
 choice (it travels with rank 0's bucket assignment): ranks that launched

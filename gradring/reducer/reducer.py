@@ -451,9 +451,8 @@ class Reducer:
                 warnings.warn(errors.nothing_unused(), stacklevel=3)
             if self.skip_unused_buckets:
                 skipped = self._unused_buckets()
-        may_reduce = self._finalize_may_reduce()
-        self._launcher.begin(skipped=skipped, leave_all=may_reduce and not self.overlap,
-                             leave_last=may_reduce and self.fast.inline_last)
+        self._launcher.begin(skipped=skipped,
+                             leave_all=not self.overlap and self._finalize_may_reduce())
         self.num_buckets_reduced = 0
 
     # [Note: skipped buckets]

@@ -40,8 +40,8 @@ import gradring
 
 #: The reducer configurations every scenario runs under, the core first:
 #: GRADRING_FAST_PATHS, and GRADRING_OVERLAP ("" launches when ready).
-CONFIGS = (("none", ""), ("all", ""), ("homed", ""), ("packed", ""), ("inline_last", ""),
-           ("all", "0"), ("none", "0"))
+CONFIGS = (("none", ""), ("all", ""), ("homed", ""), ("packed", ""), ("all", "0"),
+           ("none", "0"))
 
 
 @dataclass

@@ -32,11 +32,11 @@ def test_good_values(tmp_path) -> None:
         "GRADRING_TIMEOUT": "2.5", "GRADRING_CHECK": "on",
         "GRADRING_FLIGHT_RECORDER": str(tmp_path / "fr"), "GRADRING_FLIGHT_SIZE": "16",
         "GRADRING_OVERLAP": "Off", "GRADRING_SHM_YIELD_US": "0",
-        "GRADRING_FAST_PATHS": " -Packed, -inline_last"})
+        "GRADRING_FAST_PATHS": " -Packed"})
     assert (c.transport, c.algo, c.timeout, c.check) == ("shm", "hierarchical", 2.5, True)
     assert c.flight_recorder == str(tmp_path / "fr") and c.flight_size == 16
     assert c.overlap == "off" and c.shm_yield_us == 0.0
-    assert c.fast_paths == FastPaths(packed=False, inline_last=False)
+    assert c.fast_paths == FastPaths(packed=False)
     # Empty means unset.
     assert config.parse({v: "" for v in config.VARIABLES}) == config.Config()
 
