@@ -43,12 +43,22 @@ from gradring.comm.transport import CollectiveError
 ENV = "TORCHELASTIC_ERROR_FILE"
 
 
+#: How autograd's engine words an exception raised by a callback queued on it
+#: (the reducer's finalize): it re-raises a new RuntimeError carrying only the
+#: text, so the original exception's type survives only as words in it.
+_ENGINE_CALLBACK = "error when running the callback: "
+
+
 def _consequence(exc: BaseException | None) -> bool:
     """Whether ``exc`` is, or was raised because of, a gradring collective failure."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, CollectiveError) or type(exc).__name__ == "WatchdogError":
+            return True
+        text = str(exc)
+        if _ENGINE_CALLBACK in text and text.split(_ENGINE_CALLBACK, 1)[1].startswith(
+                ("CollectiveError:", "WatchdogError:")):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

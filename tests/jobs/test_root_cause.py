@@ -36,6 +36,16 @@ def test_root_cause_writes_its_file_and_a_consequence_sorts_after_it(tmp_path) -
     except RuntimeError as exc:
         root_cause.record(exc, now=100.9, path=str(peer))
     assert _ts(peer) == 101 and "a peer failed first" in peer.read_text()
+    # The same failure raised in the reducer's finalize, which autograd's engine
+    # re-raises as a new RuntimeError holding only the text.
+    wrapped = tmp_path / "w.json"
+    root_cause.record(RuntimeError("Got the following error when running the callback: "
+                                   "CollectiveError: rank 1 left"), now=100.9, path=str(wrapped))
+    assert _ts(wrapped) == 101 and "a peer failed first" in wrapped.read_text()
+    mentions = tmp_path / "m.json"  # a user's own error merely quoting one is a root cause
+    root_cause.record(RuntimeError("retry after CollectiveError: x"), now=100.9,
+                      path=str(mentions))
+    assert _ts(mentions) == 100
     # A file @record already wrote keeps its message; only the time moves.
     rec = {"message": {"message": "CollectiveError: x", "extraInfo": {
         "py_callstack": "tb", "timestamp": "100"}}}
