@@ -151,6 +151,9 @@ class Reducer:
         self._post_backward_futures: list[torch.futures.Future] = []
         # Division factor for the default path; Join may change it per iteration.
         self.divide_factor = comm.world_size
+        # What each gradient is multiplied by on its way in (see the scale property),
+        # kept up to date by set_divide_factor and set_comm_hook: read per gradient.
+        self._scale = 1.0 / self.divide_factor
         # --- per-iteration state ---
         # Where this iteration is (see [Note: the iteration's states]).
         self.state = _IDLE
@@ -240,16 +243,21 @@ class Reducer:
         """Let ``hook(state, bucket)`` reduce each bucket instead of the built-in all-reduce."""
         self._launcher.comm_hook, self._launcher.comm_hook_state = hook, state
         self._set.set_hooked()
+        self._refresh_scale()
 
     def set_divide_factor(self, factor: int) -> None:
         """What the default path divides gradients by (Join may lower it)."""
         self.divide_factor = factor
+        self._refresh_scale()
 
     @property
     def scale(self) -> float:
         """What each gradient is multiplied by on its way into its bucket: 1
         with a comm hook (the hook averages), else 1/divide_factor."""
-        return 1.0 if self._launcher.comm_hook is not None else 1.0 / self.divide_factor
+        return self._scale
+
+    def _refresh_scale(self) -> None:
+        self._scale = 1.0 if self._launcher.comm_hook is not None else 1.0 / self.divide_factor
 
     def install_post_backward_futures(self, futures: Sequence[torch.futures.Future]) -> None:
         """Wait for ``futures`` at the end of the coming backward (torch's buffer hooks)."""
@@ -552,7 +560,7 @@ class Reducer:
             if grad_mode:
                 torch._C._set_grad_enabled(False)
             try:
-                put(bucket, s, self.scale)
+                put(bucket, s, self._scale)
             finally:
                 if grad_mode:
                     torch._C._set_grad_enabled(True)
@@ -561,7 +569,7 @@ class Reducer:
             note(i)
         if full:
             if bucket.deferred:
-                put_deferred(bucket, self.scale)
+                put_deferred(bucket, self._scale)
             bucket.mark_ready()
             self.trace.mark("ready", bucket.index)
             self._launch_ready()

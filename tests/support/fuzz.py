@@ -25,10 +25,8 @@ mismatch is reported with the seed and the command that replays it.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradring
+from tests.support.env import environ
 
 #: The reducer configurations every scenario runs under, the core first:
 #: GRADRING_FAST_PATHS, and GRADRING_OVERLAP ("" launches when ready).
@@ -174,20 +173,9 @@ class FuzzNet(nn.Module):
         return total
 
 
-@contextlib.contextmanager
-def _config(config: tuple[str, str]) -> Iterator[None]:
+def _config(config: tuple[str, str]) -> contextlib.AbstractContextManager[None]:
     """GRADRING_FAST_PATHS and GRADRING_OVERLAP set to ``config`` inside the block."""
-    values = dict(zip(("GRADRING_FAST_PATHS", "GRADRING_OVERLAP"), config))
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environ(GRADRING_FAST_PATHS=config[0], GRADRING_OVERLAP=config[1])
 
 
 def _hook(name: str | None) -> Any:
