@@ -6,7 +6,8 @@ purpose; gradring then adds what torch leaves out: parameter names and ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 
 def _names(indices: Sequence[int], names: Sequence[str], limit: int = 20) -> str:
@@ -16,11 +17,17 @@ def _names(indices: Sequence[int], names: Sequence[str], limit: int = 20) -> str
     return ", ".join(shown) + (f", ... and {more} more" if more > 0 else "")
 
 
+#: The advice that ends every model-mismatch error: DDP averages gradients
+#: position by position, so every rank must hold the same parameters.
+SAME_MODEL = ("To fix: build the model the same way on every rank (same modules, in the same "
+              "order, with the same shapes), and load any checkpoint on every rank or none.")
+
+
 def param_count_mismatch(counts: Sequence[int]) -> str:
     bad = next(r for r, c in enumerate(counts) if c != counts[0])
     return (
         f"DDP expects same model across all ranks, but Rank 0 has {counts[0]} params, "
-        f"while rank {bad} has inconsistent {counts[bad]} params."
+        f"while rank {bad} has inconsistent {counts[bad]} params. {SAME_MODEL}"
     )
 
 
@@ -30,16 +37,20 @@ def param_shape_mismatch(
 ) -> str:
     """Parameter ``index`` has ``theirs`` on ``rank`` but ``ref`` on rank 0; this
     process (``this_rank``) has ``mine``. Each rank's message states its own
-    value and the other side's."""
+    value, then the two ranks that differ, naming each rank once."""
     if this_rank == rank:
         head = (f"params[{index}] in this process with {what} {list(theirs)} appears not to "
                 f"match {what} of the same param in process 0.")
     else:
         head = (f"params[{index}] in process {rank} with {what} {list(theirs)} appears not to "
                 f"match {what} of the same param in process 0.")
-    return (f"{head} (gradring: params[{index}] is '{name}'; this process (rank {this_rank}) "
-            f"has {what} {list(mine)}, rank {rank} has {list(theirs)}, rank 0 has "
-            f"{list(ref)}.)")
+    # The two sides of the mismatch are ``rank`` and rank 0; this process is one
+    # of them or a third rank, and each rank is named once.
+    sides = [f"this process (rank {this_rank}) has {what} {list(mine)}"]
+    sides += [f"rank {r} has {list(v)}" for r, v in ((rank, theirs), (0, ref))
+              if r != this_rank]
+    return (f"{head} (gradring: params[{index}] is '{name}'; {', '.join(sides)}.) "
+            f"{SAME_MODEL}")
 
 
 def param_order_mismatch(index: int, ours: str, theirs: str, rank: int, *,
@@ -108,7 +119,18 @@ def unfinished_reduction(
     distinct = {tuple(v) for v in per_rank_missing.values()}
     if len(distinct) > 1:
         lines.append("The ranks above disagree on which parameters were used.")
+    lines.append(_unused_advice(static_graph))
     return "\n".join(lines)
+
+
+def _unused_advice(static_graph: bool) -> str:
+    """The last line of the unfinished-reduction error: what to change."""
+    if static_graph:
+        return ("To fix: use the same parameters in every iteration, or construct DDP with "
+                "static_graph=False and find_unused_parameters=True.")
+    return ("To fix: pass find_unused_parameters=True to the DDP constructor, or make every "
+            "parameter take part in the loss; if the ranks disagree, build the model and its "
+            "forward's branches the same way on every rank.")
 
 
 def marked_twice(index: int, name: str) -> str:
@@ -159,12 +181,23 @@ def mixed_devices(devices: Sequence[str]) -> str:
     )
 
 
-def not_initialized() -> str:
-    return (
-        "Default process group has not been initialized, please make sure to call "
-        "init_process_group (or launch under torchrun) before constructing "
-        "gradring.DistributedDataParallel."
-    )
+def not_initialized(environ: Mapping[str, str] | None = None) -> str:
+    """DDP built before ``init_process_group``. The advice depends on whether a
+    launcher (torchrun or another that sets ``RANK``) started this process:
+    under one, only the call is missing."""
+    env = os.environ if environ is None else environ
+    head = "Default process group has not been initialized, please make sure to call "
+    tail = " before constructing gradring.DistributedDataParallel."
+    if env.get("TORCHELASTIC_RUN_ID") or env.get("RANK"):
+        launcher = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "the launcher"
+        return (head + "init_process_group" + tail + f" This process was started by {launcher} "
+                f"(RANK={env.get('RANK', '?')}, WORLD_SIZE={env.get('WORLD_SIZE', '?')}), so "
+                "the call alone is missing: add torch.distributed.init_process_group(\"gloo\") "
+                "(\"nccl\" on GPUs) at the start of the script; it reads these variables.")
+    return (head + "init_process_group (or launch under torchrun)" + tail + " RANK is not set, "
+            "so no launcher started this process: start the script with `torchrun "
+            "--nproc-per-node=N script.py`, which sets RANK, WORLD_SIZE and MASTER_ADDR for "
+            "init_process_group, or pass rank=, world_size= and a store to it yourself.")
 
 
 def bucket_context(index: int, nbytes: int, param_indices: Sequence[int],
