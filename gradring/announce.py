@@ -1,42 +1,64 @@
-"""The line gradring's wrapper logs at its first forward, so a user can see which DDP they got.
+"""The line gradring's wrapper prints at its first forward, so a user can see which DDP they got.
 
 [Note: which DDP did I get]
 A framework may build torch's wrapper or gradring's depending on when its
-module took the class (see [Note: captured names] in ``captures.py``). So
-gradring's wrapper says so once, at its first forward, on rank 0 of its
-process group, at INFO through ``logging.getLogger("gradring")``::
+module took the class (see [Note: captured names] in ``captures.py``), and
+the one-import switch changes nothing else a user sees. So gradring's wrapper
+says so once, at its first forward, on rank 0 of its process group, as
+Lightning and Accelerate announce their strategy::
 
     gradring DDP wraps Net: 6 parameters, 1,348 elements, 2 ranks (gloo)
 
-A torch wrapper built while gradring is installed warns instead (see [Note:
-torch's constructor while installed] in ``install.py``). The call is made once
-per wrapper, outside the per-step path.
+Where the line goes:
+
+- Through ``logging.getLogger("gradring")`` at INFO, when that logger passes
+  INFO and some handler would receive it (the user configured logging to show
+  INFO, or attached a handler to gradring's logger).
+- Otherwise to stderr, with how to silence it appended, unless the user set
+  gradring's logger to a level above INFO: a script that never configures
+  logging (the usual case) still sees it, as it would not at INFO.
+- Nowhere under ``GRADRING_QUIET=1`` or
+  ``logging.getLogger("gradring").setLevel(logging.WARNING)``.
+
+stderr and not stdout, so that programs that print results to stdout (and
+tests that compare it) are unchanged. A torch wrapper built while gradring is
+installed warns instead (see [Note: torch's constructor while installed] in
+``install.py``). The call is made once per wrapper, outside the per-step path.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["announce_first_forward", "logger"]
+from gradring import config
 
-#: gradring's logger; the line is INFO, so it shows with ``logging.basicConfig(level="INFO")``.
+__all__ = ["announce_first_forward", "logger", "SILENCE"]
+
+#: gradring's logger; the line is INFO.
 logger = logging.getLogger("gradring")
+
+#: How to silence the line, appended where it goes to stderr.
+SILENCE = "(GRADRING_QUIET=1 silences this line)"
 
 
 def announce_first_forward(ddp: nn.Module) -> None:
-    """Log the one line of the Note for ``ddp`` (a gradring wrapper), on its group's rank 0."""
+    """Show the one line of the Note for ``ddp`` (a gradring wrapper), on its group's rank 0."""
     group = getattr(ddp, "process_group", None)
     if dist.is_available() and dist.is_initialized() and dist.get_rank(group) != 0:
         return
-    if not logger.isEnabledFor(logging.INFO):
+    if config.current().quiet:
         return
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     backend = dist.get_backend(group) if dist.is_initialized() else "no process group"
     module = getattr(ddp, "module", ddp)
     params = [p for p in module.parameters() if p.requires_grad]
-    logger.info("gradring DDP wraps %s: %d parameters, %s elements, %d ranks (%s)",
-                type(module).__name__, len(params),
-                f"{sum(p.numel() for p in params):,}", world, backend)
+    line = (f"gradring DDP wraps {type(module).__name__}: {len(params)} parameters, "
+            f"{sum(p.numel() for p in params):,} elements, {world} ranks ({backend})")
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info("%s", line)
+    elif logger.level == logging.NOTSET or logger.isEnabledFor(logging.INFO):
+        print(f"{line} {SILENCE}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ its own variables' raw values with what it saw last (lookups in
 changed. The rest are read where their effect starts: ``GRADRING_TIMEOUT``
 when a group's state is made, ``GRADRING_OVERLAP`` when a DDP is built,
 ``GRADRING_FAST_PATHS`` when it is built and when its buckets are rebuilt,
+``GRADRING_QUIET`` at a wrapper's first forward,
 ``GRADRING_FLIGHT_RECORDER`` when the recorder writes, and
 ``GRADRING_FLIGHT_SIZE`` and ``GRADRING_SHM_YIELD_US`` at import (the
 recorder's ring is made then; the wait loop reads a module constant).
@@ -176,6 +177,9 @@ class Config:
     #: (the core alone), names to keep, or ``-``names to drop (see [Note: the core and its
     #: fast paths] in ``fast_paths.py``). Rank 0's set counts.
     fast_paths: FastPaths = _knob("GRADRING_FAST_PATHS", _fast_paths, fast_paths.ALL)
+    #: ``GRADRING_QUIET=1``: no line at a wrapper's first forward (see [Note: which DDP
+    #: did I get] in ``announce.py``). Yes: 1/true/yes/on; no: 0/false/no/off.
+    quiet: bool = _knob("GRADRING_QUIET", _switch, False)
 
 
 #: Every knob's variable name, in field order.

@@ -1,8 +1,14 @@
-"""The line gradring's wrapper logs at its first forward ([Note: which DDP did I get])."""
+"""The line gradring's wrapper shows at its first forward ([Note: which DDP did I get]):
+through logging where the user configured it, else on stderr; silenced on request."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -62,3 +68,64 @@ def test_announce_line_on_rank_zero(integ_pool) -> None:
 @pytest.mark.timeout(180)
 def test_first_forward_logs_the_line_once(integ_pool) -> None:
     _check(integ_pool.run(announce_in_ranks, False), once=True)
+
+
+@contextlib.contextmanager
+def _unconfigured_logging() -> Iterator[io.StringIO]:
+    """Logging as in a script that never configures it, and stderr captured."""
+    from gradring.announce import logger
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, logger.handlers[:], logger.level, sys.stderr
+    root.handlers, logger.handlers = [], []
+    root.setLevel(logging.WARNING)
+    logger.setLevel(logging.NOTSET)
+    sys.stderr = err = io.StringIO()
+    try:
+        yield err
+    finally:
+        root.handlers, level, logger.handlers, own, sys.stderr = saved
+        root.setLevel(level)
+        logger.setLevel(own)
+
+
+def default_in_ranks(rank: int, world: int, how: str) -> dict[str, Any]:
+    """Two DDPs' first forwards (and more) with logging unconfigured; ``how`` silences
+    the line: "" (not at all), "env" (GRADRING_QUIET=1) or "level" (gradring's
+    logger at WARNING)."""
+    import gradring
+    from gradring.announce import logger
+
+    with _unconfigured_logging() as err:
+        if how == "env":
+            os.environ["GRADRING_QUIET"] = "1"
+        elif how == "level":
+            logger.setLevel(logging.WARNING)
+        try:
+            torch.manual_seed(0)
+            for _ in range(2):
+                ddp = gradring.DistributedDataParallel(
+                    nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+                for _ in range(2):
+                    ddp(torch.randn(2, 4)).sum().backward()
+        finally:
+            os.environ.pop("GRADRING_QUIET", None)
+    return {"stderr": err.getvalue(), "segments_left": release()}
+
+
+@pytest.mark.timeout(180)
+def test_line_on_stderr_by_default_once_per_wrapper(integ_pool) -> None:
+    from gradring.announce import SILENCE
+
+    zero, one = integ_pool.run(default_in_ranks, "")
+    assert zero["stderr"] == f"{LINE} {SILENCE}\n" * 2, zero["stderr"]
+    assert one["stderr"] == "", one["stderr"]
+    assert zero["segments_left"] == one["segments_left"] == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["env", "level"])
+def test_line_silenced(integ_pool, how: str) -> None:
+    for res in integ_pool.run(default_in_ranks, how):
+        assert res["stderr"] == "", res["stderr"]
+        assert res["segments_left"] == []
