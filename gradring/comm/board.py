@@ -21,6 +21,19 @@ JSON of the right shape, field types and ranges (:func:`parse_status`,
 raises :class:`StoreValueError`, which names the key; the watchdog fails the
 collectives it watches with it (see watchdog.py), so a forged value ends the
 wait with an error instead of killing the thread that enforces the deadline.
+
+[Note: heartbeats]
+"Posted nothing" does not tell a rank that is busy elsewhere from one that
+cannot reach the store: a cut-off host's ranks were once reported as "alive
+but not blocked". So every rank whose board is attached bumps a counter,
+``gradring/board/<gen>/hb/<rank>``, every ``HEARTBEAT_S`` from one thread per
+process (until it posts "left"), and a waiting rank reads its peers' counters
+with their statuses (at most once per ``HEARTBEAT_S``). A counter that has not
+moved for ``STALE_S`` seconds of this rank's own clock (no clocks are
+compared) makes the peer "unreachable"; one that moves makes it "alive". Every
+store call has a deadline and none is made under the board's lock (see
+[Note: store calls with a deadline] in ``store.py``): a rank cut off from the
+store reports "the store at HOST:PORT is unreachable" at its deadline.
 """
 
 from __future__ import annotations
@@ -29,9 +42,10 @@ import json
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
-from gradring.comm.store import instance_prefix
+from gradring.comm.store import BoundedStore, StoreUnreachable, instance_prefix
 from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import segments
 from gradring.comm.transports.topology import host_key
@@ -40,6 +54,11 @@ from gradring.comm.transports.topology import host_key
 BOARD_AFTER_S = 0.5
 #: How often blocked waits (torch transport, watchdog thread) consult the board.
 POLL_S = 0.25
+#: How often each rank bumps its heartbeat counter (see [Note: heartbeats]).
+HEARTBEAT_S = 1.0
+#: A heartbeat that has not moved for this long counts as stopped: the rank is
+#: cut off from the store (or its host is down or frozen).
+STALE_S = 5.0
 
 
 #: The states a rank posts (see :meth:`PeerBoard.post`).
@@ -129,40 +148,70 @@ def parse_identity(key: str, raw: Any) -> tuple[int, str]:
 
 
 class PeerBoard:
-    """Status markers of one group's ranks in its store; see [Note: the peer board]."""
+    """Status markers of one group's ranks in its store; see [Note: the peer board].
+
+    Every store call goes through a :class:`~gradring.comm.store.BoundedStore` and
+    none is made under ``_lock`` (see [Note: store calls with a deadline]): a store
+    that cannot be reached makes the board's calls fail within ``CALL_S`` seconds
+    (at once while one is stuck), and nothing waits for the lock meanwhile."""
 
     def __init__(self, store: Any, rank: int, world_size: int) -> None:
-        # The group's private store (``store.group_store``).
-        self._store = store
+        # The group's private store (``store.group_store``), every call with a deadline.
+        self._store = BoundedStore(store)
         self.rank = rank
         self.world_size = world_size
         # Key prefix of this group instance; fixed at the first use (collective order).
         self._prefix: str | None = None
         # The last status this rank posted, to skip repeats.
         self._posted: tuple[str, int] | None = None
-        # Set once the store failed: stop trying (a dead TCPStore host).
+        # Set once the board cannot be used (attach failed, or the store broke it).
         self._dead = False
         # Peers' (pid, host key) as they posted them, to tell a dead peer on this host.
         self._ids: dict[int, tuple[int, str]] = {}
+        # Peers' heartbeats as seen here: rank -> (count, when it last moved, first seen).
+        self._beats: dict[int, tuple[int, float, float]] = {}
+        self._beats_read = 0.0
+        # Whether this rank's heartbeat runs (until it posts "left").
+        self.beating = False
+        # Guards the fields above; never held across a store call.
         self._lock = threading.Lock()
 
     def attach(self) -> None:
         """Join this group instance's generation (one ``add``; every rank calls it once)
-        and post this process's identity."""
-        if self._prefix is None and not self._dead:
-            try:
-                self._prefix = instance_prefix(self._store, "board", self.world_size)
-                self._store.set(f"{self._prefix}id/{self.rank}",
-                                json.dumps([os.getpid(), host_key()]))
-            except Exception:  # noqa: BLE001 - diagnostics only
-                self._dead = True
+        and post this process's identity; start this rank's heartbeat."""
+        if self._prefix is not None or self._dead:
+            return
+        ident = json.dumps([os.getpid(), host_key()])
+        rank, world = self.rank, self.world_size
 
-    def _get(self, key: str) -> Any | None:
-        """The raw value at ``key``, None when it is missing; a store that fails marks
-        the board dead (then None too). Never blocks on a missing key."""
+        def draw(store: Any) -> str:
+            prefix = instance_prefix(store, "board", world)
+            store.set(f"{prefix}id/{rank}", ident)
+            return prefix
+
         try:
-            return self._store.get(key) if self._store.check([key]) else None
-        except Exception:  # noqa: BLE001 - diagnostics only: the store host may be gone
+            self._prefix = self._store.run(draw)
+        except Exception:  # noqa: BLE001 - diagnostics only; a late draw cannot be undone
+            self._dead = True
+            return
+        self.beating = True
+        HEARTBEAT.add(self)
+
+    def store_unreachable(self) -> StoreUnreachable | None:
+        """The store's failure when its last call got no answer, else None."""
+        return self._store.unreachable()
+
+    def _fetch(self, keys: list[str]) -> dict[str, Any] | None:
+        """The raw values of ``keys`` that exist; None when the store did not answer
+        in time (never blocks on a missing key, never longer than ``CALL_S``)."""
+        def get(store: Any) -> dict[str, Any]:
+            return {k: store.get(k) for k in keys if store.check([k])}
+
+        try:
+            return self._store.run(get)
+        except StoreUnreachable:
+            return None
+        except Exception:  # noqa: BLE001 - diagnostics only: a store that answers nonsense
             self._dead = True
             return None
 
@@ -171,19 +220,26 @@ class PeerBoard:
         StoreValueError for a peer identity gradring did not write."""
         if self._prefix is None or self._dead:
             return []
+        with self._lock:
+            wanted = [p for p in range(self.world_size) if p != self.rank and p not in self._ids]
+        if wanted:
+            raw = self._fetch([f"{self._prefix}id/{p}" for p in wanted])
+            found = {}
+            for p in wanted:
+                key = f"{self._prefix}id/{p}"
+                if raw is not None and key in raw:
+                    found[p] = parse_identity(key, raw[key])
+            with self._lock:
+                self._ids.update(found)
         me = host_key()
         with self._lock:
-            for p in range(self.world_size):
-                if p == self.rank or p in self._ids:
-                    continue
-                key = f"{self._prefix}id/{p}"
-                raw = self._get(key)
-                if self._dead:
-                    return []
-                if raw is not None:
-                    self._ids[p] = parse_identity(key, raw)
-        return [(p, pid) for p, (pid, host) in sorted(self._ids.items())
-                if host == me and not segments.pid_alive(pid)]
+            ids = sorted(self._ids.items())
+        return [(p, pid) for p, (pid, host) in ids if host == me and not segments.pid_alive(pid)]
+
+    def identities(self) -> dict[int, tuple[int, str]]:
+        """The peers' ``(pid, host key)`` read so far."""
+        with self._lock:
+            return dict(self._ids)
 
     def post(self, state: str, seq: int, what: str, why: str = "", error: str = "",
              fp: list[Any] | None = None) -> None:
@@ -192,40 +248,131 @@ class PeerBoard:
         ``fp`` the collective's fingerprint (waiting ranks compare them)."""
         if self._prefix is None or self._dead or self._posted == (state, seq):
             return
+        if state == "left":
+            self.beating = False
         value = json.dumps({"state": state, "seq": seq, "what": what, "why": why[:2000],
                             "error": error, "fp": fp, "pid": os.getpid(),
                             "time": time.time()})
+        key = f"{self._prefix}{self.rank}"
+        try:
+            self._store.run(lambda store: store.set(key, value))
+        except StoreUnreachable:
+            return
+        except Exception:  # noqa: BLE001 - the store host may be gone
+            self._dead = True
+            return
         with self._lock:
-            try:
-                self._store.set(f"{self._prefix}{self.rank}", value)
-                self._posted = (state, seq)
-            except Exception:  # noqa: BLE001 - the store host may be gone
-                self._dead = True
+            self._posted = (state, seq)
+
+    def beat(self) -> None:
+        """One heartbeat: bump this rank's counter in the store (see :data:`HEARTBEAT`)."""
+        if self._prefix is None or self._dead or not self.beating:
+            return
+        key = f"{self._prefix}hb/{self.rank}"
+        try:
+            self._store.run(lambda store: store.add(key, 1))
+        except Exception:  # noqa: BLE001 - recorded by the store wrapper; diagnostics only
+            pass
 
     def read(self) -> dict[int, dict[str, Any]]:
-        """Every peer's latest status that exists (never blocks on a missing key).
-        Raises StoreValueError for a status gradring did not write."""
+        """Every peer's latest status that exists (never blocks on a missing key);
+        the peers' heartbeats too, at most once per ``HEARTBEAT_S``. Raises
+        StoreValueError for a status gradring did not write."""
         found: dict[int, dict[str, Any]] = {}
         if self._prefix is None or self._dead:
             return found
-        with self._lock:
-            for p in range(self.world_size):
-                if p == self.rank:
-                    continue
-                key = f"{self._prefix}{p}"
-                raw = self._get(key)
-                if self._dead:
-                    break
-                if raw is not None:
-                    found[p] = parse_status(key, raw)
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        prefix = self._prefix
+        now = time.monotonic()
+        with_beats = now - self._beats_read >= HEARTBEAT_S
+
+        def get(store: Any) -> tuple[dict[int, Any], dict[int, int]]:
+            raw = {p: store.get(f"{prefix}{p}") for p in peers
+                   if store.check([f"{prefix}{p}"])}
+            beats = {p: int(store.add(f"{prefix}hb/{p}", 0)) for p in peers} if with_beats \
+                else {}
+            return raw, beats
+
+        try:
+            raw, beats = self._store.run(get)
+        except StoreUnreachable:
+            return found
+        except Exception:  # noqa: BLE001 - diagnostics only
+            self._dead = True
+            return found
+        for p, value in sorted(raw.items()):
+            found[p] = parse_status(f"{prefix}{p}", value)
+        if beats:
+            with self._lock:
+                self._beats_read = now
+                for p, count in beats.items():
+                    old = self._beats.get(p)
+                    if old is None:
+                        self._beats[p] = (count, now, now)
+                    elif count != old[0]:
+                        self._beats[p] = (count, now, old[2])
         return found
 
+    def silent_for(self, rank: int) -> float | None:
+        """Seconds, as seen from here, since ``rank``'s heartbeat last moved; None when
+        unknown (it never beat, or was not watched long enough to tell)."""
+        with self._lock:
+            seen = self._beats.get(rank)
+        if seen is None or seen[0] == 0:
+            return None
+        return time.monotonic() - seen[1]
 
-def describe_status(rank: int, status: dict[str, Any] | None, seq: int = 0) -> str:
-    """One peer's board status in words, for error messages (``seq``: ours)."""
+
+class _Heartbeat:
+    """One thread per process bumping the heartbeat of every attached board each
+    ``HEARTBEAT_S`` (see [Note: heartbeats])."""
+
+    def __init__(self) -> None:
+        self._boards: weakref.WeakSet[PeerBoard] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def add(self, board: PeerBoard) -> None:
+        with self._lock:
+            self._boards.add(board)
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="gradring-heartbeat")
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                boards = [b for b in list(self._boards) if b.beating]
+                if not boards:
+                    self._thread = None
+                    return
+            for b in boards:
+                b.beat()
+            time.sleep(HEARTBEAT_S)
+
+
+#: The process's heartbeat thread.
+HEARTBEAT = _Heartbeat()
+
+
+def describe_status(rank: int, status: dict[str, Any] | None, seq: int = 0,
+                    silent: float | None = None) -> str:
+    """One peer's board status in words, for error messages (``seq``: ours;
+    ``silent``: seconds since its heartbeat last moved, None if unknown)."""
+    if silent is not None and silent >= STALE_S and (status is None
+                                                     or status["state"] == "waiting"):
+        last = f"; its last post: waiting in {status.get('what', '')}" if status else ""
+        return (f"rank {rank} is unreachable: its heartbeat in the store has not moved for "
+                f"{silent:.0f}s (a network partition, or its host is down or frozen{last})")
     if status is None:
-        return f"rank {rank} posted nothing (alive but not blocked in a gradring collective, " \
-               "or stuck before one)"
+        if silent is not None:
+            return (f"rank {rank} posted nothing but is alive (its heartbeat in the store "
+                    "moves): it is not blocked in a gradring collective, or stuck before one")
+        return (f"rank {rank} posted nothing (not blocked in a gradring collective, stuck "
+                "before one, or cut off from the store)")
     what = status.get("what", "")
     if status["state"] == "waiting":
         return f"rank {rank} is waiting in {what}"

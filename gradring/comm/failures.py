@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gradring.comm import desync
+from gradring.comm import desync, exits
 from gradring.comm.board import PeerBoard, describe_status
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.transport import CollectiveError
@@ -64,9 +64,12 @@ class Failures:
             time.sleep(0.05)
             dead = self.board.dead_peers()
         if dead:
-            err = type(err)(f"{err}; " + "; ".join(f"rank {p} (pid {pid}) has exited"
-                                                    for p, pid in dead))
+            err = type(err)(f"{err}; " + "; ".join(exits.exited(p, pid) for p, pid in dead))
         told = {p: s for p, s in self.board.read().items() if s["state"] in ("failed", "left")}
+        cut_off = self.board.store_unreachable()
+        if cut_off is not None:  # the peers' reports cannot be read
+            err = type(err)(f"{err}; {cut_off}, so rank {self.rank} cannot learn what its "
+                            "peers reported (a network partition, or the store's host is down)")
         if not told:
             return err
         cls = desync.DesyncError if any(s.get("error") == "DesyncError"

@@ -8,18 +8,171 @@ it, so a connection never trusts keys it did not write: it first draws a
 *generation* from an atomic counter (:func:`instance_prefix`) and keeps its
 keys under ``gradring/<what>/<generation>/``. Every rank of the group draws
 once, in the same collective order, so all of them land on the same prefix.
+
+[Note: store calls with a deadline]
+A TCPStore call to a host that cannot be reached (a link down, a partition)
+does not fail: it waits for the store's own timeout, and a call that timed
+out leaves the client waiting again at the next one. A watchdog thread
+blocked there enforces no deadline, and one that blocks holding a lock stops
+every thread that wants it: a cut-off host's ranks once hung for minutes
+that way. So every store call on the watchdog's and the error paths goes
+through a :class:`BoundedStore`: the call runs on the store's own helper
+thread, on a separate client connection (``store.clone()``, made there
+too), and the caller waits at most ``CALL_S`` seconds. A call that does not
+come back in time raises :class:`StoreUnreachable` ("the store at HOST:PORT
+is unreachable"), and so does every later call while it is still stuck: no
+call queues behind it. When the stuck call returns (the link is back) the
+store is usable again; after an error the connection is replaced. The
+collective paths that must wait for their peers (rendezvous, settings) keep
+their own, longer deadlines.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from gradring.comm.registry import GROUPS
+from gradring.comm.transport import CollectiveError
+
+T = TypeVar("T")
+
+#: Seconds one diagnostic store call (board, heartbeat, error paths) may take.
+CALL_S = 2.0
+
+
+def address(store: Any) -> str:
+    """Where ``store`` lives, for messages: ``HOST:PORT`` of the TCPStore beneath any
+    prefix stores, else the store's kind."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 16:
+        store = store.underlying_store
+        seen += 1
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host is not None and port is not None:
+        return f"{host}:{port}"
+    return f"(a {type(store).__name__})"
+
+
+class StoreUnreachable(CollectiveError):
+    """A store call got no answer within its deadline (see [Note: store calls with a
+    deadline]); ``where`` is ``HOST:PORT``, ``silent_s`` how long nothing came back."""
+
+    def __init__(self, where: str, silent_s: float, cause: str = "") -> None:
+        super().__init__(f"the store at {where} is unreachable: no answer for "
+                         f"{silent_s:.1f}s" + (f" ({cause})" if cause else ""))
+        self.where = where
+        self.silent_s = silent_s
+
+
+class BoundedStore:
+    """Calls to one store, each with a deadline; see [Note: store calls with a deadline]."""
+
+    def __init__(self, store: Any, call_s: float = CALL_S) -> None:
+        # The store as given (the group's own); cloned for this object's calls.
+        self._base = store
+        self.where = address(store)
+        self.call_s = call_s
+        # Guards the fields below (never held across a store call).
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # This object's client connection (a clone of ``_base``), made on the helper.
+        self._client: Any = None
+        # The call waiting for the helper thread, and the helper (started lazily).
+        self._pending: tuple[Callable[[Any], Any], dict[str, Any], threading.Event] | None \
+            = None
+        self._helper: threading.Thread | None = None
+        self._helper_pid = 0
+        # Since when calls fail (monotonic), None while the store answers.
+        self.failing_since: float | None = None
+        # The last failure in words.
+        self.last_error = ""
+        # Whether the helper is inside a call (a stuck one makes later calls fail at once).
+        self._busy = False
+
+    def run(self, fn: Callable[[Any], T]) -> T:
+        """``fn(store)`` on the helper thread; its result, its exception, or
+        :class:`StoreUnreachable` after ``call_s`` seconds (at once while an earlier
+        call is still stuck)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        started = time.monotonic()
+        with self._lock:
+            if self._helper_pid != os.getpid():  # new, or forked: none of the parent's
+                self._helper, self._busy, self._pending, self._client = None, False, None, None
+                self._helper_pid = os.getpid()
+            if self._busy:
+                raise self._unreachable("an earlier call is still waiting")
+            if self._helper is None or not self._helper.is_alive():
+                self._helper = threading.Thread(target=self._serve, daemon=True,
+                                                name="gradring-store")
+                self._helper.start()
+            self._pending = (fn, box, done)
+            self._busy = True
+            self._wake.notify_all()
+        if not done.wait(self.call_s):
+            with self._lock:
+                if self.failing_since is None:
+                    self.failing_since = started
+                self.last_error = f"no answer within {self.call_s:g}s"
+            raise self._unreachable()
+        if "error" in box:
+            exc = box["error"]
+            if isinstance(exc, (KeyError, ValueError, TypeError, CollectiveError)):
+                raise exc  # an answer, not a dead link (a missing key, a bad value)
+            with self._lock:
+                if self.failing_since is None:
+                    self.failing_since = started
+                self.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
+                    if str(exc) else type(exc).__name__
+            raise self._unreachable(self.last_error) from exc
+        with self._lock:
+            self.failing_since = None
+            self.last_error = ""
+        return box["value"]
+
+    def unreachable(self) -> StoreUnreachable | None:
+        """The error to report when the last call failed, else None."""
+        with self._lock:
+            return None if self.failing_since is None else self._unreachable(self.last_error)
+
+    def _unreachable(self, cause: str = "") -> StoreUnreachable:
+        since = self.failing_since
+        silent = time.monotonic() - since if since is not None else self.call_s
+        return StoreUnreachable(self.where, silent, cause or self.last_error)
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while self._pending is None:
+                    self._wake.wait()
+                fn, box, done = self._pending
+                self._pending = None
+            try:
+                if self._client is None:
+                    try:
+                        self._client = self._base.clone()
+                    except Exception:  # noqa: BLE001 - a store without clone: share it
+                        self._client = self._base
+                box["value"] = fn(self._client)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+                if not isinstance(exc, (KeyError, ValueError, TypeError, CollectiveError)):
+                    self._client = None  # the connection's state is unknown: a new one
+            finally:
+                with self._lock:
+                    self._busy = False
+                    if "error" not in box:
+                        self.failing_since = None
+                        self.last_error = ""
+                done.set()
 
 
 def group_store(group: Any) -> Any:

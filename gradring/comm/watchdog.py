@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from gradring.comm import desync
+from gradring.comm import desync, exits
 from gradring.comm.board import (
     BOARD_AFTER_S,
     POLL_S,
@@ -163,8 +163,7 @@ class Watchdog:
                 return WatchdogError(f"{type(exc).__name__}: {exc}")
             dead, board = seen[id(w.board)]
             if dead:
-                return WatchdogError("; ".join(f"rank {p} (pid {pid}) has exited"
-                                               for p, pid in dead))
+                return WatchdogError("; ".join(exits.exited(p, pid) for p, pid in dead))
             for p, status in sorted(board.items()):
                 if status["state"] == "waiting" and status["seq"] == e.seq \
                         and status.get("fp") not in (None, fp):
@@ -177,8 +176,15 @@ class Watchdog:
                     return WatchdogError(describe_status(p, status, e.seq),
                                          status.get("error", ""))
         if now >= w.deadline:
+            cut_off = w.board.store_unreachable() if w.board is not None else None
+            if cut_off is not None:
+                return WatchdogError(f"timed out after {w.timeout:g}s: {cut_off}, so rank "
+                                     f"{w.rank} cannot learn which ranks arrived (a network "
+                                     "partition, or the store's host is down)")
             came, missing = arrivals(e.seq, board, w.rank, w.world_size)
-            notes = "; ".join(describe_status(p, board.get(p), e.seq) for p in missing)
+            silent = w.board.silent_for if w.board is not None else (lambda p: None)
+            notes = "; ".join(describe_status(p, board.get(p), e.seq, silent(p))
+                              for p in missing)
             return WatchdogError(f"timed out after {w.timeout:g}s: ranks {came} arrived, "
                                  f"ranks {missing} did not arrive; {notes}")
         return None
