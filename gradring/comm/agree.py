@@ -19,6 +19,13 @@ failure) until ``comm.shutdown()``. Values are compared as parsed
 (``GRADRING_CHECK=yes`` equals ``1``; unset ``GRADRING_TRANSPORT`` differs
 from ``shm``: on a full /dev/shm the first falls back, the second raises).
 
+Each rank publishes its pid and host with its values. While a rank waits,
+a peer whose process it knows already (DDP's parameter verification gathers
+every rank's, see [Note: naming a peer behind a gloo error] in ``peers.py``)
+and that is gone from this host ends the wait at once, naming it and how it
+ended: torch's DDP notices the same death in gloo within a fraction of a
+second, where this wait used to last the group's whole timeout.
+
 The other knobs may differ per rank: ``GRADRING_TIMEOUT`` is each rank's own
 deadline, the flight recorder's folder and size and ``GRADRING_SHM_YIELD_US``
 only concern the rank itself, and ``GRADRING_OVERLAP``'s choice and
@@ -35,13 +42,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from gradring import config
+from gradring.comm import exits, peers
 from gradring.comm.store import instance_prefix
 from gradring.comm.transport import CollectiveError
+from gradring.comm.transports.topology import host_key
 from gradring.config import SettingsMismatch
 
 #: The :class:`~gradring.config.Config` fields every rank of a group must set alike.
@@ -96,6 +106,35 @@ def mismatches(values: list[Any]) -> list[str]:
     return found
 
 
+#: Longest pause between two looks at the store while a peer's liveness can be checked.
+_POLL_MAX_S = 0.2
+
+
+def _wait_alive(store: Any, keys: list[str], timeout: float, group: str, rank: int) -> None:
+    """Wait up to ``timeout`` s until every key exists. While it waits, a rank whose
+    process is known (``peers.py``: DDP's verification learnt it) and gone on this host
+    ends the wait at once with a CollectiveError naming it and how it ended (see [Note:
+    agreed settings]). Without such knowledge: one plain ``store.wait``."""
+    others = [p for p in range(len(keys)) if p != rank]
+    if not any(p in peers.known(group) for p in others):
+        store.wait(keys, timedelta(seconds=timeout))
+        return
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while not store.check(keys):
+        missing = [p for p in others if not store.check([keys[p]])]
+        dead = peers.dead_among(group, missing)
+        if dead:
+            raise CollectiveError(
+                f"gradring group {group}: " + "; ".join(exits.exited(p, pid) for p, pid in dead)
+                + f", before its first gradring call on this group; rank {rank} waited there "
+                f"to agree on {', '.join(_VARS.values())}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError("Wait timeout")
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
 def agree(store: Any, rank: int, world_size: int, timeout: float, group: str) -> None:
     """Publish this rank's agreed settings in ``store`` (private to the group), read
     every rank's, and raise :class:`SettingsMismatch` on every rank when they differ
@@ -105,10 +144,13 @@ def agree(store: Any, rank: int, world_size: int, timeout: float, group: str) ->
     if world_size <= 1:
         return
     prefix = instance_prefix(store, "settings", world_size)
-    store.set(f"{prefix}{rank}", json.dumps(published(config.current())))
+    store.set(f"{prefix}{rank}", json.dumps(dict(published(config.current()),
+                                                 pid=os.getpid(), host=host_key())))
     keys = [f"{prefix}{p}" for p in range(world_size)]
     try:
-        store.wait(keys, timedelta(seconds=timeout))
+        _wait_alive(store, keys, timeout, group, rank)
+    except CollectiveError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch's DistStoreError (or a closed store)
         try:
             missing = [p for p, k in enumerate(keys) if not store.check([k])]

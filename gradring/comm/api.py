@@ -26,10 +26,12 @@ from gradring.comm.context import GroupContext, context, existing_context
 from gradring.comm.engine import Job, Work
 from gradring.comm.homes import Homes, finish_out, own_range, stage_in
 from gradring.comm.recorder import RECORDER, Entry, take_on_done
+from gradring.comm.registry import GROUPS
 from gradring.comm.runner import Plan
 from gradring.comm.transport import CollectiveInfo, Kind
 
 ReduceOp = dist.ReduceOp
+_default_group = dist.distributed_c10d._get_default_group
 
 
 def _is_native(*tensors: torch.Tensor) -> bool:
@@ -139,6 +141,11 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     to ``[tensor]``. AVG on integer tensors truncates towards zero. CUDA
     tensors use the process group's native all_reduce.
     """
+    if not async_op:  # [Note: the small synchronous path] in small_sync.py
+        ctx = GROUPS.get(group if group is not None else _default_group())
+        if ctx is not None and ctx.small is not None \
+                and ctx.small.all_reduce(tensor, op):  # type: ignore[attr-defined]
+            return None
     mine = _reduction(op, tensor.dtype)
     if mine is None or _is_native(tensor):
         return _native(group, Kind.ALL_REDUCE, tensor, [tensor], [tensor], async_op,

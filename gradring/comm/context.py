@@ -35,6 +35,7 @@ from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.registry import GROUPS
+from gradring.comm.small_sync import SmallSync
 from gradring.comm.store import group_store
 from gradring.comm.transports.group import GroupTransports
 from gradring.comm.transports.shm import orphans, sigterm
@@ -79,6 +80,9 @@ class GroupContext:
         # Failure state (failed here; unusable after a watchdog verdict) and errors.
         self.failures = Failures(self.board, self.rank, self.world_size, self.name)
         self.failures.progress = self.peer_progress
+        # Synchronous small all-reduces on the caller's thread, once shm is connected
+        # (see [Note: the small synchronous path] in ``small_sync.py``).
+        self.small: SmallSync | None = None
         # Last sequence number this rank issued and completed (the board's "left after").
         self.last_seq = 0
         # Whether the ranks' settings were compared yet (see agree_settings).
@@ -129,7 +133,12 @@ class GroupContext:
         if env.transport == "torch" or env.algo == "native":
             return False
         t = self.transports
-        return (t.existing_shm() if t.has_shm_answer() else t.shm()) is not None
+        shm = t.existing_shm() if t.has_shm_answer() else t.shm()
+        if shm is None:
+            return False
+        if self.small is None or not self.small.serves(shm):
+            self.small = SmallSync(self, shm)
+        return True
 
     def watch(self, entry: Entry, fut: torch.futures.Future,
               value: list[torch.Tensor]) -> torch.futures.Future:

@@ -155,6 +155,25 @@ class Engine:
                 if self._queue:
                     self._work.notify()
 
+    def try_enter(self) -> bool:
+        """Take the engine for a call on this thread if nothing is queued or running
+        (then :meth:`leave` must follow); False otherwise, taking nothing."""
+        if self._busy or self._queue or threading.current_thread() is self._thread:
+            return False  # a racy peek: the check under the lock decides
+        with self._idle:
+            if self._busy or self._queue:
+                return False
+            self._busy = True
+        return True
+
+    def leave(self) -> None:
+        """End a call taken with :meth:`try_enter`."""
+        with self._idle:
+            self._busy = False
+            self._idle.notify()
+            if self._queue:
+                self._work.notify()
+
     def help_until(self, fut: torch.futures.Future) -> None:
         """On the engine thread itself (a callback waiting on a later job), run
         queued jobs here until ``fut`` is done, instead of deadlocking."""

@@ -37,7 +37,7 @@ SUM = Op("SUM")
 def as_op(op: object) -> Op:
     """Translate a ``torch.distributed.ReduceOp`` (or its name) into an :class:`Op`."""
     try:
-        return _BY_VALUE[op]  # RedOpType members hash; the common case
+        return BY_VALUE[op]  # RedOpType members hash; the common case
     except (KeyError, TypeError):
         pass
     if isinstance(op, Op):
@@ -50,7 +50,8 @@ def as_op(op: object) -> Op:
     raise ValueError(f"gradring supports ReduceOp {sorted(SUPPORTED_OPS)}, not {op}")
 
 
-_BY_VALUE: dict[object, Op] = {getattr(ReduceOp, n): Op(n) for n in SUPPORTED_OPS}
+#: ``ReduceOp`` member -> :class:`Op`, for the reductions gradring does itself.
+BY_VALUE: dict[object, Op] = {getattr(ReduceOp, n): Op(n) for n in SUPPORTED_OPS}
 
 
 def combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: Op) -> None:

@@ -8,11 +8,12 @@ go through the group's :class:`~gradring.comm.failures.Failures`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from gradring.comm import algos, desync, select
+from gradring.comm.algos import direct
 from gradring.comm.homes import Homes
 from gradring.comm.ops import Op
 from gradring.comm.recorder import Entry
@@ -76,7 +77,6 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
     out, copy_back = _flat(plan.output)
     inp = out if plan.input is plan.output else _flat(plan.input)[0]
     entry = plan.entry
-    failures = ctx.failures
     label, transport = "?", None
     try:
         label, transport = select.pick_transport(ctx.transports, plan.env.transport, ctx.name)
@@ -93,36 +93,66 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
         finish = getattr(transport, "finish", None)
         if finish is not None:
             finish()  # shm's closing agreement: see [Note: sticky failures]
-    except desync.DesyncError as exc:
-        raise failures.desync(entry, exc) from None
     except ShmExhausted:
         raise  # not a failure: run() falls back
-    except CollectiveError as exc:
-        if label == select.HOSTS:
-            # An inter-host (or intra-host) failure of this rank fails its host's shared
-            # memory too: host peers stop and name it (see [Note: hierarchical closing
-            # agreement] in algos/hierarchical.py).
-            transport.mark_failed(exc)  # type: ignore[union-attr]
-        # shm's own errors already say who is missing; elsewhere the board knows more.
-        err = exc if label == "shm" else failures.with_board(exc)
-        failures.record(entry, err)
+    except BaseException as exc:
+        err = _failed(ctx, entry, label, transport, exc)
         if err is exc:
             raise
-        raise err from exc
-    except BaseException as exc:
-        # Not the transport's own error (a torch shape error, an OSError or ValueError
-        # from mapping memory, KeyboardInterrupt...): fail for the whole group, so that
-        # peers stop waiting at once and can name it.
-        mark = getattr(transport, "mark_failed", None)
-        if mark is not None:
-            mark(exc)
-        failures.record(entry, exc)
-        raise
+        raise err from (None if isinstance(exc, desync.DesyncError) else exc)
     if copy_back:
         plan.output.copy_(out.view(plan.output.shape))
     if entry is not None:
         entry.finish()
     ctx.last_seq = plan.seq
+
+
+def run_small_all_reduce(ctx: GroupContext, entry: Entry, transport: Any, flat: torch.Tensor,
+                         op: Op) -> None:
+    """A small all-reduce of flat contiguous ``flat`` on ``transport`` (shm), run on
+    the caller's thread by ``small_sync.py``: what :func:`_run` does for it, without
+    the choosing (``direct/inline`` is what ``select.choose`` picks for it)."""
+    info = CollectiveInfo(entry.seq, Kind.ALL_REDUCE, entry.nbytes, flat.dtype,
+                          "direct/inline over shm", ctx.name, tuple(entry.shape), entry.label)
+    entry.start(info.algo)
+    try:
+        transport.start(info)
+        direct.all_reduce_inline(transport, info, flat, op)
+        transport.finish()
+    except BaseException as exc:
+        err = _failed(ctx, entry, "shm", transport, exc)
+        if err is exc:
+            raise
+        raise err from None
+    entry.finish()
+    ctx.last_seq = entry.seq
+
+
+def _failed(ctx: GroupContext, entry: Entry | None, label: str, transport: Any,
+            exc: BaseException) -> BaseException:
+    """Record the failure ``exc`` of a collective on ``transport`` (``label`` as
+    ``select.pick_transport`` names it) and return the error the caller gets."""
+    failures = ctx.failures
+    if isinstance(exc, desync.DesyncError):
+        return failures.desync(entry, exc)
+    if isinstance(exc, CollectiveError):
+        if label == select.HOSTS:
+            # An inter-host (or intra-host) failure of this rank fails its host's shared
+            # memory too: host peers stop and name it (see [Note: hierarchical closing
+            # agreement] in algos/hierarchical.py).
+            transport.mark_failed(exc)
+        # shm's own errors already say who is missing; elsewhere the board knows more.
+        err = exc if label == "shm" else failures.with_board(exc)
+        failures.record(entry, err)
+        return err
+    # Not the transport's own error (a torch shape error, an OSError or ValueError
+    # from mapping memory, KeyboardInterrupt...): fail for the whole group, so that
+    # peers stop waiting at once and can name it.
+    mark = getattr(transport, "mark_failed", None)
+    if mark is not None:
+        mark(exc)
+    failures.record(entry, exc)
+    return exc
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

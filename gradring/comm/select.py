@@ -17,10 +17,12 @@ validated in ``gradring/config.py``):
 Defaults (crossovers measured at world 2 and 4 on a 2-core VM, numbers in
 docs/collectives.md):
 
-- shm: all-reduce ``direct/oneshot`` up to ``oneshot_max_bytes(W)`` (one
-  barrier; but every rank reads all W buffers, so the crossover shrinks as
-  1/W: 256 KiB at W=2, 128 KiB at W=4), ``direct/twoshot`` above (minimum
-  memory traffic); every other collective is ``direct``.
+- shm: all-reduce ``direct/inline`` up to ``INLINE_MAX_BYTES`` (the inputs
+  travel in the control segments: one barrier in all), ``direct/oneshot`` up
+  to ``oneshot_max_bytes(W)`` (one barrier plus the closing agreement; every
+  rank reads all W buffers, so the crossover shrinks as 1/W: 256 KiB at W=2,
+  128 KiB at W=4), ``direct/twoshot`` above (minimum memory traffic); every
+  other collective is ``direct``.
 - torch: all-reduce ``tree`` up to ``TREE_MAX_BYTES`` (2·log2 W hops instead
   of 2(W-1)), ``ring`` above (bandwidth-optimal, pipelined); broadcast
   ``tree`` (binomial); reduce-scatter and all-gather ``ring``.
@@ -36,7 +38,10 @@ from typing import Any, NamedTuple
 
 from gradring import config
 from gradring.comm.transport import Kind
+from gradring.comm.transports.shm.layout import INLINE_BYTES
 
+#: Largest all-reduce (bytes) whose inputs travel inline, in the control segments.
+INLINE_MAX_BYTES = INLINE_BYTES
 #: Largest all-reduce (bytes) run as one-shot on shared memory, at world size 2.
 ONESHOT_MAX_BYTES = 256 * 1024
 #: Largest all-reduce (bytes) run on the double binary tree over torch p2p.
@@ -86,6 +91,8 @@ def choose(kind: Kind, nbytes: int, world_size: int, transport: str,
         if algo in ("ring", "tree"):
             return Choice(transport, algo)
         if transport == "shm":
+            if nbytes <= INLINE_MAX_BYTES:
+                return Choice("shm", "direct/inline")
             return Choice("shm", "direct/oneshot" if nbytes <= oneshot_max_bytes(world_size)
                           else "direct/twoshot")
         return Choice(transport, "tree" if nbytes <= TREE_MAX_BYTES else "ring")

@@ -124,6 +124,11 @@ class DirectTransport(Transport, Protocol):
         Raises :class:`CollectiveError` if a peer is in a different collective.
         """
 
+    def exchange_inline(self, info: CollectiveInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Copy ``flat`` (small) where peers read it; after one barrier, return every
+        rank's copy in rank order. The copies stay readable until this rank's next
+        exchange, and nothing that follows needs a closing barrier."""
+
     def arrive(self) -> None:
         """Announce that this rank reached the next barrier, without waiting."""
 

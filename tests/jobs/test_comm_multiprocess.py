@@ -296,7 +296,8 @@ def _zero_copy(rank: int, world: int) -> dict[str, object]:
     view = x[2:5]  # a contiguous view of comm.empty memory is zero-copy too
     comm.all_reduce(view, op=dist.ReduceOp.MAX)
     zero_copy_staged = shm.memory.staged_bytes - before
-    user = torch.full((1000,), float(rank + 1))
+    # Above the inline size: inputs up to it travel in the control segments instead.
+    user = torch.full((select.INLINE_MAX_BYTES // 4 + 1,), float(rank + 1))
     comm.all_reduce(user)
     tri = world * (world + 1) / 2
     mine = [n for n in os.listdir(segments.SHM_DIR) if n.startswith(f"gradring-{os.getpid()}-")]

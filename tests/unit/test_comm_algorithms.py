@@ -46,7 +46,8 @@ def begin(t, seq: int, kind: Kind, flat: torch.Tensor) -> CollectiveInfo:
 
 #: The tests' short names for the registry's all-reduce algorithms ("-zc": zero copy).
 ALGO_NAMES = {"ring": "ring", "tree": "tree", "naive": "naive", "twoshot": "direct/twoshot",
-              "twoshot-zc": "direct/twoshot", "oneshot": "direct/oneshot"}
+              "twoshot-zc": "direct/twoshot", "oneshot": "direct/oneshot",
+              "inline": "direct/inline"}
 
 
 def _all_reduce_with(algo: str, t, seq: int, flat: torch.Tensor, op: Op) -> None:
@@ -71,7 +72,7 @@ def _sweep_all_reduce(t, algo: str, zero_copy: bool) -> list[torch.Tensor]:
 
 
 ALL_REDUCE_ALGOS = [("ring", False), ("tree", False), ("naive", False), ("twoshot", False),
-                    ("twoshot", True), ("oneshot", False), ("oneshot", True)]
+                    ("twoshot", True), ("oneshot", False), ("oneshot", True), ("inline", False)]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -199,7 +200,7 @@ def test_random_floats_identical_on_every_rank() -> None:
         _all_reduce_with(algo, t, 0, x, ops.SUM)
         return x
 
-    for algo in ("ring", "tree", "twoshot", "oneshot"):
+    for algo in ("ring", "tree", "twoshot", "oneshot", "inline"):
         for w in (3, 4):
             res = run_ranks(w, body, algo)
             expected = naive.oracle_all_reduce(
@@ -214,7 +215,7 @@ def _fuzz(t, seed: int, steps: int) -> list[torch.Tensor]:
     rng = random.Random(seed)  # same stream on every rank: same collective sequence
     out = []
     for seq in range(steps):
-        algo = rng.choice(["ring", "tree", "twoshot", "oneshot", "twoshot-zc"])
+        algo = rng.choice(["ring", "tree", "twoshot", "oneshot", "twoshot-zc", "inline"])
         count = rng.choice([0, 1, 3, rng.randrange(1, 50), rng.randrange(50, 30000)])
         dtype = rng.choice(DTYPES)
         op = rng.choice(OPS)
@@ -234,7 +235,7 @@ def test_fuzz_changing_sizes(world: int) -> None:
     results = run_ranks(world, _fuzz, seed, steps)
     rng = random.Random(seed)
     for k in range(steps):
-        rng.choice(["ring", "tree", "twoshot", "oneshot", "twoshot-zc"])
+        rng.choice(["ring", "tree", "twoshot", "oneshot", "twoshot-zc", "inline"])
         count = rng.choice([0, 1, 3, rng.randrange(1, 50), rng.randrange(50, 30000)])
         dtype = rng.choice(DTYPES)
         op = rng.choice(OPS)
@@ -301,8 +302,11 @@ def test_missing_peer_times_out() -> None:
 def test_selection_thresholds_and_overrides(monkeypatch) -> None:
     from gradring.comm import select
 
-    big, small = 64 << 20, 4
-    assert select.choose(Kind.ALL_REDUCE, small, 2, "shm", None).algo == "direct/oneshot"
+    big, small, mid = 64 << 20, 4, select.INLINE_MAX_BYTES + 4
+    assert select.choose(Kind.ALL_REDUCE, small, 2, "shm", None).algo == "direct/inline"
+    assert select.choose(Kind.ALL_REDUCE, select.INLINE_MAX_BYTES, 4, "shm",
+                         None).algo == "direct/inline"
+    assert select.choose(Kind.ALL_REDUCE, mid, 2, "shm", None).algo == "direct/oneshot"
     assert select.choose(Kind.ALL_REDUCE, big, 2, "shm", None).algo == "direct/twoshot"
     assert select.oneshot_max_bytes(4) < select.oneshot_max_bytes(2)
     assert select.choose(Kind.ALL_REDUCE, small, 2, "torch", None).algo == "tree"

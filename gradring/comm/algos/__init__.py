@@ -10,7 +10,7 @@ collective can need. The per-algorithm modules keep their natural signatures
 - ``ring``: bandwidth-optimal ring all-reduce, reduce-scatter, all-gather;
 - ``tree``: double binary tree all-reduce, binomial broadcast, barrier;
 - ``naive``: everybody sends everything (the tests' reference);
-- ``direct/oneshot``, ``direct/twoshot``, ``direct``: shared-memory reads
+- ``direct/inline``, ``direct/oneshot``, ``direct/twoshot``, ``direct``: shared-memory reads
   (``direct.py``), every collective;
 - ``hierarchical``: shared memory inside hosts, ring or tree across them.
 """
@@ -56,6 +56,8 @@ ALGORITHMS: dict[tuple[str, Kind], Algorithm] = {
     ("tree", BROADCAST): lambda t, c: tree.broadcast(t, c.out, c.root),
     ("tree", BARRIER): lambda t, c: tree.barrier(t),
     ("naive", ALL_REDUCE): lambda t, c: naive.all_reduce(t, c.out, c.op),
+    ("direct/inline", ALL_REDUCE):
+        lambda t, c: direct.all_reduce_inline(t, c.info, c.out, c.op),
     ("direct/oneshot", ALL_REDUCE):
         lambda t, c: direct.all_reduce_oneshot(t, c.info, c.out, c.op),
     ("direct/twoshot", ALL_REDUCE):

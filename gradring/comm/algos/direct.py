@@ -14,9 +14,12 @@ bounds an intra-host all-reduce (docs/collectives.md has the figures).
   result. With buffers from ``comm.empty`` and W=2 each rank moves 2.5
   buffer sizes (read 2 halves and write 1 to reduce, read and write 1 half to
   pass it on).
-- ``all_reduce_oneshot`` (small messages) = one barrier (plus the closing
+- ``all_reduce_oneshot`` (mid-sized messages) = one barrier (plus the closing
   agreement below): every rank reduces the whole buffer from all ranks'
   staging copies, in rank order so every rank computes identical bits.
+- ``all_reduce_inline`` (small messages): the one-shot with the inputs carried
+  in the exchange itself; one barrier in all (see [Note: inline exchange] in
+  ``transports/shm/transport.py``).
 
 Closing agreement: the shm transport ends every collective that did data work
 after its last barrier with one more barrier (``ShmTransport.finish``, called
@@ -115,6 +118,15 @@ def all_reduce_oneshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
     ops.copy(mine, flat)
     ex = t.exchange(info, mine, zero_copy=False)
     ops.reduce_into(flat, [v for v in ex.views if v is not None], op)
+    ops.finish(flat, op, t.world_size)
+
+
+def all_reduce_inline(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
+                      op: Op) -> None:
+    """Small messages: the one-shot with every input carried by the exchange itself
+    (``exchange_inline``), so one barrier and no closing agreement; the same sum in
+    the same rank order as :func:`all_reduce_oneshot`, so the same bits."""
+    ops.reduce_into(flat, t.exchange_inline(info, flat), op)
     ops.finish(flat, op, t.world_size)
 
 

@@ -171,6 +171,13 @@ class ThreadedTransport:
                                  f"(seq, kind, bytes) {theirs} != {mine}")
         return Exchange([e[1] for e in entries], any(e[2] for e in entries))
 
+    def exchange_inline(self, info: CollectiveInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of its ``flat``, in rank order (a staged exchange here)."""
+        mine, _ = self.expose(flat, force_staging=True)
+        ops.copy(mine, flat)
+        views = self.exchange(info, mine, zero_copy=False).views
+        return [v for v in views if v is not None]
+
     def arrive(self) -> None:
         self._epoch += 1
         with self.world.cond:

@@ -22,6 +22,9 @@ offset                contents
 640                   why this rank failed, in words (``verdict.py``)
 1024 + 192·d          towards rank d: mailbox sent, acked, lengths; highest
                       segno of d's segments mapped here (see ``close``)
+after the channels    two inline data slots of ``INLINE_BYTES`` (alternating
+                      per exchange, like the descriptors): small all-reduces
+                      carry their input here (``ShmTransport.exchange_inline``)
 page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
 ====================  ===================================================
 
@@ -116,9 +119,21 @@ def chan_word(peer: int, which: int) -> int:
     return (CHAN_OFF + CHAN_STRIDE * peer) // 4 + which
 
 
+# -- inline data ---------------------------------------------------------------------------
+#: Bytes of one inline data slot: the largest all-reduce whose input travels in the
+#: control segment itself (``select.INLINE_MAX_BYTES`` follows it).
+INLINE_BYTES = 64 * 1024
+
+
+def inline_offset(world_size: int, slot: int) -> int:
+    """Byte offset of inline data slot ``slot`` (0 or 1), 64-byte aligned."""
+    end = CHAN_OFF + CHAN_STRIDE * world_size
+    return -(-end // 64) * 64 + INLINE_BYTES * slot
+
+
 def slots_offset(world_size: int) -> int:
     """Byte offset of the first mailbox slot in a control segment."""
-    end = CHAN_OFF + CHAN_STRIDE * world_size
+    end = inline_offset(world_size, 2)
     return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
 
 

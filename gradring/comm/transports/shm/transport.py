@@ -26,6 +26,7 @@ Ranks find each other through the store: ``rendezvous.connect``.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import time
 import weakref
@@ -44,14 +45,16 @@ from gradring.comm.transports.shm.layout import (
     BARRIER_WORD,
     CHAN_MAPPED,
     DESC,
+    INLINE_BYTES,
     chan_word,
     desc_offset,
+    inline_offset,
 )
 from gradring.comm.transports.shm.mailbox import Mailboxes
 from gradring.comm.transports.shm.memory import SegmentBook
 from gradring.comm.transports.shm.segments import Segment
 
-_HAS_BUFFER, _ZERO_COPY, _NO_ROOM = 1, 2, 4
+_HAS_BUFFER, _ZERO_COPY, _NO_ROOM, _INLINE = 1, 2, 4, 8
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
@@ -92,6 +95,15 @@ class ShmTransport:
         self._ctls = [ctl if p == rank else peer_ctls[p] for p in range(world_size)]
         # Their 32-bit word views, indexed [rank][word] in the hot loops.
         self._words = [c.words for c in self._ctls]  # type: ignore[union-attr]
+        # Every rank's two inline data slots as byte tensors, [rank][slot]
+        # (see ``exchange_inline``).
+        self._inline = [[c.bytes[inline_offset(world_size, k):  # type: ignore[union-attr]
+                                 inline_offset(world_size, k) + INLINE_BYTES]
+                         for k in (0, 1)] for c in self._ctls]
+        # This rank's inline slots' addresses, and typed views of every rank's slots by
+        # (slot, bytes, dtype), made once: slicing a tensor costs more than the copy.
+        self._inline_addr = [ctl.address + inline_offset(world_size, k) for k in (0, 1)]
+        self._inline_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         # Process ids, to tell a dead peer from a slow one.
         self._pids = pids
         # Seconds a collective may wait for its peers.
@@ -161,6 +173,10 @@ class ShmTransport:
         shm_status.publish(self._ctl.mm, self._ctl.words, info, fp[3], fp[4])
         self._mail.begin(info.seq)
 
+    def usable(self) -> bool:
+        """Neither failed nor closed (a call may still find the group failed by a peer)."""
+        return self._broken is None
+
     def abort(self, reason: str) -> None:
         """Make a wait blocked in another thread raise at its next slice."""
         self._abort = reason
@@ -180,6 +196,8 @@ class ShmTransport:
             self.memory.remove_dead_peer_names(self._dead_peers())  # killed peers' names
         self.memory.close()
         self._words = []
+        self._inline = []
+        self._inline_views = {}
         self._mail.close()
         for seg in self._ctls:
             if seg is not None:
@@ -548,6 +566,56 @@ class ShmTransport:
             views.append(mem.peer_view(p, slot, staged, psegno, poff, pbytes, info.dtype))
         self._open = any(v is not None for v in views)
         return Exchange(views, any_zero_copy)
+
+    def exchange_inline(self, info: CollectiveInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``DirectTransport.exchange_inline``: every rank's copy of its ``flat`` (at most
+        ``INLINE_BYTES``), in rank order, after one barrier.
+
+        [Note: inline exchange]
+        The input travels in the control segment itself, in the inline slot of
+        this exchange (slots alternate per exchange, like the descriptors), so a
+        small collective maps nothing, stages nothing and needs one barrier:
+
+        - a rank writes slot ``k`` only for an exchange two exchanges after the
+          last one that used it, and it got there through the barrier of the
+          exchange in between, which every peer reached after it had read slot
+          ``k`` -- so no slot is overwritten while a peer reads it;
+        - after the barrier nothing can fail: the peers' control segments were
+          mapped at connect, and what is left is comparing descriptors (every
+          rank sees a mismatch any pair has, so all raise it) and a local
+          reduction. So no closing agreement is needed (see [Note: sticky
+          failures] in ``verdict.py``): a rank that passed the barrier completes.
+        """
+        nbytes, dtype = info.nbytes, flat.dtype
+        if nbytes > INLINE_BYTES:
+            raise ValueError(f"gradring {info.describe()}: {nbytes} bytes do not fit an "
+                             f"inline slot ({INLINE_BYTES} bytes)")
+        slot, _, _, _ = self.memory.outgoing(None)
+        key = (slot, nbytes, dtype)
+        views = self._inline_views.get(key)
+        if views is None:
+            if len(self._inline_views) > 64:
+                self._inline_views.clear()
+            views = self._inline_views[key] = [
+                slots[slot][:nbytes].view(dtype) for slots in self._inline]
+        ctypes.memmove(self._inline_addr[slot], flat.data_ptr(), nbytes)
+        desc_off = desc_offset(slot)
+        dcode = _DTYPE_CODES.get(dtype, 0)
+        DESC.pack_into(self._ctl.mm, desc_off, info.seq, int(info.kind), _INLINE, nbytes,
+                       dcode, 0, 0, self._fp[4], self._fp[5])
+        self.arrive()
+        self.wait_arrivals("at the start of the collective")
+        expected = (info.seq, int(info.kind), nbytes, dcode)
+        for p in range(self.world_size):
+            if p != self.rank:
+                seq, kind, pflags, pbytes, pcode, _, _, pshape, plabel = DESC.unpack_from(
+                    self._ctls[p].mm, desc_off)
+                theirs = (seq, kind, pbytes, pcode, pshape, plabel)
+                if theirs[:4] != expected or not pflags & _INLINE or \
+                        self._full_check and theirs[4:] != self._fp[4:]:
+                    self._desync(p, theirs)
+        self._open = False
+        return views
 
     def _check_room(self, desc_off: int, flags: int, needed: int) -> None:
         """Every rank reads every descriptor after the start barrier: if any rank had
