@@ -27,8 +27,8 @@ put in when their bucket is ready), ``at_end`` (every bucket reduced at the
 end of the backward on a host with no free core), ``joined`` (those buckets
 as one collective) and ``inline_last`` (the last bucket reduced by the
 finalize on its own thread), which showed no win beyond what an identical
-configuration shows by chance; and, earlier, lent gradients and end
-counting, which could be wrong (see docs/design.md).
+configuration shows by chance. Lent gradients and end counting are not
+fast paths at all: they could give wrong results (see docs/design.md).
 
 ``GRADRING_FAST_PATHS`` is ``all`` (the default), ``none`` (the core), a
 comma-separated list of the names to keep, or of names each prefixed with

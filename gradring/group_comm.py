@@ -177,8 +177,8 @@ class GroupComm:
     def _broadcast_bytes(self, groups: list[tuple[torch.dtype, list[torch.Tensor]]], src: int,
                          src_global: int) -> None:
         """One broadcast of a byte buffer holding every group, each flattened at
-        an offset aligned for its dtype (a model's float buffers and its integer
-        batch counters used to cost two collectives, and a Python copy per tensor)."""
+        an offset aligned for its dtype, so that a model's float buffers and its
+        integer batch counters cost one collective and no Python copy per tensor."""
         layout, total = byte_layout(groups)
         buf = torch.empty(total, dtype=torch.uint8)
         if self.rank == src:

@@ -1,9 +1,9 @@
 """Ray Train: gradring's DDP inside ``ray.train.torch.TorchTrainer`` workers.
 
 ``ray.train.torch.prepare_model`` wraps in the DDP class that Ray's module
-took when it was imported, so ``gradring.install()`` called inside the
-training function used to come too late (``install()`` now rebinds Ray's
-copy, see [Note: captured names] in ``captures.py``). Two routes that do not
+took when it was imported. ``gradring.install()`` called inside the
+training function still reaches it because ``install()`` rebinds Ray's copy
+(see [Note: captured names] in ``captures.py``). Two routes that do not
 depend on that:
 
 - in the training function, ``gradring.ray.prepare_model(model)`` instead of

@@ -242,7 +242,7 @@ class Bucket:
 # Optimizers that pair parameter and gradient elements by memory position
 # (the fused and foreach AdamW and SGD) depend on it. So a slot view is the
 # parameter's layout over the slot's elements: what ``.grad`` becomes in
-# view mode, what a lent view is, what packed copies go through, and what
+# view mode, what packed copies go through, and what
 # a ``.grad`` made by cloning a slot inherits. A slot's memory order is
 # therefore the parameter's memory order, and a path that moves a gradient
 # as flat memory (homing) may only do so for a gradient of the same strides.

@@ -2,7 +2,7 @@
 
 ``split.py``: compiled graphs split at gradring's buckets ([Note: compile and
 the buckets]); ``never_traced.py``: what Dynamo never traces ([Note: never
-traced]). The names of the former ``gradring.compile`` module are re-exported here.
+traced]). The public names of both are re-exported here, so ``gradring.compile.X`` keeps working.
 """
 
 from gradring.compile.never_traced import NEVER_TRACED, never_traced

@@ -8,14 +8,13 @@ on a CPU core the backward does not use. gradring's shared-memory all-reduce
 is CPU work done by the group's comm thread, so on a host with no core to
 spare that thread can only take one from a backward.
 
-gradring launches when ready, as torch does, on every host. It once chose
-by itself to reduce every bucket at the end of the backward where it counted
-no free core (and to join those buckets into one collective); measured side
-by side against launching when ready (``benchmarks/ablation.py``, five
-models, world 2 on a 2-core VM, quiet and with two competing processes),
-neither choice won beyond the spread on any model, and the automatic one
-lost beyond it on the 12 x Linear(1024) MLP under load (docs/design.md,
-"Fast paths, measured"). So the host no longer decides.
+gradring launches when ready, as torch does, on every host, even where it
+counts no free core: reducing every bucket at the end of the backward on
+such a host (joined into one collective), measured side by side against
+launching when ready (``benchmarks/ablation.py``, five models, world 2 on a
+2-core VM, quiet and with two competing processes), won beyond the spread
+on no model and lost beyond it on the 12 x Linear(1024) MLP under load
+(docs/design.md, "Fast paths, measured"). So the host does not decide.
 
 ``GRADRING_OVERLAP=0`` still reduces every bucket on the training thread
 when the backward ends, in bucket order (see [Note: buckets left to the

@@ -9,8 +9,9 @@ class IterationState(enum.Enum):
     """Where the reducer is between two synchronised forwards.
 
     [Note: the iteration's states]
-    One value stands for what three flags said before (whether hooks count,
-    whether a finalize is owed, whether one ran since the last forward)::
+    One value rather than three flags (whether hooks count, whether a
+    finalize is owed, whether one ran since the last forward), so that no
+    combination of them can disagree with another::
 
         IDLE --prepare_for_backward--> EXPECTING --a gradient marked ready--> REDUCING
         REDUCING --finalize--> FINALIZED --next forward, or a later backward's hook--> IDLE

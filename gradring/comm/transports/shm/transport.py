@@ -59,11 +59,12 @@ _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
 #: sleeping in the kernel (``GRADRING_SHM_YIELD_US``); see [Note: spin, then
-#: block]. The yield window was 1 ms: inside DDP a bucket's collective mostly
-#: waits for the peer's backward to reach the same bucket, milliseconds later,
-#: and each yield hands the GIL to the backward's hooks and takes it back. A
-#: 50 us window cut that cost and left small all-reduces as fast (the figures
-#: are in docs/collectives.md, "Async engine").
+#: block]. Short, because inside DDP a bucket's collective mostly waits for the
+#: peer's backward to reach the same bucket, milliseconds later, and each yield
+#: hands the GIL to the backward's hooks and takes it back; long enough that a
+#: small all-reduce whose peer is already there never sleeps. 50 us beat 1 ms
+#: and sleeping at once, and 500 us or 3 ms did no better (the figures are in
+#: benchmarks/results/2026-12-04-yield-window-under-load.md).
 SPIN_ITERS = 64
 YIELD_S = config.current().shm_yield_us * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
