@@ -97,10 +97,10 @@ def kernel_log_lines(path: str = "/dev/kmsg") -> list[str] | None:
             if not rec:
                 break
             total += len(rec)
-            # "<prio>,<seq>,<usec>,<flags>;<text>"
-            text = rec.decode("utf-8", "replace").split(";", 1)[-1].splitlines()
-            if text:
-                lines.append(text[0])
+            # Records read "<prio>,<seq>,<usec>,<flags>;<text>", then " KEY=value" lines.
+            for line in rec.decode("utf-8", "replace").splitlines():
+                if line and not line.startswith(" "):
+                    lines.append(line.split(";", 1)[-1])
     finally:
         os.close(fd)
     return lines

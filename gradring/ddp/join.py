@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms import join as _torch_join
 
+from gradring.comm import peers
 from gradring.group_comm import GroupComm
 
 # gradring's DDP joins torch's own Join context manager: re-exported for users.
@@ -118,9 +119,14 @@ def set_division(ddp: JoiningDDP, *, initial: bool) -> None:
 def notify(ddp: JoiningDDP, sync: bool) -> None:
     """A rank still training, at the start of each forward: Join's all-reduce of
     1 (its sum is the number of such ranks), then the sync flag ``sync``."""
-    work = Join.notify_join_context(ddp)
+    # torch's Join issues its all-reduce on gloo: a peer dying there is named by
+    # gradring (see [Note: naming a peer behind a gloo error] in comm/peers.py).
+    with peers.naming_dead_peers(ddp.comm.group, "Join's all-reduce of the ranks still "
+                                                 "training"):
+        work = Join.notify_join_context(ddp)
+        if work is not None:
+            work.wait()
     if work is not None:
-        work.wait()
         if not ddp.divide_by_initial_world_size:
             ddp.reducer.set_divide_factor(int(work.result()[0].item()))
     any_rank(ddp.comm, sync, ddp.device)

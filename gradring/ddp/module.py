@@ -45,6 +45,7 @@ from gradring import compile as compile_split
 from gradring import errors, pytree
 from gradring.announce import announce_first_forward
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB, BucketCaps
+from gradring.comm import peers
 from gradring.ddp import join, logging_data, reducer_params
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
 from gradring.ddp.consumers import ConsumerSlot
@@ -279,7 +280,9 @@ class DistributedDataParallel(TorchDDP):
     def _verify_same_model(self, params: list[torch.Tensor]) -> None:
         """Every rank checks every rank against rank 0, so all of them raise together."""
         meta = [(tuple(p.shape), tuple(p.stride())) for p in params]
-        everyone = self._comm.all_gather_object((meta, self._param_names))
+        # gloo's own call: a peer that dies here is named (see comm/peers.py).
+        everyone = peers.gather_objects(self._comm.group, (meta, self._param_names),
+                                        "DDP's parameter verification")
         counts = [len(m) for m, _ in everyone]
         if any(c != counts[0] for c in counts):
             self._log_and_throw(RuntimeError, errors.param_count_mismatch(counts))

@@ -269,7 +269,71 @@ def scenario_exit_after_one(a: argparse.Namespace) -> None:
         _say(rank=a.rank, error=str(exc))
 
 
-SCENARIOS = {"kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
+def _report_error(rank: int, exc: BaseException) -> None:
+    _say(rank=rank, error=f"{type(exc).__name__}: {exc}",
+         classes=[c.__name__ for c in type(exc).__mro__])
+
+
+def scenario_kill_at_start(a: argparse.Namespace) -> None:
+    """Rank 1 SIGKILLs itself inside the DDP constructor: at its first gradring call
+    (the first broadcast, where the settings agreement runs: ``a.cases == "broadcast"``)
+    or in the parameter verification's gloo all-gather (``"verification"``)."""
+    if a.rank == 1:
+        if a.cases == "broadcast":
+            real_broadcast = comm.broadcast
+
+            def dying_broadcast(*args: object, **kw: object) -> object:
+                _kill_self(0)
+                return real_broadcast(*args, **kw)
+
+            comm.broadcast = dying_broadcast
+        else:
+            real_gather = dist.all_gather_object
+
+            def dying_gather(*args: object, **kw: object) -> object:
+                _kill_self(0)
+                return real_gather(*args, **kw)
+
+            dist.all_gather_object = dying_gather
+    try:
+        _ddp()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _report_error(a.rank, exc)
+        return
+    _say(rank=a.rank, error=None)
+
+
+def scenario_kill_in_join(a: argparse.Namespace) -> None:
+    """Rank 1 runs out of data after 2 steps and shadows under Join; it SIGKILLs itself
+    right after its second shadow iteration, so rank 0's next forward meets the death
+    in Join's own all-reduce (gloo), before any gradring collective."""
+    from gradring.ddp import join as ddp_join
+
+    if a.rank == 1:
+        real_hook = ddp_join.DDPJoinHook.main_hook
+        calls = {"n": 0}
+
+        def dying_hook(self: ddp_join.DDPJoinHook) -> None:
+            real_hook(self)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                _kill_self(calls["n"])
+
+        ddp_join.DDPJoinHook.main_hook = dying_hook  # type: ignore[method-assign]
+    ddp, opt = _ddp()
+    steps = 2 if a.rank == 1 else 40
+    try:
+        with ddp.join():
+            for step in range(steps):
+                _step(ddp, opt, step, a.rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _report_error(a.rank, exc)
+        return
+    _say(rank=a.rank, error=None)
+
+
+SCENARIOS = {"kill_at_start": scenario_kill_at_start, "kill_in_join": scenario_kill_in_join,
+             "kill": scenario_kill, "stall": scenario_stall, "leave": scenario_leave,
              "desync": scenario_desync, "inflight": scenario_inflight,
              "exit_after_one": scenario_exit_after_one,
              "kill_backward": scenario_kill_backward,
@@ -344,6 +408,56 @@ def test_dead_peer_fails_every_survivor_fast(tmp_path, world, victim, env) -> No
         # Detected, not waited out: see [Note: fail fast, told by the wording].
         assert "timed out" not in err, err
         assert f"rank {victim} (pid {pid}) has exited" in err, err
+
+
+def test_killed_rank_is_named_with_its_signal(tmp_path) -> None:
+    # The victim is a zombie until this test reaps it (after rank 0): its exit status is
+    # readable, so the survivor says how it ended, not only that it has exited.
+    reports, codes = _run_job("kill", 2, str(tmp_path), env={"GRADRING_TIMEOUT": LONG_TIMEOUT},
+                              victim=1)
+    assert codes[1] == -signal.SIGKILL
+    pid = next(r for r in reports[1] if "killed" in r)["pid"]
+    err = _final(reports[0])["error"]
+    assert f"rank 1 (pid {pid}) has exited" in err and "killed by signal 9 (SIGKILL)" in err, err
+
+
+@pytest.mark.parametrize("where", ["broadcast", "verification"])
+def test_death_in_the_ddp_constructor_is_named_at_once(tmp_path, where) -> None:
+    # Rank 1 dies in the constructor: at its first gradring call (where the settings
+    # agreement waits in the store), or inside the parameter verification's gloo
+    # all-gather. Before, the survivor waited the group's whole timeout (set to 60 s
+    # here, 30 min by default) in the first case, and got gloo's bare "Connection reset
+    # by peer" in the second. The job's limit (90 s) lies beyond the 60 s deadline, so
+    # an error that waited for it says so ("did not make their first gradring call").
+    reports, codes = _run_job("kill_at_start", 2, str(tmp_path),
+                              env={"GRADRING_TIMEOUT": LONG_TIMEOUT}, cases=where)
+    assert codes[1] == -signal.SIGKILL, (codes, reports)
+    pid = next(r for r in reports[1] if "killed" in r)["pid"]
+    final = _final(reports[0])
+    err = final["error"]
+    assert err is not None, reports[0]
+    assert f"rank 1 (pid {pid}) has exited: killed by signal 9 (SIGKILL)" in err, err
+    assert "did not make their first gradring call" not in err, err
+    assert "CollectiveError" in final["classes"], final
+    if where == "verification":
+        # Still the backend's error type, with gloo's own words first.
+        assert "DistBackendError" in final["classes"], final
+        assert "DDP's parameter verification failed on rank 0" in err, err
+
+
+def test_death_while_shadowing_in_join_is_named(tmp_path) -> None:
+    # Rank 1 dies while it shadows under Join; rank 0 meets it in Join's all-reduce,
+    # which torch issues on gloo. Before: gloo's bare "Connection reset by peer".
+    reports, codes = _run_job("kill_in_join", 2, str(tmp_path),
+                              env={"GRADRING_TIMEOUT": LONG_TIMEOUT})
+    assert codes[1] == -signal.SIGKILL, (codes, reports)
+    pid = next(r for r in reports[1] if "killed" in r)["pid"]
+    final = _final(reports[0])
+    err = final["error"]
+    assert err is not None, reports[0]
+    assert f"rank 1 (pid {pid}) has exited: killed by signal 9 (SIGKILL)" in err, err
+    assert "Join's all-reduce" in err, err
+    assert "timed out" not in err, err
 
 
 def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:

@@ -1,0 +1,186 @@
+"""Which process each rank of a group is, known before the peer board, and the
+errors of gloo calls completed with it.
+
+[Note: naming a peer behind a gloo error]
+Where gradring calls gloo itself -- DDP's parameter verification
+(``all_gather_object``), Join's all-reduce -- a peer that dies leaves the
+survivor with gloo's bare "Connection reset by peer", naming nobody. And the
+first gradring call on a group (the settings agreement, ``agree.py``) waits
+for its peers in the store, where a dead one used to be noticed only at the
+group's timeout (30 minutes by default).
+
+So DDP's verification gathers every rank's ``(pid, host key)`` along with
+its parameters (:func:`gather_objects`), after each rank has also put its own
+in the group's store under a fresh generation (``gradring/ids/<gen>/``); the
+result is kept per group (:func:`learn`, :func:`known`). Then:
+
+- a gloo error inside :func:`naming_dead_peers` is raised again as a
+  :class:`PeerExitedError` (a ``CollectiveError`` and a ``DistBackendError``)
+  that adds which peer on this host has exited and how (``exits.py``), or
+  which ranks never reached the call (no identity in the store);
+- the settings agreement checks, while it waits, whether a rank it waits for
+  is a known process that is gone (:func:`dead_among`).
+
+Only peers on this host can be checked (a pid means nothing elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from gradring.comm import exits
+from gradring.comm.store import BoundedStore, group_store, instance_prefix
+from gradring.comm.transport import CollectiveError
+from gradring.comm.transports.shm import segments
+from gradring.comm.transports.topology import host_key
+
+#: group name -> (the group, weakly; {rank: (pid, host key)})
+_KNOWN: dict[str, tuple[Any, dict[int, tuple[int, str]]]] = {}
+
+
+class PeerExitedError(CollectiveError, dist.DistBackendError):
+    """A gloo call failed and gradring knows which peer is gone (see the Note)."""
+
+
+def _group(group: Any) -> Any:
+    return dist.distributed_c10d._get_default_group() if group is None else group
+
+
+def _name(group: Any) -> str:
+    return str(getattr(_group(group), "group_name", "?"))
+
+
+def identity() -> list[Any]:
+    """This process's ``[pid, host key]``."""
+    return [os.getpid(), host_key()]
+
+
+def learn(group: Any, ids: dict[int, tuple[int, str]]) -> None:
+    """Remember the ``(pid, host key)`` of ``group``'s ranks."""
+    g = _group(group)
+    try:
+        ref: Any = weakref.ref(g)
+    except TypeError:
+        ref = lambda: g  # noqa: E731 - a group without weak references
+    _KNOWN[_name(g)] = (ref, dict(ids))
+
+
+def known(name: str) -> dict[int, tuple[int, str]]:
+    """The identities learnt for the live group named ``name`` ({} if none)."""
+    entry = _KNOWN.get(name)
+    if entry is None:
+        return {}
+    g = entry[0]()
+    try:
+        live = g is not None and g in dist.distributed_c10d._world.pg_map
+    except Exception:  # noqa: BLE001 - private API
+        live = g is not None
+    return dict(entry[1]) if live else {}
+
+
+def dead_among(name: str, ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """``(rank, pid)`` of those of ``ranks`` known to run on this host whose process is gone."""
+    ids = known(name)
+    me = host_key()
+    return [(r, ids[r][0]) for r in ranks
+            if r in ids and ids[r][1] == me and not segments.pid_alive(ids[r][0])]
+
+
+def _store_ids(group: Any, prefix: str, world_size: int) -> dict[int, tuple[int, str]] | None:
+    """The identities ranks put under ``prefix`` (None: the store did not answer)."""
+    def get(store: Any) -> dict[int, Any]:
+        return {p: store.get(f"{prefix}{p}") for p in range(world_size)
+                if store.check([f"{prefix}{p}"])}
+
+    try:
+        raw = BoundedStore(group_store(group)).run(get)
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return None
+    out = {}
+    for p, value in raw.items():
+        try:
+            pid, host = json.loads(value)
+            if type(pid) is int and isinstance(host, str):
+                out[p] = (pid, host)
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def explain(group: Any, prefix: str | None = None, what: str = "the call") -> str | None:
+    """What gradring knows about why a gloo call of ``group`` failed: which peers on this
+    host have exited (and how), else which ranks never reached it; None if nothing."""
+    g = _group(group)
+    world, me = dist.get_world_size(g), dist.get_rank(g)
+    ids = known(_name(g))
+    in_store = _store_ids(g, prefix, world) if prefix is not None else None
+    ids.update(in_store or {})
+    with contextlib.suppress(Exception):
+        from gradring.comm.context import existing_context  # here: context imports agree
+
+        ctx = existing_context(g)
+        if ctx is not None:
+            ids.update(ctx.board.identities())
+    here = host_key()
+    for attempt in range(6):  # a socket closes before its process is reaped
+        dead = [(r, pid) for r, (pid, host) in sorted(ids.items())
+                if r != me and host == here and not segments.pid_alive(pid)]
+        if dead:
+            return "; ".join(exits.exited(r, pid) for r, pid in dead)
+        if attempt < 5:
+            time.sleep(0.05)
+    if in_store is not None:
+        missing = [r for r in range(world) if r not in in_store]
+        if missing:
+            return (f"ranks {missing} never reached {what} (nothing of theirs in the store): "
+                    "they died or hung before it")
+    others = sorted({r for r, (_, host) in ids.items() if host != here})
+    if others:
+        return (f"no rank on this host has exited; ranks {others} run on other hosts, where "
+                "gradring cannot check their processes: see their logs")
+    return None
+
+
+@contextlib.contextmanager
+def naming_dead_peers(group: Any, what: str, prefix: str | None = None) -> Iterator[None]:
+    """Raise a gloo error of the block again with what gradring knows of its cause
+    (see [Note: naming a peer behind a gloo error]); ``what`` names the call."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveError):
+            raise
+        try:
+            note = explain(group, prefix, what)
+        except Exception:  # noqa: BLE001 - never hide the original error
+            note = None
+        if note is None:
+            raise
+        raise PeerExitedError(f"{exc}\ngradring: {what} failed on rank "
+                              f"{dist.get_rank(_group(group))}: {note}") from exc
+
+
+def gather_objects(group: Any, obj: Any, what: str) -> list[Any]:
+    """``dist.all_gather_object`` of ``obj`` over ``group`` (every rank's, by rank),
+    learning every rank's identity on the way; a gloo error names a dead peer."""
+    g = _group(group)
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    mine = identity()
+    prefix: str | None = None
+    with contextlib.suppress(Exception):  # no store: the gather still runs
+        store = group_store(g)
+        prefix = instance_prefix(store, "ids", world)
+        store.set(f"{prefix}{rank}", json.dumps(mine))
+    out: list[Any] = [None] * world
+    with naming_dead_peers(g, what, prefix):
+        dist.all_gather_object(out, (obj, mine), group=g)
+    learn(g, {r: (int(o[1][0]), str(o[1][1])) for r, o in enumerate(out)})
+    return [o[0] for o in out]
