@@ -9,43 +9,49 @@ live model (a collective: every rank calls it); ``load`` reads them back from tr
 ``gradring explain`` (tools/explain.py); docs/explain.md shows an example.
 
 [Note: the step breakdown]
-A step runs from one DDP forward's start to the next one's. Per rank and
-step, in ms (medians over the steady steps: iteration 0 and steps before the
-newest bucket layout left out, as ``overlap.steady_iterations`` does):
+A step runs from one DDP forward's start to the next one's. Per rank, over
+the steps of [Note: which steps the reports summarise] in overlap.py (the
+very iterations ``ddp.overlap_stats()`` summarises), each step is cut into
+rows that add up to it (``rank_steps``), in ms:
 
-- forward     forward_start -> forward_end (buffer sync, module, graph walk);
-- backward    backward_start -> backward_end (first parameter gradient to
-              the end-of-backward callback);
-- exposed comm (the row, "exposed_total") the one figure of [Note: exposed
-              communication] in overlap.py: the median of the per-iteration
-              exposed time over the steady iterations, as overlap_stats(),
-              the demo and the timeline report it. The three parts below are
-              medians of their own and need not add up to it;
-- wait        the part of the exposed communication (backward_end -> last
-              collective done) before the *slowest* rank launched its last
-              bucket: no collective can finish before every rank joins it.
-              When every bucket was reduced after the backward (no core for
-              the comm thread), the buckets run one after the other and the
-              wait is counted bucket by bucket: the part of each bucket's
-              collective before the slowest rank launched that bucket;
-- last bucket the rest of the exposed time spent in the last bucket's own
-              collective (its gradients are ready only when autograd ends);
-- exposed     the rest: earlier buckets' collectives still running after
-              the backward;
-- optimizer   every optimizer.step() between the last write into .grad
-              and the next forward;
-- other       what remains: the loss, zero_grad, data loading, copying the
-              reduced buckets into .grad (``write``, also reported alone).
+- forward          forward_start -> forward_end (buffer sync, module, graph walk);
+- backward         backward_start -> backward_end (first parameter gradient to
+                   the end-of-backward callback);
+- exposed comm     the iteration's ``exposed_ms`` ([Note: exposed
+                   communication]), in three parts that add up to it
+                   (``overlap.exposed_parts``):
+  - wait           the parts of the buckets' exposed runs before the
+                   *slowest* rank launched that bucket: no collective can
+                   finish before every rank joins it;
+  - last bucket    the rest of the last bucket's exposed run (its gradients
+                   are ready only when autograd ends);
+  - earlier        the rest of the earlier buckets' exposed runs;
+- copy into .grad  the rest of ``backward()`` after autograd: the tail less the
+                   exposed communication (writing the reduced buckets into .grad);
+- optimizer        every optimizer.step() between the last write into .grad
+                   and the next forward;
+- other            what remains of the step: the loss, zero_grad, data
+                   loading, autograd before the first parameter gradient.
+
+Every figure printed is the mean of these per-step values ([Note: which
+steps the reports summarise]), so the rows add up to the step and the parts
+to the exposed time in the means too; the printed rows are rounded so that
+they add up as printed (``apportion``). ``gradring timeline`` cuts the same
+steps into the same phases (its ``step_segments``).
 
 [Note: how findings are measured]
 Each finding is reported only when its condition holds *and* the saving it
 predicts, computed from this run's numbers, is at least ``MIN_SAVING_MS``
-and ``MIN_SAVING_FRACTION`` of the step. docs/explain.md lists each rule.
+and ``MIN_SAVING_FRACTION`` of the step (settings that cost nothing to
+change when their condition holds, ``NO_TRADEOFF``: ``NO_TRADEOFF_MIN_MS``
+alone). A fact worth knowing whose predicted saving misses the bar (buckets
+reduced after the backward, with nothing to gain from launching them when
+ready) is said as a note, not as a finding. docs/explain.md lists each rule.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -54,35 +60,34 @@ from gradring.buckets import MIB
 from gradring.observe.overlap import (
     STEADY_LAST_N,
     IterationTimes,
-    exposed_comm,
+    exposed_parts,
+    forward_starts,
     iteration_times,
-    recent,
+    mean,
+    steady_steps,
+    step_bounds,
+    summarize,
 )
 from gradring.observe.record import rank_record
 from gradring.observe.trace import Event
-from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, choose, simulate
+from gradring.reducer.autocap import pick
+from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, simulate
 
-PARTS = ("forward", "backward", "exposed", "last_bucket", "wait", "optimizer", "other")
-LABELS = {"forward": "forward", "backward": "backward", "exposed": "exposed comm",
-          "last_bucket": "last bucket", "wait": "wait (peers)", "optimizer": "optimizer",
-          "other": "other"}
-#: The printed breakdown: the exposed communication is one row (the same figure
-#: as ``overlap_stats()['exposed_ms']`` per step), then the three parts it is
-#: made of, indented; the unindented rows add up to the step.
-EXPOSED_PARTS = ("wait", "last_bucket", "exposed")
-UNINDENTED = ("forward", "backward", "exposed_total", "optimizer")
+#: The rows of a step ([Note: the step breakdown]); they add up to ``step``.
+STEP_ROWS = ("forward", "backward", "exposed_comm", "copy", "optimizer", "other")
+#: The parts of ``exposed_comm``; they add up to it.
+EXPOSED_ROWS = ("wait", "last_bucket", "earlier_buckets")
 TABLE_ROWS = (("forward", "forward"), ("backward", "backward"),
-              ("exposed_total", "exposed comm"), ("wait", "  wait (peers)"),
-              ("last_bucket", "  last bucket"), ("exposed", "  earlier buckets"),
-              ("optimizer", "optimizer"), ("other", "other"), ("step", "step"))
+              ("exposed_comm", "exposed comm"), ("wait", "  wait (peers)"),
+              ("last_bucket", "  last bucket"), ("earlier_buckets", "  earlier buckets"),
+              ("copy", "copy into .grad"), ("optimizer", "optimizer"), ("other", "other"),
+              ("step", "step"))
 #: A finding's predicted saving must reach both of these to be reported ...
 MIN_SAVING_MS = 0.1
 MIN_SAVING_FRACTION = 0.02
 #: ... except for settings whose change costs no step time (pure overhead when the
 #: condition holds): for them NO_TRADEOFF_MIN_MS alone is the bar.
-NO_TRADEOFF = ("find_unused", "broadcast_buffers", "bucket_view")
-#: Findings said whenever their condition holds, whatever their saving: how the run went.
-ALWAYS = ("at_the_end",)
+NO_TRADEOFF = ("find_unused", "forward_sync_buffers", "bucket_view")
 NO_TRADEOFF_MIN_MS = 0.25
 #: Buckets up to this size measure the per-bucket cost in the run itself.
 SMALL_BUCKET_BYTES = 64 * 1024
@@ -90,12 +95,14 @@ SMALL_BUCKET_BYTES = 64 * 1024
 STRAGGLER_FRACTION = 0.25
 STRAGGLER_MS = 2.0
 STRAGGLER_CONSISTENCY = 0.8
-#: "Far" from the step model's best cap: a factor of at least this.
+#: "Far" from the step model's pick: a factor of at least this.
 CAP_FACTOR = 4.0
 
 
 class RankStep(NamedTuple):
-    """One step of one rank ([Note: the step breakdown]); all ms."""
+    """One step of one rank ([Note: the step breakdown]); all ms. ``forward``,
+    ``backward``, ``exposed_comm``, ``copy``, ``optimizer`` and ``other`` add up to
+    ``step``; ``wait``, ``last_bucket`` and ``earlier_buckets`` to ``exposed_comm``."""
 
     iteration: int
     step: float
@@ -103,17 +110,18 @@ class RankStep(NamedTuple):
     pre_forward: float   # forward_start -> module_start: buffer broadcast, rebuild check
     post_forward: float  # module_end -> forward_end: find_unused's graph walk
     backward: float
-    exposed: float
-    last_bucket: float
+    exposed_comm: float
     wait: float
+    last_bucket: float
+    earlier_buckets: float
+    copy: float          # tail after the exposed communication: copying results into .grad
     optimizer: float
     other: float
-    write: float         # tail after the last collective: copying results into .grad
 
 
 class Finding(NamedTuple):
     key: str           # find_unused | bucket_cap | last_bucket | comm_hook | bucket_view |
-                       # broadcast_buffers | straggler | at_the_end
+                       # forward_sync_buffers | straggler | at_the_end
     title: str
     change: str
     saving_ms: float
@@ -122,11 +130,11 @@ class Finding(NamedTuple):
 
 @dataclass
 class Explanation:
-    """What ``explain`` found: per-rank medians, the straggler, ranked findings."""
+    """What ``explain`` found: per-rank means, the straggler, ranked findings."""
 
     ranks: list[int]
-    steps: int
-    parts: dict[int, dict[str, float]]        # rank -> part (PARTS, step, write, ...) -> ms
+    steps: int                                # steps summarised on the first rank
+    parts: dict[int, dict[str, float]]        # rank -> row (RankStep fields, steps, ...) -> ms
     straggler: dict[str, Any] | None
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
@@ -140,6 +148,13 @@ class Explanation:
 
     def keys(self) -> list[str]:
         return [f.key for f in self.findings]
+
+    def as_json(self) -> dict[str, Any]:
+        """What ``gradring explain --json`` prints: the same figures as the text."""
+        return {"ranks": self.ranks, "steps": self.steps,
+                "parts": {str(r): v for r, v in self.parts.items()},
+                "straggler": self.straggler,
+                "findings": [f._asdict() for f in self.findings], "notes": self.notes}
 
 
 # ------------------------------------------------------------------ per-rank steps
@@ -163,97 +178,97 @@ def _last_before(times: Sequence[float], t: float) -> float | None:
     return out
 
 
-def last_launches(events: Sequence[Event]) -> dict[int, float]:
-    """Iteration -> absolute time this rank launched its last bucket."""
-    return {it.iteration: it.t0 + it.buckets[-1].launch / 1e3 for it in iteration_times(events)}
-
-
 def bucket_launches(events: Sequence[Event]) -> dict[tuple[int, int], float]:
     """(iteration, bucket) -> absolute time this rank launched that bucket."""
     return {(it.iteration, b.bucket): it.t0 + b.launch / 1e3
             for it in iteration_times(events) for b in it.buckets}
 
 
-def rank_steps(events: Sequence[Event], gate: dict[int, float] | None = None,
-               bucket_gate: dict[tuple[int, int], float] | None = None) -> list[RankStep]:
-    """Every complete step of one rank's events ([Note: the step breakdown]).
+def launched_by_all(records: Sequence[dict[str, Any]],
+                    events: dict[int, list[Event]]) -> dict[int, dict[tuple[int, int], float]]:
+    """Rank -> (iteration, bucket) -> when the slowest rank launched that bucket, on that
+    rank's own clock (the ranks' times are put on the wall clock with their offsets to
+    compare them). Empty with one rank: nobody to wait for."""
+    offset = {r["rank"]: float(r.get("clock_offset", 0.0)) for r in records}
+    if len(events) < 2:
+        return {rank: {} for rank in events}
+    wall: dict[tuple[int, int], float] = {}
+    for rank, evs in events.items():
+        for key, t in bucket_launches(evs).items():
+            wall[key] = max(wall.get(key, t + offset[rank]), t + offset[rank])
+    return {rank: {k: g - offset[rank] for k, g in wall.items()} for rank in events}
 
-    ``gate[it]``: when the slowest rank launched iteration ``it``'s last
-    bucket (same clock as the events); ``bucket_gate[(it, b)]``: when the
-    slowest rank launched bucket ``b`` (used when every bucket was reduced
-    after the backward); None: this rank alone."""
-    gate = gate or {}
-    its = recent(iteration_times(events), 0)
-    fwd = _sorted_times(events, "forward_start")
+
+def _gates_ms(it: IterationTimes, gates: dict[tuple[int, int], float] | None
+              ) -> dict[int, float]:
+    """``gates`` for one iteration, in ms after its backward_start."""
+    if not gates:
+        return {}
+    return {b.bucket: (g - it.t0) * 1e3 for b in it.buckets
+            if (g := gates.get((it.iteration, b.bucket))) is not None}
+
+
+def rank_steps(events: Sequence[Event], gates: dict[tuple[int, int], float] | None = None,
+               last_n: int = STEADY_LAST_N) -> list[RankStep]:
+    """The steps of one rank's events ([Note: the step breakdown]): one per iteration of
+    ``overlap.steady_steps(events, last_n)``. ``gates[(it, bucket)]``: when the slowest
+    rank launched that bucket (this rank's clock; ``launched_by_all``); None: this rank
+    alone, no waiting known."""
+    fwd = forward_starts(events)
     mod_s, mod_e = _sorted_times(events, "module_start"), _sorted_times(events, "module_end")
     fwd_e = _sorted_times(events, "forward_end")
     opt_s, opt_e = _sorted_times(events, "optimizer_start"), _sorted_times(events, "optimizer_end")
     out = []
-    for it in its:
-        t0 = it.t0
-        f0 = _last_before(fwd, t0)
-        written = t0 + (it.backward_ms + it.tail_ms) / 1e3
-        f1 = _first_after(fwd, written)
-        if f0 is None or f1 is None:
-            continue
-        ms0, me, fe = (_first_after(x, f0, t0) for x in (mod_s, mod_e, fwd_e))
-        if ms0 is None or me is None or fe is None:
-            continue
+    for it in steady_steps(events, last_n):
+        bounds = step_bounds(it, fwd)
+        if bounds is None:
+            continue  # a trace without DDP.forward's marks: no step to cut
+        f0, f1 = bounds
+        t0, written = it.t0, it.end
+        # DDP.forward marks all four; a mark evicted from the ring buffer counts as zero
+        fe = _first_after(fwd_e, f0, t0) or f0
+        ms0 = _first_after(mod_s, f0, fe) or f0
+        me = _first_after(mod_e, ms0, fe) or fe
         opt = 0.0
         for s in opt_s:
             if written <= s < f1:
                 e = _first_after(opt_e, s, f1)
                 if e is not None:
-                    opt += e - s
+                    opt += (e - s) * 1e3
         step = (f1 - f0) * 1e3
-        wait, last, other_comm = _split_exposed(it, gate.get(it.iteration), bucket_gate)
         forward = (fe - f0) * 1e3
-        exposed_all = wait + last + other_comm
-        rest = step - forward - it.backward_ms - exposed_all - opt * 1e3
+        exposed = it.exposed_ms
+        wait, last, earlier = exposed_parts(it, _gates_ms(it, gates))
+        copy = max(0.0, it.tail_ms - exposed)
+        other = step - forward - it.backward_ms - exposed - copy - opt
         out.append(RankStep(it.iteration, step, forward, (ms0 - f0) * 1e3, (fe - me) * 1e3,
-                            it.backward_ms, other_comm, last, wait, opt * 1e3, max(0.0, rest),
-                            max(0.0, it.tail_ms - it.exposed_ms)))
+                            it.backward_ms, exposed, wait, last, earlier, copy, opt, other))
     return out
 
 
-def _split_exposed(it: IterationTimes, gate: float | None,
-                   bucket_gate: dict[tuple[int, int], float] | None = None,
-                   ) -> tuple[float, float, float]:
-    """(wait, last bucket, other buckets) parts of ``it.exposed_ms``."""
-    exposed = it.exposed_ms
-    if exposed <= 0:
-        return 0.0, 0.0, 0.0
-    back = it.backward_ms
-    if bucket_gate and all(b.launch >= back for b in it.buckets):
-        # Reduced after the backward, one bucket after the other: each bucket's
-        # collective waits for the slowest rank to launch *that* bucket.
-        wait = last_part = 0.0
-        for k, b in enumerate(it.buckets):
-            lo, hi = max(b.start, back), b.done
-            if hi <= lo:
-                continue
-            g = bucket_gate.get((it.iteration, b.bucket))
-            w = 0.0 if g is None else min(hi - lo, max(0.0, (g - it.t0) * 1e3 - lo))
-            wait += w
-            if k == len(it.buckets) - 1:
-                last_part = hi - lo - w
-        wait = min(wait, exposed)
-        last_part = min(last_part, exposed - wait)
-        return wait, last_part, max(0.0, exposed - wait - last_part)
-    wait = 0.0 if gate is None else min(exposed, max(0.0, (gate - it.t0) * 1e3 - back))
-    lo, hi = back + wait, back + exposed
-    last = it.buckets[-1]
-    last_part = max(0.0, min(hi, last.done) - max(lo, last.start))
-    return wait, last_part, max(0.0, exposed - wait - last_part)
-
-
-def _medians(steps: Sequence[RankStep]) -> dict[str, float]:
-    med = statistics.median
-    out = {k: med([getattr(s, k) for s in steps]) for k in RankStep._fields if k != "iteration"}
-    # Medians of the parts need not add up to the median step: keep "other" as the remainder.
-    out["other"] = max(0.0, out["step"] - sum(out[k] for k in PARTS if k != "other"))
-    out["compute"] = statistics.median([_compute(s) for s in steps])
+def _means(steps: Sequence[RankStep]) -> dict[str, float]:
+    """Each row's mean over ``steps``; ``compute`` is the step less its exposed comm."""
+    out = {k: mean([getattr(s, k) for s in steps]) for k in RankStep._fields
+           if k != "iteration"}
+    out["compute"] = mean([_compute(s) for s in steps])
+    out["steps"] = float(len(steps))
     return out
+
+
+def apportion(total: float, parts: Sequence[float], decimals: int = 2) -> list[float]:
+    """``parts`` rounded to ``decimals`` so that they add up to ``total`` rounded (largest
+    remainders get the spare units): a printed breakdown that adds up as printed."""
+    unit = 10 ** decimals
+    goal = round(float(f"{total:.{decimals}f}") * unit)  # the total as it is printed
+    floors = [math.floor(p * unit) for p in parts]
+    spare = goal - sum(floors)
+    # largest remainders first take a spare unit; smallest first give one back
+    order = sorted(range(len(parts)), key=lambda i: floors[i] - parts[i] * unit)
+    if spare < 0:
+        order.reverse()
+    for k in range(abs(spare)):
+        floors[order[k % len(order)]] += 1 if spare > 0 else -1
+    return [f / unit for f in floors]
 
 
 # ------------------------------------------------------------------ analysis
@@ -264,48 +279,36 @@ def record_events(records: Sequence[dict[str, Any]]) -> dict[int, list[Event]]:
             for r in records}
 
 
+def all_rank_steps(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N
+                   ) -> dict[int, list[RankStep]]:
+    """Rank -> its steps ([Note: the step breakdown]), waiting for peers measured against
+    every rank's launches: what explain and ``gradring timeline`` both summarise."""
+    events = record_events(records)
+    gates = launched_by_all(records, events)
+    return {rank: rank_steps(evs, gates[rank] or None, last_n) for rank, evs in events.items()}
+
+
 def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> Explanation:
     """Explain a run from every rank's ``rank_record`` (or what ``load`` read back):
-    medians over the newest ``last_n`` steady steps (0: all of them)."""
+    means over each rank's newest ``last_n`` steady steps (0: all of them), the steps
+    ``overlap_stats(last_n)`` summarises."""
     if not records:
         raise ValueError("explain needs at least one rank's record")
     records = sorted(records, key=lambda r: r["rank"])
     events = record_events(records)
-    # Gates on the wall clock (each rank's times + its clock offset), then back on each
-    # rank's own clock: the rank's times are used as recorded ([Note: exposed communication]).
-    offset = {r["rank"]: float(r.get("clock_offset", 0.0)) for r in records}
-    gate: dict[int, float] = {}
-    bucket_gate: dict[tuple[int, int], float] = {}
-    for rank, evs in events.items():
-        for it, t in last_launches(evs).items():
-            gate[it] = max(gate.get(it, t + offset[rank]), t + offset[rank])
-        for key, t in bucket_launches(evs).items():
-            bucket_gate[key] = max(bucket_gate.get(key, t + offset[rank]), t + offset[rank])
-    many = len(events) > 1
-    per_rank = {rank: rank_steps(evs, {k: g - offset[rank] for k, g in gate.items()}
-                                 if many else None,
-                                 {k: g - offset[rank] for k, g in bucket_gate.items()}
-                                 if many else None)
-                for rank, evs in events.items()}
-    common = set.intersection(*({s.iteration for s in v} for v in per_rank.values()))
-    keep = sorted(common)[-last_n:] if last_n > 0 else sorted(common)
-    if not keep:
-        raise ValueError("the record holds no complete DDP step on every rank (a step needs "
-                         "its forward, backward and the next forward): train at least 3 steps")
-    chosen = {rank: [s for s in v if s.iteration in keep] for rank, v in per_rank.items()}
-    parts = {rank: _medians(v) for rank, v in chosen.items()}
-    for rank, evs in events.items():  # the one figure ([Note: exposed communication])
-        exposed = exposed_comm(iteration_times(evs), last_n)
-        parts[rank]["exposed_total"] = exposed.ms
-        parts[rank]["exposed_iterations"] = float(len(exposed.iterations))
-        # The unindented rows add up to the step: "other" is what the rest leaves.
-        p = parts[rank]
-        p["other"] = max(0.0, p["step"] - sum(p[k] for k in UNINDENTED))
+    chosen = all_rank_steps(records, last_n)
+    empty = [rank for rank, steps in chosen.items() if not steps]
+    if empty:
+        raise ValueError(f"the record of rank {empty[0]} holds no complete DDP step (a step "
+                         "needs its forward, backward and the next forward): train at least "
+                         "3 steps")
+    parts = {rank: _means(v) for rank, v in chosen.items()}
     facts = records[0]["facts"]
     curve_doc = next((r.get("curve") for r in records if r.get("curve")), None)
     curve = CommCurve(curve_doc["sizes"], curve_doc["times_ms"]) if curve_doc else None
     straggler = _straggler(parts, chosen)
-    findings = _findings(parts, facts, events[records[0]["rank"]], keep, curve)
+    first = records[0]["rank"]
+    findings, notes = _findings(parts, facts, events[first], last_n, curve)
     if straggler is not None and straggler["excess_ms"] > 0:
         findings.append(Finding(
             "straggler", f"rank {straggler['rank']} is slower than the others",
@@ -317,17 +320,16 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> E
             f"the biggest difference is in {straggler['part']} "
             f"(+{straggler['part_excess_ms']:.2f} ms)"))
     step = max(p["step"] for p in parts.values())
-    findings = [f for f in findings if _worth(f.saving_ms, step) or f.key in ALWAYS
+    findings = [f for f in findings if _worth(f.saving_ms, step)
                 or (f.key in NO_TRADEOFF and f.saving_ms >= NO_TRADEOFF_MIN_MS)]
     findings.sort(key=lambda f: -f.saving_ms)
-    notes = [] if curve is not None else [
-        "no all-reduce curve was measured on this link: the bucket-size findings use this "
-        "run's own bucket timings, and the comm hook is not judged"]
-    if not facts.get("overlap", True):
-        notes.append("every bucket was reduced when the backward ended, not overlapped with "
-                     f"it ({facts.get('overlap_why', '')}); GRADRING_OVERLAP=1 overlaps "
-                     "anyway, and the bucket-size findings are left out")
-    return Explanation(sorted(parts), len(keep), parts, straggler, findings, notes)
+    if curve is None:
+        notes.append("no all-reduce curve was measured on this link: the bucket-size "
+                     "findings use this run's own bucket timings, and the comm hook is not "
+                     "judged")
+    if facts.get("auto_cap_why"):
+        notes.append(str(facts["auto_cap_why"]))
+    return Explanation(sorted(parts), len(chosen[first]), parts, straggler, findings, notes)
 
 
 def _worth(saving: float, step: float) -> bool:
@@ -335,14 +337,15 @@ def _worth(saving: float, step: float) -> bool:
 
 
 def _compute(s: RankStep) -> float:
-    return s.step - s.exposed - s.last_bucket - s.wait
+    return s.step - s.exposed_comm
 
 
 def _straggler(parts: dict[int, dict[str, float]],
                steps: dict[int, list[RankStep]]) -> dict[str, Any] | None:
-    """The slowest rank, if its median compute exceeds the fastest's by STRAGGLER_MS and
+    """The slowest rank, if its mean compute exceeds the fastest's by STRAGGLER_MS and
     STRAGGLER_FRACTION *and* it was the slower of the two in STRAGGLER_CONSISTENCY of the
-    steps: a rank that is slow all the time, not one the OS descheduled now and then."""
+    steps both ranks recorded: a rank that is slow all the time, not one the OS
+    descheduled now and then."""
     if len(parts) < 2:
         return None
     slow = max(parts, key=lambda r: parts[r]["compute"])
@@ -350,10 +353,12 @@ def _straggler(parts: dict[int, dict[str, float]],
     excess = parts[slow]["compute"] - parts[fast]["compute"]
     if excess < max(STRAGGLER_MS, STRAGGLER_FRACTION * parts[fast]["compute"]):
         return None
-    slower = sum(_compute(a) > _compute(b) for a, b in zip(steps[slow], steps[fast]))
-    if slower < STRAGGLER_CONSISTENCY * len(steps[slow]):
+    fast_by_it = {s.iteration: s for s in steps[fast]}
+    pairs = [(a, fast_by_it[a.iteration]) for a in steps[slow] if a.iteration in fast_by_it]
+    slower = sum(_compute(a) > _compute(b) for a, b in pairs)
+    if not pairs or slower < STRAGGLER_CONSISTENCY * len(pairs):
         return None
-    candidates = ("forward", "backward", "optimizer", "other")
+    candidates = ("forward", "backward", "copy", "optimizer", "other")
     part = max(candidates, key=lambda k: parts[slow][k] - parts[fast][k])
     return {"rank": slow, "fastest": fast, "excess_ms": excess,
             "compute_ms": parts[slow]["compute"], "fastest_ms": parts[fast]["compute"],
@@ -361,15 +366,12 @@ def _straggler(parts: dict[int, dict[str, float]],
             "waits": {r: p["wait"] for r, p in parts.items() if r != slow}}
 
 
-def _bucket_stats(events: Sequence[Event], keep: Sequence[int]) -> list[dict[str, float]]:
-    """Per bucket index: median ready (ms after backward start) and run ms over ``keep``."""
-    its = [it for it in iteration_times(events) if it.iteration in set(keep)]
-    if not its:
-        return []
-    med = statistics.median
-    return [{"bucket": b.bucket, "ready": med([it.buckets[k].ready for it in its]),
-             "run": med([it.buckets[k].run_ms for it in its])}
-            for k, b in enumerate(its[-1].buckets)]
+def _bucket_stats(events: Sequence[Event], last_n: int) -> list[dict[str, float]]:
+    """Per bucket: mean ready (ms after backward start), run and exposed ms over the
+    summarised steps (``overlap.summarize``'s table, the figures overlap_stats() gives)."""
+    table = summarize(steady_steps(events, last_n), (), 0)["buckets"]
+    return [{"bucket": b["bucket"], "ready": b["ready_ms"], "run": b["run_ms"],
+             "exposed": b["exposed_ms"]} for b in table]
 
 
 def _profile(facts: dict[str, Any], buckets: list[dict[str, float]],
@@ -391,17 +393,20 @@ def _profile(facts: dict[str, Any], buckets: list[dict[str, float]],
 
 
 def _run_curve(facts: dict[str, Any], buckets: list[dict[str, float]]) -> CommCurve:
-    """A curve from this run's own bucket collectives (size -> median run ms)."""
+    """A curve from this run's own bucket collectives (size -> mean run ms)."""
     points = sorted({facts["bucket_bytes"][b["bucket"]]: max(b["run"], 1e-3)
                      for b in buckets}.items())
     return CommCurve([s for s, _ in points], [t for _, t in points])
 
 
 def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
-              events: Sequence[Event], keep: Sequence[int],
-              curve: CommCurve | None) -> list[Finding]:
+              events: Sequence[Event], last_n: int,
+              curve: CommCurve | None) -> tuple[list[Finding], list[str]]:
+    """Every finding whose condition holds (``analyse`` applies the saving bar), and the
+    notes: facts that are no finding."""
     p = parts[min(parts)]
     out: list[Finding] = []
+    notes: list[str] = []
     if facts["find_unused"] and facts["unused_last"] == 0:
         bitmap = curve.time_ms(4 * len(facts["sizes"])) if curve is not None else 0.0
         out.append(Finding(
@@ -417,20 +422,35 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
         if not written:
             nbytes = sum(b for _, b, _ in buffers)
             out.append(Finding(
-                "broadcast_buffers", "buffers are broadcast before every forward but never change",
-                "construct DDP with broadcast_buffers=False", p["pre_forward"],
+                "forward_sync_buffers",
+                "buffers are broadcast before every forward but never change",
+                "construct DDP with forward_sync_buffers=False (the buffers are still "
+                "broadcast once, when DDP is constructed)", p["pre_forward"],
                 f"{len(buffers)} buffer(s), {nbytes / 1024:.1f} KiB, were not written in place on "
                 f"rank {facts['rank']} in {facts['num_forward']} forwards; syncing them takes "
                 f"{p['pre_forward']:.2f} ms/step (forward_start -> module_start)"))
-    if not facts["bucket_view"] and p["write"] > 0:
+    if not facts["bucket_view"] and p["copy"] > 0:
         mib = facts["grad_bytes_outside_buckets"] / MIB
         out.append(Finding(
             "bucket_view", "reduced gradients are copied into .grad after every backward",
             "construct DDP with gradient_as_bucket_view=True (.grad becomes a view of its "
-            "bucket; it cannot be detached in place)", p["write"],
-            f"after the last collective, backward() spends {p['write']:.2f} ms/step writing "
-            f"results into .grad; {mib:.1f} MiB of gradients live outside the buckets"))
-    buckets = _bucket_stats(events, keep)
+            "bucket; it cannot be detached in place)", p["copy"],
+            f"after the last collective, backward() spends {p['copy']:.2f} ms/step writing "
+            f"results into .grad (the copy into .grad row); {mib:.1f} MiB of gradients live "
+            "outside the buckets"))
+    buckets = _bucket_stats(events, last_n)
+    if buckets and not facts.get("overlap", True):
+        finding = _at_the_end_finding(p, facts, buckets)
+        out.append(finding)
+        step = max(q["step"] for q in parts.values())
+        if not _worth(finding.saving_ms, step):
+            notes.append(f"{finding.title}: launching them when ready would save "
+                         f"{finding.saving_ms:.2f} ms/step, less than a finding needs "
+                         f"({MIN_SAVING_MS} ms and {MIN_SAVING_FRACTION:.0%} of the step); "
+                         f"{finding.evidence}")
+        notes.append(f"the bucket-size findings are left out: every bucket was reduced "
+                     f"after the backward ({facts.get('overlap_why', '')}), and the step "
+                     "model assumes that buckets launch during it")
     if buckets and facts["bucket_params"]:
         measured = curve is not None
         use = curve if curve is not None else _run_curve(facts, buckets)
@@ -439,14 +459,12 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
         # (under the backward's contention); else the smallest all-reduce on the curve.
         small = [b["run"] for b in buckets
                  if facts["bucket_bytes"][b["bucket"]] <= SMALL_BUCKET_BYTES]
-        per_bucket = (statistics.median(small), "median run of this run's small buckets") \
+        per_bucket = (mean(small), "mean run of this run's small buckets") \
             if small else (use.times_ms[0], "smallest all-reduce")
         # The last bucket's exposure is clearest on the rank that waited least for others.
         p_last = max(parts.values(), key=lambda q: q["last_bucket"])
         if facts.get("overlap", True):  # the step model's buckets overlap the backward
             out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
-        else:
-            out.append(_at_the_end_finding(p, facts, buckets))
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -456,7 +474,7 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
                 hook - plain,
                 f"its {len(buckets)} bucket(s) take {hook:.2f} ms/step from start to done; "
                 f"plain all-reduces of the same bytes measured {plain:.2f} ms on this link"))
-    return out
+    return out, notes
 
 
 def overlapped_exposed_ms(buckets: Sequence[dict[str, float]], backward_ms: float) -> float:
@@ -471,22 +489,23 @@ def overlapped_exposed_ms(buckets: Sequence[dict[str, float]], backward_ms: floa
 
 def _at_the_end_finding(p: dict[str, float], facts: dict[str, Any],
                         buckets: Sequence[dict[str, float]]) -> Finding:
-    """Every bucket was reduced after the backward ([Note: overlap needs a free core]
-    in reducer/overlap_policy.py): say so, and what launching at ready time would save."""
-    why = facts.get("overlap_why", "")
-    reason = f"({why})"
-    own = p["last_bucket"] + p["exposed"]  # the exposed time less waiting for peers
+    """Every bucket was reduced after the backward (``GRADRING_OVERLAP=0``, see [Note:
+    overlap needs a free core] in reducer/overlap_policy.py): what launching them when
+    ready would save, from the table's own rows."""
+    why = facts.get("overlap_why", "") or "GRADRING_OVERLAP=0"
+    own = p["last_bucket"] + p["earlier_buckets"]  # the exposed time less waiting for peers
     pred = overlapped_exposed_ms(buckets, p["backward"])
     ready = ", ".join(f"{b['ready']:.2f}" for b in buckets)
     return Finding(
-        "at_the_end", f"buckets were reduced after the backward {reason}",
+        "at_the_end", f"buckets were reduced after the backward ({why})",
         "unset GRADRING_OVERLAP (or set it to 1): buckets then launch as they become "
         "ready, as in torch's DDP",
         max(0.0, own - pred),
-        f"{len(buckets)} bucket(s) ran {own:.2f} ms/step of collectives after the backward "
-        f"(waiting for peers left out; the reducer: {why}); launched when ready (at "
-        f"{ready} ms of a {p['backward']:.2f} ms backward) with the same run times, "
-        f"{pred:.2f} ms would be left exposed")
+        f"exposed comm {p['exposed_comm']:.2f} ms/step, of which {p['wait']:.2f} waiting for "
+        f"peers and {own:.2f} the {len(buckets)} bucket(s)' own collectives (the last bucket "
+        f"and earlier buckets rows); launched when ready (at {ready} ms of a "
+        f"{p['backward']:.2f} ms backward) with the same run times, {pred:.2f} ms would be "
+        "left exposed")
 
 
 def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str, Any],
@@ -498,21 +517,24 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
     caps = sorted(set(DEFAULT_CAPS_MB) | {cur_mb})
     preds = {cap: simulate(profile, curve, cap, per_bucket_ms=c) for cap in caps}
     cur = preds[cur_mb]
-    best = choose(list(preds.values()))
+    # the one rule of bucket_cap_mb="auto" and gradring tune ([Note: one rule for
+    # picking a cap] in reducer/autocap.py)
+    best = pick([q for cap, q in preds.items() if cap in DEFAULT_CAPS_MB]).prediction
     source = "all-reduce times measured on this link" if measured else \
         "this run's own bucket timings"
     out = []
     ratio = max(best.cap_mb / cur_mb, cur_mb / best.cap_mb)
-    if ratio >= CAP_FACTOR:
+    if ratio >= CAP_FACTOR and best.buckets != cur.buckets:
         out.append(Finding(
-            "bucket_cap", f"bucket_cap_mb={cur_mb:g} is far from the step model's best",
+            "bucket_cap", f"bucket_cap_mb={cur_mb:.3g} is far from the step model's pick",
             f"construct DDP with bucket_cap_mb={best.cap_mb:g}", cur.step_ms - best.step_ms,
             f"step model ({source}; {c:.2f} ms per bucket, the {c_source}): "
             f"{len(cur.buckets)} buckets, "
             f"predicted step {cur.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
-            f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms"))
+            f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms (the cap "
+            "bucket_cap_mb='auto' and gradring tune pick by the same rule)"))
     last_bytes = facts["bucket_bytes"][-1]
-    exposed = p_last["exposed"] + p_last["last_bucket"]
+    exposed = p_last["earlier_buckets"] + p_last["last_bucket"]
     if p_last["last_bucket"] > 0 and p_last["last_bucket"] >= 0.5 * exposed:
         options: list[tuple[float, Prediction]] = []
         for cap, q in preds.items():
@@ -532,8 +554,9 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
                 f"construct DDP with bucket_cap_mb={q.cap_mb:g}: the last bucket shrinks from "
                 f"{last_bytes / MIB:.2f} to {q_last / MIB:.2f} MiB", saving,
                 f"the last bucket's all-reduce left {p_last['last_bucket']:.2f} of "
-                f"{exposed:.2f} ms/step exposed; saving = its share of the bytes removed, "
-                f"minus {c:.2f} ms for each extra bucket (the {c_source}; {source})"))
+                f"{exposed:.2f} ms/step exposed (waiting for peers left out); saving = its "
+                f"share of the bytes removed, minus {c:.2f} ms for each extra bucket (the "
+                f"{c_source}; {source})"))
     keyed = {f.key: f for f in out}
     if "bucket_cap" in keyed and "last_bucket" in keyed and \
             keyed["bucket_cap"].change.split("=")[-1] == \
@@ -545,22 +568,36 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
 # ------------------------------------------------------------------ text
 def format_explanation(x: Explanation) -> str:
     ranks = x.ranks
-    n_exposed = int(x.parts[ranks[0]].get("exposed_iterations", x.steps))
-    lines = [f"gradring explain: {len(ranks)} rank(s), medians over {x.steps} step(s) "
-             f"(exposed comm: over {n_exposed} steady iteration(s))",
+    counts = [int(x.parts[r]["steps"]) for r in ranks]
+    over = f"{counts[0]} step(s)" if len(set(counts)) == 1 else \
+        "/".join(map(str, counts)) + " step(s) on rank " + "/".join(map(str, ranks))
+    lines = [f"gradring explain: {len(ranks)} rank(s), means over {over} (the steps "
+             "overlap_stats() summarises)",
              f"{'ms per step':<17}" + "".join(f"{'rank ' + str(r):>16}" for r in ranks)]
+    shown: dict[int, dict[str, float]] = {}
+    for r in ranks:
+        part = x.parts[r]
+        # the totals keep their own rounding (exposed comm is overlap_stats()' figure);
+        # the rows under them are rounded to add up to them as printed
+        row = {"step": float(f"{part['step']:.2f}"),
+               "exposed_comm": float(f"{part['exposed_comm']:.2f}")}
+        rest = [k for k in STEP_ROWS if k != "exposed_comm"]
+        row.update(zip(rest, apportion(row["step"] - row["exposed_comm"],
+                                       [part[k] for k in rest])))
+        row.update(zip(EXPOSED_ROWS, apportion(row["exposed_comm"],
+                                               [part[k] for k in EXPOSED_ROWS])))
+        shown[r] = row
     for key, label in TABLE_ROWS:
-        row = f"{label:<17}"
+        line = f"{label:<17}"
         for r in ranks:
-            part = x.parts[r]
-            v = part[key]
-            s = part["step"]
-            row += f"{v:>9.2f} {v / s:>5.0%}" if key != "step" and s > 0 else f"{v:>9.2f}      "
-        lines.append(row)
-    lines.append("(exposed comm: collectives still running after the backward, the same "
-                 "figure as overlap_stats(), the demo and gradring timeline; its three parts "
-                 "are medians of their own; forward includes buffer sync and the graph walk; "
-                 "other: loss, zero_grad, data, copies into .grad)")
+            v, s = shown[r][key], x.parts[r]["step"]
+            line += f"{v:>9.2f} {x.parts[r][key] / s:>5.0%}" if key != "step" and s > 0 \
+                else f"{v:>9.2f}      "
+        lines.append(line)
+    lines.append("(rows add up to the step, the indented ones to exposed comm; exposed comm: "
+                 "collectives still running after the backward, the same figure as "
+                 "overlap_stats(), the demo and gradring timeline; forward includes buffer "
+                 "sync and the graph walk; other: loss, zero_grad, data)")
     s = x.straggler
     if s is None:
         lines.append(f"stragglers: none (compute within {STRAGGLER_FRACTION:.0%} across ranks)"
@@ -571,12 +608,12 @@ def format_explanation(x: Explanation) -> str:
                      f"({s['excess_ms'] / max(s['fastest_ms'], 1e-9):.0%} more compute than "
                      f"rank {s['fastest']}), mostly in {s['part']}; {waits} for it")
     if not x.findings:
-        lines.append(f"findings: none costs at least {MIN_SAVING_MS} ms and "
+        lines.append(f"findings: none saves at least {MIN_SAVING_MS} ms and "
                      f"{MIN_SAVING_FRACTION:.0%} of the step")
     else:
         lines.append("findings, by measured cost:")
+    step = max(p["step"] for p in x.parts.values())
     for k, f in enumerate(x.findings, 1):
-        step = max(p["step"] for p in x.parts.values())
         lines.append(f"{k}. {f.title}: expected saving {f.saving_ms:.2f} ms/step "
                      f"({f.saving_ms / step:.0%})")
         lines.append(f"   change: {f.change}")

@@ -18,47 +18,64 @@ Per iteration, with times taken from the reducer's events:
   the reducer's wait on that future returned, so the earlier of the two is the
   better estimate of when the collective finished.
 - collectives of one group run one at a time in issue order, so bucket k's
-  collective *runs* from ``start_k = max(launch_k, done_{k-1})`` to ``done_k``;
-  ``start_k - launch_k`` is time queued behind the previous bucket.
-- ``comm_ms``      = the length of the union of the in-flight intervals: the
-  wall time during which at least one collective was running.
-- ``exposed_ms``   = the part of that union after backward_end: the
-  communication the backward did not hide. When every launch precedes
-  backward_end, that part is one interval, up to the last done. When the
-  buckets wait for the end of the backward (no core free for the comm
-  thread, see [Note: overlap needs a free core] in ``reducer/overlap_policy.py``),
-  it is the sum of their runs, without the write-back between them.
-  Communication "before" the backward (launched before backward_start) cannot
-  happen in a synchronised iteration and is not counted.
+  collective *runs* from ``start_k = max(launch_k, done_{k-1})`` to ``done_k``
+  (``run_ms``); ``start_k - launch_k`` is time queued behind the previous
+  bucket. The runs never overlap.
+- ``comm_ms``      = the sum of the runs: the time during which a collective
+  was running (the union of the in-flight intervals).
+- bucket k's ``exposed`` = the part of its run after backward_end,
+  ``max(0, done_k - max(start_k, backward_end))``.
+- ``exposed_ms``   = the sum of the buckets' ``exposed``: the communication
+  the backward did not hide. Whether the buckets launched during the
+  backward or all after it (``GRADRING_OVERLAP=0``), it is the time after
+  backward_end during which a collective ran, without the write-back between
+  two collectives. (Communication launched before backward_start cannot
+  happen in a synchronised iteration and is not counted.)
 - ``overlap_ratio`` = (comm_ms - exposed_ms) / comm_ms: the hidden fraction of
   the communication (1.0 when nothing was communicated).
 - ``tail_ms``      = last written - backward_end: everything ``backward()`` spent
   after autograd finished (waiting for collectives *and* copying the reduced
   buckets into ``.grad``); ``tail_ms >= exposed_ms``.
 
-Only complete iterations count (both backward marks and, for every launched
-bucket, its done time). Summaries are medians over the *steady* iterations
-(``steady_iterations``): every complete iteration whose bucket layout equals
-the newest one's, leaving out iteration 0 when later ones exist (the
-iteration before the bucket rebuild, and the first one, which also pays for
-connecting the transport, must not blur the table), the newest ``last_n`` of
-them when ``last_n`` > 0, all of those still in the ring buffer by default
-(``STEADY_LAST_N``). A median shrugs off the odd step in which the OS
-descheduled a rank -- common on a shared CPU machine, where a mean of ten
-steps can exceed the median step time.
+[Note: which steps the reports summarise]
+Every report (``ddp.overlap_stats()``, the demo, ``gradring explain``, its
+``--json``, ``gradring timeline``) summarises the same iterations of a rank,
+chosen by one function, ``steady_steps``:
+
+- complete: both backward marks and, for every launched bucket, its done time;
+- a whole step: when the trace holds DDP.forward's marks, a forward started
+  before the iteration's backward and the *next* forward has started (a step
+  ends where the next one begins, so the newest backward counts once the next
+  forward ran);
+- steady: the bucket layout of the newest such iteration, iteration 0 left
+  out when later ones exist (the iteration before the bucket rebuild, and the
+  first one, which also pays for connecting the transport);
+- the newest ``last_n`` of them when ``last_n`` > 0, else every one still in
+  the ring buffer (``STEADY_LAST_N``).
+
+Each figure is the **mean** over those iterations (``mean``), never a median.
+Per iteration the parts of a figure add up to it (the buckets' ``exposed`` to
+``exposed_ms``; in explain, waiting for peers, the last bucket and the earlier
+buckets to the exposed time, and the rows of the step to the step), and the
+mean of a sum is the sum of the means, so every printed breakdown adds up to
+its total. A median would not: medians of parts taken over different steps
+need not add up to the median of their total, and on a loaded machine, where a
+rank sometimes waits for its peer and sometimes the peer for it, they did not
+by a factor of two. The mean is also what a run pays: steps x mean step is the
+wall time. A step in which the OS descheduled a rank counts with what it cost.
 
 [Note: exposed communication]
 One definition, in one function (``exposed_comm``), read by every report:
 ``ddp.overlap_stats()["exposed_ms"]``, the demo's "exposed communication",
-``gradring explain``'s "exposed comm" row and ``gradring timeline``'s report.
-Per rank: the median, over that rank's steady iterations, of each
-iteration's ``exposed_ms`` (the in-flight time of collectives after
-backward_end, defined above). Each report computes it from the same events,
-the reducer's own ``perf_counter`` times (``record.rank_record`` keeps them
-as they are, with the rank's clock offset beside them), so for one run and
-one rank they give the same float. explain splits the figure into parts (waiting for
-peers, the last bucket, earlier buckets), but those are medians of their own
-and need not add up to it; the row above them is this figure.
+``gradring explain``'s "exposed comm" row (and ``exposed_comm`` in its
+``--json``) and ``gradring timeline``'s report: per rank, the mean of
+``exposed_ms`` over the iterations of [Note: which steps the reports
+summarise]. Each report computes it from the same events, the reducer's own
+``perf_counter`` times (``record.rank_record`` keeps them as they are, with
+the rank's clock offset beside them), so for one run and one rank they give
+the same float. explain splits each iteration's exposed time into waiting for
+peers, the last bucket and the earlier buckets (``split_exposed``); the parts
+add up to it, iteration by iteration and in the mean.
 
 [Note: trace clocks]
 The reducer stamps ``time.perf_counter()``. A per-rank trace file stores its
@@ -73,10 +90,11 @@ millisecond), which is enough to line up buckets, not to time one collective.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
+import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -98,6 +116,7 @@ class BucketTimes(NamedTuple):
     start: float     # when its collective began running (after the previous one's)
     done: float      # when its collective finished (see the Note)
     written: float   # when its reduced gradients were in .grad (nan if unknown)
+    exposed: float   # the part of its run after backward_end (see the Note)
 
     @property
     def wait_ms(self) -> float:
@@ -135,15 +154,10 @@ class IterationTimes(NamedTuple):
     def overlap_ratio(self) -> float:
         return 1.0 if self.comm_ms <= 0 else (self.comm_ms - self.exposed_ms) / self.comm_ms
 
-
-def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    @property
+    def end(self) -> float:
+        """When the last reduced gradient was in .grad (perf_counter seconds)."""
+        return self.t0 + (self.backward_ms + self.tail_ms) / 1e3
 
 
 def iteration_times(events: Iterable[Event]) -> list[IterationTimes]:
@@ -168,6 +182,7 @@ def _one_iteration(it: int, m: dict[tuple[str, int], float]) -> IterationTimes |
     if not launched:
         return None
     ms = lambda t: (t - bs) * 1e3
+    back = ms(be)
     buckets: list[BucketTimes] = []
     prev_done = float("-inf")
     for b in launched:
@@ -180,17 +195,17 @@ def _one_iteration(it: int, m: dict[tuple[str, int], float]) -> IterationTimes |
         start = min(max(launch, prev_done), done)
         prev_done = max(prev_done, done)
         ready = m.get(("ready", b), launch)
-        buckets.append(BucketTimes(b, ms(ready), ms(launch), ms(start), ms(done),
-                                   float("nan") if written is None else ms(written)))
+        d, s = ms(done), ms(start)
+        buckets.append(BucketTimes(b, ms(ready), ms(launch), s, d,
+                                   float("nan") if written is None else ms(written),
+                                   max(0.0, d - max(s, back))))
     last_done = max(x.done for x in buckets)
     written_all = [x.written for x in buckets if x.written == x.written]
     last_written = max(written_all) if written_all else last_done
-    back = ms(be)
     return IterationTimes(
         iteration=it, t0=bs, backward_ms=back,
-        comm_ms=_union_length((x.launch, x.done) for x in buckets),
-        exposed_ms=_union_length((max(x.launch, back), x.done) for x in buckets
-                                 if x.done > back),
+        comm_ms=math.fsum(x.run_ms for x in buckets),
+        exposed_ms=math.fsum(x.exposed for x in buckets),
         tail_ms=max(0.0, last_written - back),
         buckets=tuple(buckets),
     )
@@ -202,6 +217,12 @@ def _layout(it: IterationTimes) -> tuple[int, ...]:
 
 #: How many of the newest steady iterations the reports take; 0: every one recorded.
 STEADY_LAST_N = 0
+
+
+def mean(values: Sequence[float]) -> float:
+    """The one average every report takes ([Note: which steps the reports summarise]);
+    0.0 for no values."""
+    return math.fsum(values) / len(values) if values else 0.0
 
 
 def recent(iterations: Sequence[IterationTimes], last_n: int = 10) -> list[IterationTimes]:
@@ -220,28 +241,101 @@ def recent(iterations: Sequence[IterationTimes], last_n: int = 10) -> list[Itera
 
 def steady_iterations(iterations: Sequence[IterationTimes],
                       last_n: int = STEADY_LAST_N) -> list[IterationTimes]:
-    """The iterations every report summarises (see [Note: what the overlap numbers
-    mean]): same layout as the newest, iteration 0 left out, the newest ``last_n``
-    (0: all)."""
+    """The steady ones of ``iterations`` ([Note: which steps the reports summarise]):
+    same layout as the newest, iteration 0 left out, the newest ``last_n`` (0: all)."""
     return recent(iterations, last_n)
+
+
+def forward_starts(events: Iterable[Event]) -> list[float]:
+    """Every forward's start (DDP.forward's mark), sorted."""
+    return sorted(e.t for e in events if e.kind == "forward_start")
+
+
+def step_bounds(it: IterationTimes, forwards: Sequence[float]) -> tuple[float, float] | None:
+    """The step of ``it``: its own forward's start (the last before its backward) and the
+    next forward's start (the first after its last write); None while either is missing."""
+    i = bisect.bisect_right(forwards, it.t0)
+    j = bisect.bisect_left(forwards, it.end)
+    if i == 0 or j == len(forwards):
+        return None
+    return forwards[i - 1], forwards[j]
+
+
+def steady_steps(events: Sequence[Event], last_n: int = STEADY_LAST_N) -> list[IterationTimes]:
+    """The iterations every report summarises, from one rank's events ([Note: which
+    steps the reports summarise]): complete, whole steps where the trace has
+    DDP.forward's marks, steady, the newest ``last_n`` (0: all)."""
+    its = iteration_times(events)
+    forwards = forward_starts(events)
+    if forwards:
+        its = [it for it in its if step_bounds(it, forwards) is not None]
+    return steady_iterations(its, last_n)
 
 
 class ExposedComm(NamedTuple):
     """The exposed communication of one rank ([Note: exposed communication])."""
 
-    ms: float                            # median over the steady iterations
+    ms: float                            # mean over the summarised iterations
     iterations: tuple[int, ...]          # which iterations
     per_iteration_ms: tuple[float, ...]  # each one's exposed_ms, in that order
 
 
-def exposed_comm(iterations: Sequence[IterationTimes],
-                 last_n: int = STEADY_LAST_N) -> ExposedComm:
+def exposed_comm(chosen: Sequence[IterationTimes]) -> ExposedComm:
     """The one definition of exposed communication ([Note: exposed communication]):
-    the median of ``exposed_ms`` over ``steady_iterations(iterations, last_n)``."""
-    chosen = steady_iterations(iterations, last_n)
+    the mean of ``exposed_ms`` over ``chosen`` (``steady_steps``' answer)."""
     per = tuple(it.exposed_ms for it in chosen)
-    return ExposedComm(statistics.median(per) if per else 0.0,
-                       tuple(it.iteration for it in chosen), per)
+    return ExposedComm(mean(per), tuple(it.iteration for it in chosen), per)
+
+
+class ExposedPiece(NamedTuple):
+    """Part of one bucket's exposed run ([Note: exposed communication]): from ``t0`` to
+    ``t1`` (ms after backward_start); ``waiting`` while the slowest rank had not yet
+    launched that bucket (no collective finishes before every rank joins it)."""
+
+    bucket: int
+    t0: float
+    t1: float
+    waiting: bool
+
+
+def split_exposed(it: IterationTimes, launched_by_all: dict[int, float] | None = None
+                  ) -> list[ExposedPiece]:
+    """Each bucket's exposed run, cut where the slowest rank launched that bucket:
+    ``launched_by_all[bucket]`` in ms after this iteration's backward_start (None or a
+    missing bucket: no waiting known). The pieces' lengths add up to ``it.exposed_ms``."""
+    back = it.backward_ms
+    out = []
+    for b in it.buckets:
+        lo, hi = max(b.start, back), b.done
+        if hi <= lo:
+            continue
+        g = (launched_by_all or {}).get(b.bucket)
+        cut = lo if g is None else min(max(g, lo), hi)
+        if cut > lo:
+            out.append(ExposedPiece(b.bucket, lo, cut, True))
+        if hi > cut:
+            out.append(ExposedPiece(b.bucket, cut, hi, False))
+    return out
+
+
+class ExposedParts(NamedTuple):
+    """One iteration's exposed time in explain's three parts (they add up to it)."""
+
+    wait: float
+    last_bucket: float
+    earlier_buckets: float
+
+
+def exposed_parts(it: IterationTimes, launched_by_all: dict[int, float] | None = None
+                  ) -> ExposedParts:
+    """Waiting for peers, the last bucket's own run and the earlier buckets' own runs,
+    after backward_end: ``split_exposed`` summed. ``earlier_buckets`` is the remainder,
+    so that the three add up to ``it.exposed_ms``."""
+    pieces = split_exposed(it, launched_by_all)
+    last = it.buckets[-1].bucket
+    wait = math.fsum(p.t1 - p.t0 for p in pieces if p.waiting)
+    own_last = math.fsum(p.t1 - p.t0 for p in pieces if not p.waiting and p.bucket == last)
+    return ExposedParts(wait, own_last, max(0.0, it.exposed_ms - wait - own_last))
 
 
 class BucketInfo(NamedTuple):
@@ -253,19 +347,21 @@ class BucketInfo(NamedTuple):
 
 def summarize(iterations: Sequence[IterationTimes], buckets: Sequence[BucketInfo] = (),
               last_n: int = STEADY_LAST_N) -> dict[str, Any]:
-    """Medians over the steady iterations (newest ``last_n``; 0: all), plus a per-bucket table.
+    """Means over the steady ones of ``iterations`` (newest ``last_n``; 0: all), plus a
+    per-bucket table ([Note: which steps the reports summarise]).
 
     ``buckets[k]`` describes bucket k (its size and parameter names); buckets
     without an entry get ``nbytes`` 0 and no names. Keys are documented in
-    docs/overlap.md; all times are milliseconds.
+    docs/overlap.md; all times are milliseconds. The buckets' ``exposed_ms``
+    add up to ``exposed_ms``.
     """
     chosen = steady_iterations(iterations, last_n)
     if not chosen:
         return {"iterations": 0, "backward_ms": 0.0, "comm_ms": 0.0, "exposed_ms": 0.0,
                 "tail_ms": 0.0, "overlap_ratio": 1.0, "exposed_per_iteration_ms": [],
                 "exposed_iterations": [], "buckets": []}
-    med = statistics.median
-    exposed = exposed_comm(iterations, last_n)
+    exposed = exposed_comm(chosen)
+    comm = mean([it.comm_ms for it in chosen])
     table = []
     for k, bucket in enumerate(chosen[-1].buckets):
         rows = [it.buckets[k] for it in chosen]
@@ -276,21 +372,22 @@ def summarize(iterations: Sequence[IterationTimes], buckets: Sequence[BucketInfo
             "bucket": bucket.bucket,
             "nbytes": info.nbytes,
             "params": list(info.params),
-            "ready_ms": med([r.ready for r in rows]),
-            "ready_to_launch_ms": med([r.wait_ms for r in rows]),
-            "queued_ms": med([r.queue_ms for r in rows]),
-            "run_ms": med([r.run_ms for r in rows]),
-            "launch_to_done_ms": med([r.flight_ms for r in rows]),
+            "ready_ms": mean([r.ready for r in rows]),
+            "ready_to_launch_ms": mean([r.wait_ms for r in rows]),
+            "queued_ms": mean([r.queue_ms for r in rows]),
+            "run_ms": mean([r.run_ms for r in rows]),
+            "exposed_ms": mean([r.exposed for r in rows]),
+            "launch_to_done_ms": mean([r.flight_ms for r in rows]),
             "finished_before_backward_end": 2 * hidden > len(rows),
             "hidden_fraction": hidden / len(rows),
         })
     return {
         "iterations": len(chosen),
-        "backward_ms": med([it.backward_ms for it in chosen]),
-        "comm_ms": med([it.comm_ms for it in chosen]),
+        "backward_ms": mean([it.backward_ms for it in chosen]),
+        "comm_ms": comm,
         "exposed_ms": exposed.ms,
-        "tail_ms": med([it.tail_ms for it in chosen]),
-        "overlap_ratio": med([it.overlap_ratio for it in chosen]),
+        "tail_ms": mean([it.tail_ms for it in chosen]),
+        "overlap_ratio": 1.0 if comm <= 0 else (comm - exposed.ms) / comm,
         "exposed_per_iteration_ms": list(exposed.per_iteration_ms),
         "exposed_iterations": list(exposed.iterations),
         "buckets": table,
@@ -305,11 +402,12 @@ def bucket_infos(ddp: Any) -> list[BucketInfo]:
 
 
 def ddp_overlap_stats(ddp: Any, last_n: int = STEADY_LAST_N) -> dict[str, Any]:
-    """``summarize`` over a gradring DDP model's trace (what ``ddp.overlap_stats()`` returns),
-    with ``launch_when_ready`` and ``launch_why``: whether buckets were launched as
-    they became ready or all at the end of the backward, and why (see [Note:
-    overlap needs a free core] in ``gradring/reducer/overlap_policy.py``)."""
-    stats = summarize(iteration_times(list(ddp.reducer.trace.events)), bucket_infos(ddp), last_n)
+    """``summarize`` over a gradring DDP model's ``steady_steps`` (what
+    ``ddp.overlap_stats()`` returns), with ``launch_when_ready`` and ``launch_why``:
+    whether buckets were launched as they became ready or all at the end of the
+    backward (``GRADRING_OVERLAP=0``), and why."""
+    chosen = steady_steps(list(ddp.reducer.trace.events), last_n)
+    stats = summarize(chosen, bucket_infos(ddp), 0)
     stats["launch_when_ready"] = bool(getattr(ddp.reducer, "launches_when_ready", True))
     stats["launch_why"] = str(getattr(ddp.reducer, "overlap_why", ""))
     return stats
@@ -318,7 +416,7 @@ def ddp_overlap_stats(ddp: Any, last_n: int = STEADY_LAST_N) -> dict[str, Any]:
 def format_table(stats: dict[str, Any], *, max_names: int = 3) -> str:
     """The per-bucket table of ``summarize``'s result as fixed-width text."""
     head = (f"{'bucket':>6} {'KiB':>9} {'ready':>8} {'wait':>7} {'queued':>7} {'run':>7} "
-            f"{'hidden':>6}  params")
+            f"{'exposed':>7} {'hidden':>6}  params")
     lines = [head]
     for b in stats["buckets"]:
         names = b["params"]
@@ -326,9 +424,12 @@ def format_table(stats: dict[str, Any], *, max_names: int = 3) -> str:
                                                 if len(names) > max_names else "")
         lines.append(f"{b['bucket']:>6} {b['nbytes'] / 1024:>9.1f} {b['ready_ms']:>8.2f} "
                      f"{b['ready_to_launch_ms']:>7.2f} {b['queued_ms']:>7.2f} {b['run_ms']:>7.2f} "
-                     f"{b['hidden_fraction']:>6.0%}  {shown}")
-    lines.append("(ms from backward start; wait = ready->launch, queued = launch->start, "
-                 "run = start->done; hidden = finished before backward end)")
+                     f"{b['exposed_ms']:>7.2f} {b['hidden_fraction']:>6.0%}  {shown}")
+    lines.append(f"(means over {stats['iterations']} steps, ms from backward start; wait = "
+                 "ready->launch, queued = launch->start, run = start->done, exposed = the part "
+                 "of the run after the backward ended (the buckets' exposed add up to the "
+                 "exposed communication); hidden = share of steps it finished before the "
+                 "backward ended)")
     return "\n".join(lines)
 
 

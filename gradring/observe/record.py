@@ -66,6 +66,8 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "grad_bytes_outside_buckets": int(outside),
         "overlap": bool(getattr(r, "launches_when_ready", True)),
         "overlap_why": str(getattr(r, "overlap_why", "")),
+        # bucket_cap_mb="auto": why it chose the cap ([Note: one rule for picking a cap])
+        "auto_cap_why": str(getattr(getattr(r, "auto_cap", None), "why", "") or ""),
     }
 
 

@@ -1,22 +1,19 @@
 """``gradring timeline``: draw a merged trace: every phase of the step, and the buckets.
 
-    gradring timeline merged.json -o timeline.png            # the last 3 iterations
-    gradring timeline merged.json -o all.png --last 0        # every iteration in the file
-
-The input is a Chrome trace written by ``gradring.observe.overlap.merge_traces`` (or
-one rank's ``export_chrome_trace``). From the step records it carries, every
-instant of a step (one forward's start to the next one's) is cut into one of
-``PHASES`` (``step_segments``): forward, backward, waiting for peers, exposed
-communication, copying into ``.grad``, optimizer, and a labelled "other"
-(loss, zero_grad, data, gaps). Up to ``GANTT_MAX`` steps each rank gets two
-lanes, like the chapter's figure of the overlapped backward: the *step*, with
-the backward cut at the moments buckets became ready (each piece in its
-bucket's shade), and *comm*, each bucket's all-reduce in the same shade. Longer
-runs are drawn as a summary: one stacked bar per step (or bin of steps) and
-the median step, in a figure of fixed size. The command also prints each
-rank's exposed communication, the figure of [Note: exposed communication] in
-``overlap.py``, and each phase's share. Traces without step records (a
-stand-in DDP) get the backward and bucket lanes alone. See docs/overlap.md.
+From the step records a trace carries (``gradring.observe.overlap.merge_traces``
+or one rank's ``export_chrome_trace``), every instant of a step (one forward's
+start to the next one's) is cut into one of ``PHASES`` (``step_segments``):
+explain's rows ([Note: the step breakdown] in explain.py), with the exposed
+communication drawn as its two kinds of time, waiting for peers and a
+collective running. Up to ``GANTT_MAX`` steps each rank gets two lanes: the
+*step*, with the backward split where each bucket's gradients became ready,
+and *comm*, each bucket's all-reduce from start to done, in colours no phase
+uses. Longer runs are drawn as a summary: one stacked bar per step (or bin of
+steps) and the mean step, in a figure of fixed size. The command also prints
+each rank's exposed communication, the figure of [Note: exposed
+communication] in ``overlap.py``, and each phase's share of the drawn steps.
+Traces without step records (a stand-in DDP) get the backward and bucket
+lanes alone. See docs/overlap.md.
 """
 
 from __future__ import annotations
@@ -24,12 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gradring.observe.overlap import ExposedComm, exposed_comm, iteration_times, recent
+from gradring.observe.overlap import (
+    ExposedComm,
+    exposed_comm,
+    forward_starts,
+    iteration_times,
+    mean,
+    split_exposed,
+    steady_steps,
+    step_bounds,
+)
 from gradring.observe.trace import Event
 
 REST_COLOUR = "#c8c8c8"      # backward after the last bucket was ready
@@ -78,12 +83,23 @@ def iteration_labels(starts: Sequence[tuple[float, int]], width: float,
 
 # ------------------------------------------------------------------ phases of the step
 #: The phases a step is cut into, in drawing order, and their colours. Every instant of
-#: a step (one forward's start to the next one's) belongs to exactly one of them.
-PHASES = ("forward", "backward", "wait (peers)", "exposed comm", "copy into .grad",
-          "optimizer", "other")
-PHASE_COLOUR = {"forward": "#4c72b0", "backward": "#55a868", "wait (peers)": "#e5ae38",
-                "exposed comm": "#c44e52", "copy into .grad": "#8172b2",
+#: a step (one forward's start to the next one's) belongs to exactly one of them; they
+#: are explain's rows ([Note: the step breakdown] in explain.py), with its exposed comm
+#: shown as its two kinds of time: waiting for peers, and a collective running.
+PHASES = ("forward", "backward", "exposed: waiting for peers", "exposed: collective running",
+          "copy into .grad", "optimizer", "other")
+PHASE_COLOUR = {"forward": "#4c72b0", "backward": "#55a868",
+                "exposed: waiting for peers": "#e5ae38",
+                "exposed: collective running": "#c44e52", "copy into .grad": "#8172b2",
                 "optimizer": "#64b5cd", "other": "#e8e8e8"}
+#: explain's rows (RankStep fields) that make up each phase.
+PHASE_ROWS = {"forward": ("forward",), "backward": ("backward",),
+              "exposed: waiting for peers": ("wait",),
+              "exposed: collective running": ("last_bucket", "earlier_buckets"),
+              "copy into .grad": ("copy",), "optimizer": ("optimizer",), "other": ("other",)}
+#: The comm lane's all-reduces: a hue no phase of the step lane uses, alternating
+#: shades so that neighbouring buckets stay apart.
+COMM_COLOURS = ("#8c6d46", "#c9a66b")
 #: What "other" holds (it is labelled so in the legend and the report).
 OTHER_MEANS = "other: loss, zero_grad, data, autograd before the first gradient, gaps"
 #: Up to this many iterations the timeline draws every event; beyond, a summary.
@@ -123,49 +139,41 @@ def _tile(f0: float, f1: float, marked: Sequence[tuple[int, float, float, str, i
     return out
 
 
-def step_segments(events: Sequence[Event], gate: dict[int, float] | None = None,
-                  bucket_gate: dict[tuple[int, int], float] | None = None
+def step_segments(events: Sequence[Event], gates: dict[tuple[int, int], float] | None = None
                   ) -> dict[int, list[Segment]]:
-    """Iteration -> its step tiled into ``PHASES`` (steady steps with a next forward).
+    """Iteration -> its step tiled into ``PHASES``, for the steps explain summarises
+    (``explain.rank_steps``; ``gates`` as there).
 
-    Priority where marks overlap: waiting for peers, exposed communication (the
-    collectives in flight after the backward, as ``exposed_ms``), the backward,
-    the forward, the optimizer, copying into .grad (the rest of ``backward()`` after
-    autograd), then "other". Gates as in ``explain.rank_steps`` (this rank's clock)."""
-    from gradring.observe.explain import _first_after, _last_before, _sorted_times
+    Where marks overlap, the first of these wins: waiting for peers, a collective
+    running after the backward (the pieces of ``overlap.split_exposed``), the
+    backward, the forward, the optimizer, copying into .grad (the rest of
+    ``backward()`` after autograd), then "other". Each phase's length is explain's
+    row of the same step."""
+    from gradring.observe.explain import _first_after, _gates_ms, _sorted_times
 
-    fwd, fwd_e = _sorted_times(events, "forward_start"), _sorted_times(events, "forward_end")
+    fwd = forward_starts(events)
+    fwd_e = _sorted_times(events, "forward_end")
     opt_s, opt_e = _sorted_times(events, "optimizer_start"), _sorted_times(events, "optimizer_end")
     out: dict[int, list[Segment]] = {}
-    for it in recent(iteration_times(events), 0):
-        t0, back = it.t0, it.t0 + it.backward_ms / 1e3
-        written = t0 + (it.backward_ms + it.tail_ms) / 1e3
-        f0, f1 = _last_before(fwd, t0), _first_after(fwd, written)
-        if f0 is None or f1 is None:
+    for it in steady_steps(events):
+        bounds = step_bounds(it, fwd)
+        if bounds is None:
             continue
-        fe = _first_after(fwd_e, f0, t0)
+        f0, f1 = bounds
+        t0, back, written = it.t0, it.t0 + it.backward_ms / 1e3, it.end
+        fe = _first_after(fwd_e, f0, t0) or f0
         at = lambda ms, t0=t0: t0 + ms / 1e3  # noqa: E731
         marks: list[tuple[int, float, float, str, int]] = []
-        # wait for peers: the in-flight time after the backward before the slowest rank
-        # launched the last bucket (or, reduced after the backward, each bucket)
-        at_end = all(b.launch >= it.backward_ms for b in it.buckets)
-        for b in it.buckets:
-            lo, hi = max(at(b.launch), back), at(b.done)
-            if hi <= lo:
-                continue
-            marks.append((1, lo, hi, "exposed comm", b.bucket))
-            g = (bucket_gate or {}).get((it.iteration, b.bucket)) if at_end else \
-                (gate or {}).get(it.iteration)
-            if g is not None and g > lo:
-                marks.append((0, lo, min(hi, g), "wait (peers)", -1))
+        for piece in split_exposed(it, _gates_ms(it, gates)):
+            marks.append((0 if piece.waiting else 1, at(piece.t0), at(piece.t1),
+                          PHASES[2] if piece.waiting else PHASES[3], piece.bucket))
         prev = 0.0
         for b in sorted(it.buckets, key=lambda x: x.ready):
             end = min(max(b.ready, prev), it.backward_ms)
             marks.append((2, at(prev), at(end), "backward", b.bucket))
             prev = end
         marks.append((2, at(prev), back, "backward", -1))
-        if fe is not None:
-            marks.append((3, f0, fe, "forward", -1))
+        marks.append((3, f0, fe, "forward", -1))
         for s in opt_s:
             if written <= s < f1:
                 e = _first_after(opt_e, s, f1)
@@ -185,29 +193,31 @@ class TimelineReport(NamedTuple):
     segments: dict[int, dict[int, list[Segment]]]  # rank -> iteration -> its tiled step
     offsets: dict[int, float]                      # rank -> clock offset (s) to the wall clock
     exposed: dict[int, ExposedComm]                # rank -> [Note: exposed communication]
-    phase_ms: dict[int, dict[str, float]]          # rank -> phase -> median ms per step
-    step_ms: dict[int, float]                      # rank -> median step
+    phase_ms: dict[int, dict[str, float]]          # rank -> phase -> mean ms over the drawn steps
+    step_ms: dict[int, float]                      # rank -> mean step over the drawn steps
     comm: dict[int, list[tuple[int, int, float, float]]]  # rank -> (it, bucket, start, done)
 
     def shares(self, rank: int) -> dict[str, float]:
-        """Each phase's share of the drawn steps' total time on ``rank`` (sums to 1)."""
-        total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        for it in self.iterations:
-            for s in self.segments[rank][it]:
-                total[s.phase] += s.t1 - s.t0
-        whole = sum(total.values()) or 1.0
-        return {k: v / whole for k, v in total.items()}
+        """Each phase's share of the drawn steps on ``rank`` (sums to 1)."""
+        whole = self.step_ms[rank] or 1.0
+        return {k: v / whole for k, v in self.phase_ms[rank].items()}
+
+    def drawn_phases(self) -> list[str]:
+        """The phases that take any time in the drawn steps, in ``PHASES`` order."""
+        seen = {s.phase for per in self.segments.values() for it in self.iterations
+                for s in per[it] if s.t1 > s.t0}
+        return [p for p in PHASES if p in seen]
 
     @property
     def text(self) -> str:
         lines = [f"timeline: {len(self.iterations)} iteration(s) drawn as "
                  + ("every event" if self.mode == "gantt" else
-                    "a summary (one bar per iteration or bin, and the median step)")]
+                    "a summary (one bar per iteration or bin, and the mean step)")]
         for rank in sorted(self.segments):
             ex = self.exposed[rank]
-            lines.append(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (median over "
-                         f"{len(ex.iterations)} steady iteration(s), as overlap_stats() and "
-                         f"gradring explain); median step {self.step_ms[rank]:.2f} ms")
+            lines.append(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (mean over "
+                         f"{len(ex.iterations)} step(s), as overlap_stats() and gradring "
+                         f"explain); the drawn steps: mean {self.step_ms[rank]:.2f} ms")
             shares = self.shares(rank)
             lines.append("  " + ", ".join(f"{k} {shares[k]:.0%}" for k in PHASES))
         lines.append(f"({OTHER_MEANS})")
@@ -225,7 +235,7 @@ def _records(doc: Any) -> list[dict[str, Any]]:
 def timeline_report(trace: str | dict[str, Any], last: int = 3) -> TimelineReport | None:
     """Every rank's steps tiled into phases, from the step records in ``trace`` (None
     when it carries none: traces of stand-ins, or written before the records)."""
-    from gradring.observe.explain import bucket_launches, last_launches, record_events
+    from gradring.observe.explain import all_rank_steps, launched_by_all, record_events
 
     if isinstance(trace, dict):
         doc = trace
@@ -237,40 +247,26 @@ def timeline_report(trace: str | dict[str, Any], last: int = 3) -> TimelineRepor
         return None
     events = record_events(records)
     offset = {r["rank"]: float(r.get("clock_offset", 0.0)) for r in records}
-    gate: dict[int, float] = {}
-    bucket_gate: dict[tuple[int, int], float] = {}
-    for rank, evs in events.items():
-        for k, t in last_launches(evs).items():
-            gate[k] = max(gate.get(k, t + offset[rank]), t + offset[rank])
-        for kb, t in bucket_launches(evs).items():
-            bucket_gate[kb] = max(bucket_gate.get(kb, t + offset[rank]), t + offset[rank])
-    many = len(events) > 1
-    segs = {rank: step_segments(
-        evs, {k: g - offset[rank] for k, g in gate.items()} if many else None,
-        {k: g - offset[rank] for k, g in bucket_gate.items()} if many else None)
-        for rank, evs in events.items()}
+    gates = launched_by_all(records, events)
+    segs = {rank: step_segments(evs, gates[rank] or None) for rank, evs in events.items()}
+    steps = all_rank_steps(records)
     common = sorted(set.intersection(*(set(v) for v in segs.values())))
     chosen = common[-last:] if last > 0 else common
     if not chosen:
         return None
-    med = statistics.median
     phase_ms: dict[int, dict[str, float]] = {}
     step_ms: dict[int, float] = {}
-    for rank, per in segs.items():
-        rows = []
-        for it in chosen:
-            row = dict.fromkeys(PHASES, 0.0)
-            for s in per[it]:
-                row[s.phase] += (s.t1 - s.t0) * 1e3
-            rows.append(row)
-        phase_ms[rank] = {k: med([r[k] for r in rows]) for k in PHASES}
-        step_ms[rank] = med([sum(r.values()) for r in rows])
+    for rank, per in steps.items():
+        drawn = [s for s in per if s.iteration in set(chosen)]
+        phase_ms[rank] = {p: mean([sum(getattr(s, k) for k in PHASE_ROWS[p]) for s in drawn])
+                          for p in PHASES}
+        step_ms[rank] = mean([s.step for s in drawn])
     comm = {r: [(it.iteration, b.bucket, it.t0 + b.start / 1e3, it.t0 + b.done / 1e3)
                 for it in iteration_times(events[r]) if it.iteration in set(chosen)
                 for b in it.buckets] for r in events}
     return TimelineReport("gantt" if len(chosen) <= GANTT_MAX else "summary", chosen,
                           {r: {it: segs[r][it] for it in chosen} for r in segs}, offset,
-                          {r: exposed_comm(iteration_times(events[r])) for r in events},
+                          {r: exposed_comm(steady_steps(events[r])) for r in events},
                           phase_ms, step_ms, comm)
 
 
@@ -282,9 +278,15 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
     report = timeline_report(trace, last)
     if report is None:
         return _draw_spans(trace, out, last=last, title=title)
-    if report.mode == "gantt":
-        return _draw_gantt(report, out, title)
-    return _draw_summary(report, out, title)
+    fig = gantt_figure(report, title) if report.mode == "gantt" else \
+        summary_figure(report, title)
+    import matplotlib.pyplot as plt
+
+    try:
+        _save(fig, out, dpi=120 if report.mode == "gantt" else 100)
+    finally:
+        plt.close(fig)
+    return out
 
 
 def _save(fig: Any, out: str, dpi: int) -> None:
@@ -294,35 +296,50 @@ def _save(fig: Any, out: str, dpi: int) -> None:
     from gradring.safe_files import open_output
 
     ext = os.path.splitext(out)[1].lstrip(".").lower()
-    try:
-        if ext and ext not in fig.canvas.get_supported_filetypes():
-            raise ValueError(f"{out}: matplotlib cannot write .{ext} images")
-        with open_output(out, "wb") as f:
-            fig.savefig(f, dpi=dpi, format=ext or "png")
-    except BaseException:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)  # the caller's close is skipped by the error
-        raise
+    if ext and ext not in fig.canvas.get_supported_filetypes():
+        raise ValueError(f"{out}: matplotlib cannot write .{ext} images")
+    with open_output(out, "wb") as f:
+        fig.savefig(f, dpi=dpi, format=ext or "png")
 
 
-def _legend(ax: Any, extra: Sequence[Any] = (), rename: dict[str, str] | None = None) -> None:
-    from matplotlib.patches import Patch
-
-    names = {"other": OTHER_MEANS, **(rename or {})}
-    handles = list(extra) + [Patch(facecolor=PHASE_COLOUR[p], edgecolor="#999999",
-                                   label=names.get(p, p)) for p in PHASES]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-              frameon=False)
-
-
-def _draw_gantt(report: TimelineReport, out: str, title: str | None) -> str:
-    """Two lanes per rank: the step's phases (the backward in its buckets' colours) and
-    each bucket's all-reduce."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _legend(fig: Any, phases: Sequence[str], extra: Sequence[Any] = ()) -> Any:
+    """The figure's legend, right of the plot: ``extra`` entries, then ``phases``."""
+    from matplotlib.patches import Patch
+
+    names = {"other": OTHER_MEANS}
+    handles = list(extra) + [Patch(facecolor=PHASE_COLOUR[p], edgecolor="#999999",
+                                   label=names.get(p, p)) for p in phases]
+    return fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+
+
+def _label_iterations(ax: Any, starts: Sequence[tuple[float, int]], width: float) -> None:
+    """Dotted lines at the iterations' starts, labelled on an axis of their own above the
+    plot, where the layout keeps the title clear of them (``iteration_labels`` thins
+    them out so that they never collide with each other)."""
+    for x, _it in starts:
+        ax.axvline(x, color="#888888", linestyle=":", linewidth=0.8)
+    labels = iteration_labels(starts, width)
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([x for x, _ in labels], [t.strip() for _, t in labels], fontsize=7,
+                   color="#555555")
+    top.tick_params(length=0, pad=2)
+    top.set_gid("iteration labels")
+
+
+def gantt_figure(report: TimelineReport, title: str | None = None) -> Any:
+    """Two lanes per rank: the step cut into its phases (the backward split where each
+    bucket's gradients were ready, each piece labelled with its bucket where it fits) and
+    each bucket's all-reduce, in the comm colours, labelled the same way."""
+    plt = _pyplot()
     from matplotlib.patches import Patch
 
     ranks = sorted(report.segments)
@@ -330,15 +347,11 @@ def _draw_gantt(report: TimelineReport, out: str, title: str | None) -> str:
                 for it in report.iterations for s in report.segments[r][it]] for r in ranks}
     t0 = min(a for r in ranks for a, _, _ in wall[r])
     t_end = max(b for r in ranks for _, b, _ in wall[r])
-    buckets = sorted({s.bucket for r in ranks for _, _, s in wall[r] if s.bucket >= 0}
-                     | {b for r in ranks for _, b, _, _ in report.comm[r]})
-    # shades of the backward's green, one per bucket: no bucket looks like another phase
-    greens = plt.get_cmap("Greens")
-    colour = {b: greens(0.3 + 0.65 * i / max(1, len(buckets) - 1))
-              for i, b in enumerate(buckets)}
+    width = (t_end - t0) * 1e3
+    min_label = 0.025 * width  # narrower pieces go unlabelled
     lane_h, gap = 0.8, 0.6
-    fig_h = 1.2 + len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
-    fig, ax = plt.subplots(figsize=(13, max(2.5, fig_h)))
+    fig_h = 1.6 + len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
+    fig, ax = plt.subplots(figsize=(13, max(3.0, fig_h)), layout="constrained")
     yticks, ylabels = [], []
     for i, rank in enumerate(ranks):
         base = (len(ranks) - 1 - i) * (2 * (lane_h + 0.25) + gap)
@@ -347,51 +360,49 @@ def _draw_gantt(report: TimelineReport, out: str, title: str | None) -> str:
         ylabels += [f"rank {rank} step", f"rank {rank} comm"]
         for a, b, s in wall[rank]:
             x, w = (a - t0) * 1e3, (b - a) * 1e3
-            face = colour[s.bucket] if s.phase == "backward" and s.bucket >= 0 \
-                else PHASE_COLOUR[s.phase]
-            ax.broken_barh([(x, w)], (y_comp, lane_h), facecolors=face,
-                           edgecolor="white" if s.phase == "backward" else "none", linewidth=0.3)
+            ax.broken_barh([(x, w)], (y_comp, lane_h), facecolors=PHASE_COLOUR[s.phase],
+                           edgecolor="white" if s.phase == "backward" else "none",
+                           linewidth=0.6, gid=f"phase:{s.phase}")
+            if s.phase == "backward" and s.bucket >= 0 and w >= min_label:
+                ax.text(x + w / 2, y_comp + lane_h / 2, f"b{s.bucket}", fontsize=6,
+                        ha="center", va="center", color="white")
         for _it, b, a, d in report.comm[rank]:
-            ax.broken_barh([((a + report.offsets[rank] - t0) * 1e3, (d - a) * 1e3)],
-                           (y_comm, lane_h), facecolors=colour[b], edgecolor="black",
-                           linewidth=0.4)
+            x, w = (a + report.offsets[rank] - t0) * 1e3, (d - a) * 1e3
+            ax.broken_barh([(x, w)], (y_comm, lane_h),
+                           facecolors=COMM_COLOURS[b % len(COMM_COLOURS)], edgecolor="black",
+                           linewidth=0.4, gid=f"comm:bucket {b}")
+            if w >= min_label:
+                ax.text(x + w / 2, y_comm + lane_h / 2, f"b{b}", fontsize=6, ha="center",
+                        va="center", color="black")
     top = len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
     ax.set_ylim(-0.3, top + 0.2)
     starts = [((min(s.t0 for s in report.segments[ranks[0]][it]) + report.offsets[ranks[0]]
                 - t0) * 1e3, it) for it in report.iterations]
-    for x, _it in starts:
-        ax.axvline(x, color="#888888", linestyle=":", linewidth=0.8)
-    for x, text in iteration_labels(starts, (t_end - t0) * 1e3):
-        ax.text(x, top + 0.2, text, fontsize=7, va="bottom", color="#555555")
+    _label_iterations(ax, starts, width)
     ax.set_yticks(yticks, ylabels)
     ax.set_xlabel("time (ms)")
     ex = report.exposed[ranks[0]]
     ax.set_title(title or f"gradring: every phase of the step; rank {ranks[0]}'s exposed "
                  f"communication {ex.ms:.2f} ms/step")
-    _legend(ax, [Patch(facecolor=colour[b], label=f"backward -> bucket {b}")
-                 for b in buckets[:20]],
-            {"backward": "backward after the last bucket was ready"})
+    comm = Patch(facecolor=COMM_COLOURS[0], edgecolor="black",
+                 label="comm lane: a bucket's all-reduce, start to done (bN: bucket N)")
+    _legend(fig, report.drawn_phases(), [comm])
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    _save(fig, out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
-def _draw_summary(report: TimelineReport, out: str, title: str | None) -> str:
+def summary_figure(report: TimelineReport, title: str | None = None) -> Any:
     """Per rank, one stacked bar per iteration (bins of iterations beyond
-    ``SUMMARY_MAX_BARS``: their mean per phase), then the median step's bar (each
-    phase's median; "other" the remainder). The figure's size does not grow with the run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    ``SUMMARY_MAX_BARS``: their mean per phase), then the mean step's bar (each phase's
+    mean over the drawn steps). The figure's size does not grow with the run."""
+    plt = _pyplot()
 
     ranks = sorted(report.segments)
     its = report.iterations
     per_bin = -(-len(its) // SUMMARY_MAX_BARS)
     bins = [its[k:k + per_bin] for k in range(0, len(its), per_bin)]
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(13, 1.2 + 2.4 * len(ranks)), squeeze=False)
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(13, 1.2 + 2.4 * len(ranks)), squeeze=False,
+                             layout="constrained")
     for ax, rank in zip(axes[:, 0], ranks):
         rows = []
         for group in bins:
@@ -400,18 +411,15 @@ def _draw_summary(report: TimelineReport, out: str, title: str | None) -> str:
                 for s in report.segments[rank][it]:
                     acc[s.phase] += (s.t1 - s.t0) * 1e3 / len(group)
             rows.append(acc)
-        med = dict(report.phase_ms[rank])
-        med["other"] = max(0.0, report.step_ms[rank] - sum(v for k, v in med.items()
-                                                            if k != "other"))
-        rows.append(med)
+        rows.append(dict(report.phase_ms[rank]))
         xs = list(range(len(bins))) + [len(bins) + 1]
         bottom = [0.0] * len(rows)
         for phase in PHASES:
             h = [r[phase] for r in rows]
             ax.bar(xs, h, bottom=bottom, color=PHASE_COLOUR[phase], width=0.85,
-                   edgecolor="none")
+                   edgecolor="none", gid=f"phase:{phase}")
             bottom = [b + v for b, v in zip(bottom, h)]
-        # a few descheduled steps must not flatten the rest: clip at 3 median steps, say so
+        # a few descheduled steps must not flatten the rest: clip at 3 mean steps, say so
         top = 3 * report.step_ms[rank]
         if max(bottom) > top > 0:
             ax.set_ylim(0, top * 1.08)
@@ -422,29 +430,23 @@ def _draw_summary(report: TimelineReport, out: str, title: str | None) -> str:
         labels = [str(g[0]) if per_bin == 1 else f"{g[0]}-{g[-1]}" for g in bins]
         step = max(1, len(bins) // 16)
         ax.set_xticks([x for x in xs[:-1]][::step] + [xs[-1]],
-                      labels[::step] + ["median"], fontsize=7)
+                      labels[::step] + ["mean"], fontsize=7)
         ex = report.exposed[rank]
         ax.set_ylabel(f"rank {rank}\nms per step")
-        ax.set_title(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (median over "
-                     f"{len(ex.iterations)} steady iterations), median step "
+        ax.set_title(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (mean over "
+                     f"{len(ex.iterations)} steps), mean step of those drawn "
                      f"{report.step_ms[rank]:.2f} ms", fontsize=9)
         ax.grid(axis="y", linewidth=0.3, alpha=0.5)
-    _legend(axes[0, 0])
+    _legend(fig, report.drawn_phases())
     axes[-1, 0].set_xlabel("iteration" + ("" if per_bin == 1 else f" (bins of {per_bin})"))
     fig.suptitle(title or f"gradring: {len(its)} steps, every phase per step")
-    fig.tight_layout()
-    _save(fig, out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def _draw_spans(trace: str | dict[str, Any], out: str, *, last: int = 3,
                 title: str | None = None) -> str:
     """The backward and bucket spans alone: traces that carry no step record."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.patches import Patch
 
     spans = select_iterations(_load(trace), last)
@@ -457,7 +459,7 @@ def _draw_spans(trace: str | dict[str, Any], out: str, *, last: int = 3,
     colour = {b: cmap(i % cmap.N) for i, b in enumerate(buckets)}
     lane_h, gap = 0.8, 0.6
     fig_h = 1.2 + len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
-    fig, ax = plt.subplots(figsize=(12, max(2.5, fig_h)))
+    fig, ax = plt.subplots(figsize=(12, max(3.0, fig_h)), layout="constrained")
     yticks, ylabels = [], []
     starts: list[tuple[float, int]] = []  # rank 0's backward starts, to label iterations
     for i, rank in enumerate(ranks):
@@ -489,10 +491,7 @@ def _draw_spans(trace: str | dict[str, Any], out: str, *, last: int = 3,
                         linewidth=0.9)
     top = len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
     ax.set_ylim(-0.3, top + 0.2)
-    for x, _it in starts:
-        ax.axvline(x, color="#888888", linestyle=":", linewidth=0.8)
-    for x, text in iteration_labels(starts, max((e["ts"] + e["dur"] - t0) / 1e3 for e in spans)):
-        ax.text(x, top + 0.2, text, fontsize=7, va="bottom", color="#555555")
+    _label_iterations(ax, starts, max((e["ts"] + e["dur"] - t0) / 1e3 for e in spans))
     ax.set_yticks(yticks, ylabels)
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "gradring: backward compute vs bucket all-reduce")
@@ -500,25 +499,48 @@ def _draw_spans(trace: str | dict[str, Any], out: str, *, last: int = 3,
     handles += [Patch(facecolor=REST_COLOUR, label="rest of backward"),
                 Patch(facecolor="none", edgecolor=FINALIZE_COLOUR, hatch="///",
                       label="after backward: wait + copy to .grad")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-              frameon=False)
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    _save(fig, out, dpi=120)
-    plt.close(fig)
+    try:
+        _save(fig, out, dpi=120)
+    finally:
+        plt.close(fig)
     return out
 
 
+def parser() -> argparse.ArgumentParser:
+    """``gradring timeline``'s command line."""
+    from gradring.tools.helpfmt import command_parser
+
+    ap = command_parser(
+        "gradring timeline",
+        "Draw a training run's steps as a picture: per rank, one lane for what the "
+        "training thread does (forward, backward, waiting for communication, copying "
+        "gradients, optimizer) and one for each bucket's all-reduce. A few steps are "
+        "drawn event by event; many as one stacked bar per step. Also prints each "
+        "rank's exposed communication and each phase's share of the step.",
+        [("gradring timeline run/trace.json -o timeline.png",
+          "the last 3 steps of a merged trace"),
+         ("gradring timeline run/trace.json -o all.png --last 0",
+          "every step in the file, as a summary when there are more than 8")],
+        "The trace comes from gradring.observe.overlap.export_chrome_trace (one rank) "
+        "and merge_traces (all ranks); `gradring demo` writes one. See docs/overlap.md.")
+    ap.add_argument("trace", help="a merged trace (JSON) or one rank's trace")
+    ap.add_argument("-o", "--output", default="timeline.png", metavar="FILE",
+                    help="image to write; its extension picks the format")
+    ap.add_argument("--last", type=int, default=3, metavar="N",
+                    help="draw the newest N steps; 0 draws every step in the file")
+    ap.add_argument("--title", default=None, metavar="TEXT",
+                    help="the picture's title (default: one naming rank 0's exposed "
+                         "communication)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradring timeline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace",
-                    help="merged Chrome-trace JSON (gradring.observe.overlap.merge_traces)")
-    ap.add_argument("-o", "--output", default="timeline.png", help="image to write (PNG)")
-    ap.add_argument("--last", type=int, default=3,
-                    help="draw the newest N iterations (0: all; default 3)")
-    ap.add_argument("--title", default=None)
-    a = ap.parse_args(argv)
+    a = parser().parse_args(argv)
+    if a.last < 0:
+        print("gradring timeline: --last must be 0 (every step) or more", file=sys.stderr)
+        return 2
     try:
         draw_timeline(a.trace, a.output, last=a.last, title=a.title)
         report = timeline_report(a.trace, a.last)

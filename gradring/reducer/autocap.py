@@ -15,10 +15,25 @@ forward), so the choice costs no extra iteration:
    to the whole model, on a ``comm.empty`` buffer of the DDP's own group
    (``measure_allreduce``, 5 calls per size; tens of ms once).
 3. Rank 0 simulates every cap of ``step_model.DEFAULT_CAPS_MB`` over its stamps
-   and curve, takes the best (``step_model.choose``), and broadcasts it: every
-   rank builds the same buckets. ``ddp.bucket_bytes_cap`` and
+   and curve, picks one by ``pick`` (below), and broadcasts it: every rank
+   builds the same buckets. ``ddp.bucket_bytes_cap`` and
    ``_get_ddp_logging_data()`` report the cap; ``ddp.reducer.auto_cap`` keeps
-   the predictions.
+   the predictions and, in ``why``, the reason for the pick in words
+   (``gradring explain`` prints it as a note).
+
+[Note: one rule for picking a cap]
+``pick`` is the one rule by which ``bucket_cap_mb="auto"``, ``gradring tune``
+and ``gradring explain``'s bucket-cap finding choose a cap from the step
+model's predictions: the default (25 MiB, torch's) unless another cap's
+predicted step is shorter by more than ``step_model.TIE_TOLERANCE`` (2 %);
+then ``step_model.choose``'s pick (the smallest predicted step; among caps
+within the tolerance of it, the largest). So a model whose gradients fit one
+bucket at 25 MiB keeps 25 MiB: 50 and 100 MiB make the same buckets and
+cannot be better. ``gradring tune`` then goes one step further than the
+runtime can: it trains DDP at the pick and at the default and keeps the
+default unless the pick measured faster beyond the rounds' spread. Where the
+two differ on one host, the tuner's report says so and why (the model
+predicted a gain that the measurement did not show).
 
 The profile is one iteration (the first, with its warm-up costs), so the pick
 is rougher than ``gradring tune``'s, which times several. Without a rebuild
@@ -37,17 +52,55 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from gradring.link_curve import curve_sizes, measure_allreduce
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
+    TIE_TOLERANCE,
     CommCurve,
+    Prediction,
     Profile,
     choose,
     simulate,
 )
 
 AUTO = "auto"
+
+
+class CapPick(NamedTuple):
+    """What ``pick`` chose among the predictions, and why, in words."""
+
+    prediction: Prediction
+    default: Prediction | None  # the default cap's prediction, if it was simulated
+    why: str
+
+
+def pick(predictions: Sequence[Prediction],
+         default_mb: float = DEFAULT_BUCKET_CAP_MB) -> CapPick:
+    """[Note: one rule for picking a cap]: the default cap unless another's predicted
+    step is shorter by more than ``TIE_TOLERANCE``; then ``step_model.choose``'s pick."""
+    if not predictions:
+        raise ValueError("pick needs at least one predicted cap")
+    best = choose(predictions)
+    default = next((p for p in predictions if p.cap_mb == default_mb), None)
+    if default is None:
+        return CapPick(best, None, f"{best.cap_mb:g} MiB: the shortest predicted step, "
+                       f"{best.step_ms:.2f} ms ({len(best.buckets)} bucket(s))")
+    fastest = min(p.step_ms for p in predictions)
+    if default.buckets == best.buckets or default.step_ms <= fastest * (1 + TIE_TOLERANCE):
+        if best.cap_mb == default_mb:
+            other = ""
+        elif default.buckets == best.buckets:
+            other = f"; {best.cap_mb:g} MiB makes the same buckets"
+        else:
+            other = f"; {best.cap_mb:g} MiB predicts {best.step_ms:.2f} ms"
+        return CapPick(default, default,
+                       f"the default {default_mb:g} MiB: no cap's predicted step beats its "
+                       f"{default.step_ms:.2f} ms by more than {TIE_TOLERANCE:.0%}{other}")
+    return CapPick(best, default,
+                   f"{best.cap_mb:g} MiB: predicted step {best.step_ms:.2f} ms "
+                   f"({len(best.buckets)} bucket(s)) against {default.step_ms:.2f} ms at the "
+                   f"default {default_mb:g} MiB ({len(default.buckets)} bucket(s))")
 
 
 class AutoCap(NamedTuple):
@@ -58,6 +111,7 @@ class AutoCap(NamedTuple):
     exposed_ms: dict[float, float]   # cap (MiB) -> predicted exposed communication ms
     curve: CommCurve
     backward_ms: float
+    why: str = ""                    # the pick's reason ([Note: one rule for picking a cap])
 
 
 def is_auto(value: Any) -> bool:
@@ -66,14 +120,18 @@ def is_auto(value: Any) -> bool:
 
 def decide(profile: Profile, curve: CommCurve,
            caps_mb: Sequence[float] = DEFAULT_CAPS_MB) -> AutoCap:
-    """Simulate every cap and pick one by ``step_model.choose``'s rule. The per-bucket cost
-    is the smallest measured all-reduce, as in ``gradring tune``."""
+    """Simulate every cap and pick one by ``pick``. The per-bucket cost is the smallest
+    measured all-reduce, as in ``gradring tune``."""
     per_bucket = curve.times_ms[0]
     preds = [simulate(profile, curve, cap, per_bucket_ms=per_bucket,
                       first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES) for cap in caps_mb]
-    best = choose(preds)
+    chosen = pick(preds)
+    best = chosen.prediction
+    why = (f"bucket_cap_mb='auto' chose {chosen.why}; step model over the first backward's "
+           f"gradient times and all-reduces timed at the rebuild, "
+           f"{per_bucket:.2f} ms charged per bucket")
     return AutoCap(int(best.cap_mb * MIB), {p.cap_mb: p.step_ms for p in preds},
-                   {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms)
+                   {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms, why)
 
 
 def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],

@@ -1,23 +1,41 @@
-"""The ``gradring`` command: demo, bench and friends."""
+"""The ``gradring`` command: demo, explain, timeline, tune, plan, flight and bench."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
+#: command -> (module with ``main(argv)`` and ``parser()``, one line for ``gradring --help``).
 COMMANDS = {
     "demo": ("gradring.tools.demo", "train digits on N local processes and check the result"),
     "bench": ("gradring.tools.bench", "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
-    "timeline": ("gradring.observe.timeline", "draw a merged Chrome trace as a Gantt chart (PNG)"),
+    "timeline": ("gradring.observe.timeline", "draw a run's steps as a picture (PNG)"),
     "tune": ("gradring.tools.tune",
              "pick bucket_cap_mb by measuring, then check it by running DDP"),
     "flight": ("gradring.tools.flight",
-               "merge flight-recorder dumps and name the stuck collective"),
+               "find the collective a hung or failed job got stuck on"),
     "explain": ("gradring.tools.explain",
                 "why is my DDP step slow? step breakdown and measured findings from a trace"),
     "plan": ("gradring.tools.plan",
-             "predict step time and scaling, 2-1024 ranks (alpha-beta model)"),
+             "predict step time and scaling, 2-1024 ranks, from link bandwidth and latency"),
 }
+
+USAGE = """usage: gradring COMMAND [options]
+
+gradring's tools: see a run work, say why a step is slow, pick a bucket size,
+predict scaling, and find where a hung job got stuck. `gradring COMMAND --help`
+describes each command, its options and their defaults.
+
+commands:
+{commands}
+
+examples:
+  gradring demo --small
+      train a small model on 2 processes and explain its steps
+  gradring explain run/trace.json
+      why is the step of a recorded run slow?
+  gradring tune mlp
+      pick bucket_cap_mb for a built-in model on this machine"""
 
 
 def _bench(argv: list[str]) -> int:
@@ -26,11 +44,16 @@ def _bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         lines = [] if not argv or argv[0] in ("-h", "--help") else \
             [f"gradring bench: unknown benchmark '{argv[0]}'"]
-        lines += [f"usage: gradring bench {'|'.join(BENCHMARKS)} [options]   (--help for each)",
-                 ""]
+        lines += [f"usage: gradring bench {'|'.join(BENCHMARKS)} [options]", "",
+                  "Measure gradring against torch on this machine. `gradring bench NAME "
+                  "--help`", "describes each benchmark, its options and their defaults.", "",
+                  "benchmarks:"]
         lines += [f"  {name:<10}{text}" for name, (_, text) in BENCHMARKS.items()]
-        lines += ["", "A source checkout's benchmarks/ also holds autotune.py, trace_cost.py "
-                  "and multihost.py", "(run them there with python benchmarks/NAME.py)."]
+        lines += ["", "examples:", "  gradring bench allreduce",
+                  "      all-reduce time and bandwidth at several sizes",
+                  "  gradring bench ddp --help", "      the DDP step benchmark's options",
+                  "", "A source checkout's benchmarks/ folder holds a few more "
+                  "(python benchmarks/NAME.py)."]
         print("\n".join(lines))
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     mod = importlib.import_module(f"gradring.tools.bench.{BENCHMARKS[argv[0]][0]}")
@@ -40,9 +63,8 @@ def _bench(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gradring COMMAND [options]\n\ncommands:")
-        for name, (_, text) in COMMANDS.items():
-            print(f"  {name:<10}{text}")
+        print(USAGE.format(commands="\n".join(f"  {name:<10}{text}"
+                                               for name, (_, text) in COMMANDS.items())))
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":

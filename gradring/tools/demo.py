@@ -116,8 +116,8 @@ def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
         "explain": summary.text,
         "params": [p.detach().clone() for p in model.module.parameters()],
         "accs": accs,
-        # explain's median step (one forward's start to the next one's), so that the
-        # demo's share of exposed communication is explain's too
+        # explain's mean step (one forward's start to the next one's), over the steps
+        # overlap_stats() summarises: the demo's share of exposed communication is explain's
         "step_ms": summary.parts[rank]["step"],
         "overlap": stats,
         "trace": trace,
@@ -146,15 +146,15 @@ def _overlap_summary(result: dict[str, Any]) -> list[str]:
     return [
         f"overlap: exposed communication {ov['exposed_ms']:.2f} ms/step of {step:.2f} ms "
         f"({ov['exposed_ms'] / step:.1%})",
-        f"  rank 0, medians over {ov['iterations']} steady steps (all after the first; "
-        "the same figure as gradring explain's exposed comm): backward "
-        f"{ov['backward_ms']:.2f} ms, all-reduce in flight {ov['comm_ms']:.2f} ms, "
+        f"  rank 0, means over {ov['iterations']} steps (every one after the first; the "
+        "steps and figures of gradring explain): backward "
+        f"{ov['backward_ms']:.2f} ms, all-reduce running {ov['comm_ms']:.2f} ms, "
         f"{ov['overlap_ratio']:.0%} of it during the backward; backward() ran "
         f"{ov['tail_ms']:.2f} ms past autograd (waiting + copying into .grad)",
         *("  " + line for line in format_table(ov).splitlines()),
         *([] if ov.get("launch_when_ready", True) else [
-            f"  every bucket waited for the end of the backward: {ov.get('launch_why', '')} "
-            "(GRADRING_OVERLAP=1 launches them as they become ready)"]),
+            f"  every bucket was reduced after the backward ({ov.get('launch_why', '')}); "
+            "unset GRADRING_OVERLAP to launch them as they become ready"]),
     ]
 
 
@@ -175,23 +175,42 @@ def _draw(results: list[dict[str, Any]], image: str | None, merged_out: str) -> 
     return [*lines, f"timeline of the last 3 steps: {image}"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradring demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2, help="local rank processes (default 2)")
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")
-    ap.add_argument("--lr", type=float, default=0.05)
+def parser() -> argparse.ArgumentParser:
+    """``gradring demo``'s command line."""
+    from gradring.tools.helpfmt import command_parser
+
+    ap = command_parser(
+        "gradring demo",
+        "See gradring work in a minute: train a small classifier of handwritten digits on "
+        "several local processes with gradring's DistributedDataParallel, check that "
+        "every process ends with the same model as one process training on the same "
+        "batches, and show how much communication the backward hid: a table per bucket, "
+        "a timeline picture of the last steps and `gradring explain`'s summary. Every "
+        "file goes into one folder, and the demo prints each path.",
+        [("gradring demo", "2 processes, 3 epochs; files in a new folder"),
+         ("gradring demo --small", "a quick run: 1 epoch of 10 batches"),
+         ("gradring demo --out run1 --nproc 3", "3 processes, files into ./run1")],
+        "Read the output with docs/overlap.md and docs/explain.md.")
+    ap.add_argument("--nproc", type=int, default=2, metavar="N", help="local processes")
+    ap.add_argument("--epochs", type=int, default=3, metavar="N", help="passes over the data")
+    ap.add_argument("--batch", type=int, default=32, metavar="N",
+                    help="batch size on each process")
+    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     ap.add_argument("--small", action="store_true",
-                    help="a quick run for CI: 1 epoch of 10 batches")
+                    help="a quick run: 1 epoch of 10 batches (for CI)")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="folder for every file the demo writes (default: a new folder "
-                         "gradring-demo-YYYYMMDD-HHMMSS; an existing one must be yours and "
+                         "gradring-demo-YYYYMMDD-HHMMSS; one that exists must be yours and "
                          "writable by you alone)")
     ap.add_argument("--timeline", default=None, metavar="PNG",
-                    help="where to draw the timeline (default OUT/timeline.png; '' to skip)")
+                    help="where to draw the timeline (default: OUT/timeline.png; '' to skip)")
     ap.add_argument("--trace", default=None, metavar="JSON",
-                    help="where to keep the merged Chrome trace (default OUT/trace.json)")
+                    help="where to keep the merged trace (default: OUT/trace.json)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     from gradring.safe_files import (
         UnsafePath,

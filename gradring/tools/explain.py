@@ -1,15 +1,10 @@
 """``gradring explain``: why is my DDP step slow? Read a run's traces and say.
 
-    gradring explain trace.json          # a merged trace (gradring.observe.overlap.merge_traces)
-    gradring explain run-folder/         # a folder of per-rank traces (export_chrome_trace)
-    gradring explain trace.json --json   # the numbers, for scripts
-
-Prints the step decomposed per rank (forward, backward, exposed
-communication, last bucket, wait for peers, optimizer, other: medians over
-the recorded steps), the straggler if one rank is slower, and findings ranked
-by the time they cost, each with the change to make and the saving expected
-from the measured numbers. From a live model: ``print(gradring.explain(ddp))``
-on every rank. See docs/explain.md.
+The command line of ``gradring.observe.explain`` (see docs/explain.md): the
+step decomposed per rank, the straggler if one rank is slower, and findings
+ranked by the time they cost, each with the change to make and the saving
+expected from the measured numbers. From a live model:
+``print(gradring.explain(ddp))`` on every rank.
 """
 
 from __future__ import annotations
@@ -19,15 +14,38 @@ import json
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradring explain", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", help="merged trace JSON, one rank's trace, or a folder of them")
-    ap.add_argument("--last", type=int, default=0,
-                    help="medians over the newest N steady steps (default 0: every one "
-                         "recorded after the first, as overlap_stats() and the demo)")
+def parser() -> argparse.ArgumentParser:
+    """``gradring explain``'s command line."""
+    from gradring.tools.helpfmt import command_parser
+
+    ap = command_parser(
+        "gradring explain",
+        "Say why a DDP training step is slow, from the traces a run wrote. Prints each "
+        "rank's step cut into forward, backward, the communication the backward did not "
+        "hide (waiting for other ranks, the last bucket, earlier buckets), copying "
+        "gradients, optimizer and the rest, as means over the recorded steps that add up "
+        "to the step; the rank the others wait for, if any; and findings ranked by the "
+        "time they cost, each with the change to make and the saving expected from this "
+        "run's numbers.",
+        [("gradring explain run/trace.json", "a merged trace (all ranks)"),
+         ("gradring explain run/", "a folder of per-rank traces"),
+         ("gradring explain run/trace.json --json", "the same figures as JSON, for scripts")],
+        "Write the traces with gradring.observe.overlap.export_chrome_trace on every rank "
+        "(and merge_traces on one), or run `gradring demo`, which writes them. See "
+        "docs/explain.md.")
+    ap.add_argument("trace", help="a merged trace, one rank's trace, or a folder of them")
+    ap.add_argument("--last", type=int, default=0, metavar="N",
+                    help="summarise the newest N steps only; 0 takes every step recorded "
+                         "after the first, the steps ddp.overlap_stats() summarises")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.last < 0:
+        print("gradring explain: --last must be 0 (every step) or more", file=sys.stderr)
+        return 2
     from gradring.observe.explain import analyse, load
 
     try:
@@ -36,11 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradring explain: {exc}", file=sys.stderr)
         return 1
     if a.json:
-        print(json.dumps({"ranks": x.ranks, "steps": x.steps,
-                          "parts": {str(r): v for r, v in x.parts.items()},
-                          "straggler": x.straggler,
-                          "findings": [f._asdict() for f in x.findings], "notes": x.notes},
-                         indent=1, default=str))
+        print(json.dumps(x.as_json(), indent=1, default=str))
     else:
         print(x.text)
     return 0

@@ -173,11 +173,31 @@ def analyse(dumps: dict[int, dict[str, Any]]) -> list[Finding]:
     return [f for g in groups if (f := analyse_group(dumps, g)) is not None]
 
 
+def parser() -> argparse.ArgumentParser:
+    """``gradring flight``'s command line."""
+    from gradring.tools.helpfmt import command_parser
+
+    ap = command_parser(
+        "gradring flight",
+        "Find the collective a hung or failed job got stuck on. With the flight "
+        "recorder on, every rank writes what its recent collectives were when one of "
+        "them fails and at exit; this command lines the ranks' records up and reports "
+        "the first collective that some rank never reached, issued differently, or did "
+        "not complete, and what each rank was doing instead. Exits with status 1 when "
+        "it finds one.",
+        [("GRADRING_FLIGHT_RECORDER=/tmp/fr torchrun --nproc-per-node=2 train.py",
+          "run the job with the flight recorder writing into /tmp/fr"),
+         ("gradring flight /tmp/fr", "then read what the ranks wrote")],
+        "A rank that was killed writes nothing; what the other ranks saw of it stands "
+        "in for it. See docs/reliability.md.")
+    ap.add_argument("directory",
+                    help="the folder GRADRING_FLIGHT_RECORDER pointed to (rank<R>.json files)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the merged view; exit status 1 when a disagreement was found."""
-    ap = argparse.ArgumentParser(prog="gradring flight", description=__doc__.splitlines()[0])
-    ap.add_argument("directory", help="the GRADRING_FLIGHT_RECORDER folder")
-    args = ap.parse_args(argv)
+    args = parser().parse_args(argv)
     dumps = load(args.directory)
     if not dumps:
         print(f"no flight-recorder dumps (rank*.json) in {args.directory}")

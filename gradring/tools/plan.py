@@ -320,27 +320,63 @@ def format_plan(plans: Sequence[StepPlan], profile: Profile, cluster: Cluster) -
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradring plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    """``gradring plan``'s command line."""
+    from gradring.tools.helpfmt import command_parser
+
+    ap = command_parser(
+        "gradring plan",
+        "Predict a DDP step's time and how well it scales from 2 to 1024 ranks, before "
+        "you have the machines: the model's backward is profiled here (or read from a "
+        "trace or a `gradring tune --json` result), and each all-reduce is costed from "
+        "the link's bandwidth and latency. Prints, for each world size and all-reduce "
+        "algorithm, the all-reduce time, the communication the backward cannot hide, the "
+        "step time and the scaling efficiency.",
+        [("gradring plan mlp --bandwidth 1gbit --latency 0.5ms --ranks-per-host 2",
+          "a built-in model on hosts of 2 ranks joined by 1 Gbit/s Ethernet"),
+         ("gradring plan --trace rank0.json --bandwidth 100gbit --latency 5us "
+          "--ranks-per-host 8", "your own run's timings, on a fast cluster"),
+         ("gradring plan tiny --bandwidth 100mbit --latency 1ms --compression 2",
+          "as if a bf16 compression hook halved the bytes")],
+        "Give exactly one of WORKLOAD, --trace or --tune-json. Sizes take units such as "
+        "1gbit, 10GB/s; times 0.5ms, 20us. The cost model is described in "
+        "gradring/tools/plan.py.")
     ap.add_argument("workload", nargs="?", default=None,
-                    help="built-in workload (see gradring tune) or module:function to profile")
-    ap.add_argument("--trace",
-                    help="Chrome trace from gradring.observe.overlap.export_chrome_trace")
-    ap.add_argument("--tune-json", help="a `gradring tune --json` result (its profile)")
-    ap.add_argument("--bandwidth", default="10gbit", help="between hosts, e.g. 1gbit, 10GB/s")
-    ap.add_argument("--latency", default="50us", help="per message between hosts, e.g. 0.5ms")
-    ap.add_argument("--ranks-per-host", type=int, default=1)
-    ap.add_argument("--intra-bandwidth", default="5GB/s")
-    ap.add_argument("--intra-latency", default="20us")
-    ap.add_argument("--ranks", default=",".join(map(str, DEFAULT_RANKS)))
-    ap.add_argument("--algos", default=",".join(ALGOS))
-    ap.add_argument("--cap-mb", type=float, default=float(DEFAULT_BUCKET_CAP_MB))
-    ap.add_argument("--per-bucket-ms", type=float, default=0.0,
-                    help="fixed cost per bucket the backward cannot hide")
-    ap.add_argument("--compression", type=float, default=1.0,
-                    help="bytes on the wire = gradient bytes / this (bf16 hook: 2)")
+                    help="a built-in model (as in gradring tune) or module:function "
+                         "returning (model, input, loss_fn), profiled here")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="take the timings from a trace written by "
+                         "gradring.observe.overlap.export_chrome_trace (default: none, "
+                         "profile WORKLOAD)")
+    ap.add_argument("--tune-json", default=None, metavar="FILE",
+                    help="take the timings from a `gradring tune --json` result (default: "
+                         "none, profile WORKLOAD)")
+    ap.add_argument("--bandwidth", default="10gbit", metavar="RATE", help="bandwidth between hosts")
+    ap.add_argument("--latency", default="50us", metavar="TIME",
+                    help="cost of one message between hosts (wire and software)")
+    ap.add_argument("--ranks-per-host", type=int, default=1, metavar="N", help="ranks on each host")
+    ap.add_argument("--intra-bandwidth", default="5GB/s", metavar="RATE",
+                    help="bandwidth between ranks of one host (shared memory)")
+    ap.add_argument("--intra-latency", default="20us", metavar="TIME",
+                    help="cost of one message between ranks of one host")
+    ap.add_argument("--ranks", metavar="LIST", default=",".join(map(str, DEFAULT_RANKS)),
+                    help="world sizes to predict, comma-separated")
+    ap.add_argument("--algos", metavar="LIST", default=",".join(ALGOS),
+                    help="all-reduce algorithms to compare, comma-separated (auto: what "
+                         "gradring would pick)")
+    ap.add_argument("--cap-mb", type=float, metavar="MB", default=float(DEFAULT_BUCKET_CAP_MB),
+                    help="bucket_cap_mb of the DDP to predict")
+    ap.add_argument("--per-bucket-ms", type=float, default=0.0, metavar="MS",
+                    help="fixed cost of each bucket's all-reduce that the backward cannot "
+                         "hide, in ms")
+    ap.add_argument("--compression", type=float, default=1.0, metavar="FACTOR",
+                    help="bytes on the wire = gradient bytes / this (a bf16 hook: 2)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     if sum(x is not None for x in (a.workload, a.trace, a.tune_json)) != 1:
         ap.error("give exactly one of WORKLOAD, --trace, --tune-json")

@@ -29,9 +29,12 @@ ratio. The tuner does exactly that, then simulates the reducer:
    process (the GIL) and runs on the cores the backward uses, so it is not
    hidden. ``--per-bucket-ms 0`` models a transport whose fixed costs
    overlap perfectly.
-4. The cap with the smallest predicted step wins; among caps within 2% of the
-   best, the largest is taken (``step_model.choose``: fewer collectives, and
-   their fixed costs are the part of the model least well measured).
+4. The cap is picked by ``autocap.pick``, the rule ``bucket_cap_mb="auto"``
+   follows too ([Note: one rule for picking a cap] in ``reducer/autocap.py``):
+   the default unless another cap's predicted step is shorter by more than 2%;
+   then the smallest predicted step, and among caps within 2% of it the
+   largest (fewer collectives: their fixed costs are the part of the model
+   least well measured).
 5. DDP then really trains with the chosen cap and with the 25 MiB default
    (or every candidate), in rounds interleaved with the plain model, and both
    predicted and measured step times are shown. Where that DDP reduced every
@@ -64,12 +67,12 @@ from torch import nn
 
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
 from gradring.link_curve import measure_allreduce
+from gradring.reducer.autocap import pick
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,
     Prediction,
     Profile,
-    choose,
     simulate,
     sweep_sizes,
 )
@@ -179,6 +182,7 @@ class TuneResult(NamedTuple):
     # cap -> step_ms, exposed_ms, buckets, spread_ms, launch_when_ready, launch_why
     measured: dict[float, dict[str, Any]]
     per_bucket_ms: float  # the per-bucket cost c the predictions charged
+    why: str = ""         # the step model's pick in words (autocap.pick, as "auto" picks)
 
 
 def _mean_profile(profiles: Sequence[Profile]) -> Profile:
@@ -210,10 +214,10 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     caps = sorted(set(caps_mb) | {float(DEFAULT_BUCKET_CAP_MB)})
     c0 = curve.times_ms[0] if per_bucket_ms is None else per_bucket_ms
     predictions = [simulate(profile, curve, c, per_bucket_ms=c0) for c in caps]
-    chosen = choose(predictions)  # identical on every rank: same inputs, same arithmetic
+    # identical on every rank: same inputs, same arithmetic; the rule of
+    # bucket_cap_mb="auto" ([Note: one rule for picking a cap] in reducer/autocap.py)
+    chosen = pick(predictions).prediction
     default = next(p for p in predictions if p.cap_mb == DEFAULT_BUCKET_CAP_MB)
-    if chosen.buckets == default.buckets:
-        chosen = default  # the same buckets: nothing to choose (see report)
     to_measure = caps if measure_all else sorted({chosen.cap_mb, default.cap_mb})
     measured, plain_ms = measure_ddp(make, to_measure, steps=steps, rounds=rounds)
     if rank != 0:
@@ -222,7 +226,7 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     predictions = [simulate(profile, curve, c, per_bucket_ms=c0) for c in caps]
     by_cap = {p.cap_mb: p for p in predictions}
     return TuneResult(profile, curve, predictions, by_cap[chosen.cap_mb],
-                      by_cap[default.cap_mb], measured, c0)
+                      by_cap[default.cap_mb], measured, c0, pick(predictions).why)
 
 
 def tune_bucket_cap(model_fn: Callable[[], nn.Module] | None = None,
@@ -293,6 +297,8 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
     if len(same) > 1:
         lines.append(f"caps {', '.join(f'{c:g}' for c in same)} MiB all give the same "
                      f"{len(r.default.buckets)} bucket(s): they cannot differ")
+    if r.why:
+        lines.append(f"step model's pick (the rule bucket_cap_mb='auto' follows): {r.why}")
     lines.append(recommendation(r))
     return "\n".join(lines)
 
@@ -329,7 +335,9 @@ def recommendation(r: TuneResult) -> str:
                 f"{gain:.2f} ms beyond the rounds' spread of {noise:.2f} ms")
     return (f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB}): "
             f"bucket_cap_mb={r.chosen.cap_mb:g} measured {c['step_ms'] / d['step_ms']:.3f}x, "
-            f"a difference of {gain:+.2f} ms within the rounds' spread of {noise:.2f} ms")
+            f"a difference of {gain:+.2f} ms within the rounds' spread of {noise:.2f} ms. "
+            f"bucket_cap_mb='auto' cannot train twice to check: it decides by the step "
+            f"model alone and would take {r.chosen.cap_mb:g} MiB on timings like these")
 
 
 def _as_json(r: TuneResult) -> dict[str, Any]:
@@ -339,22 +347,49 @@ def _as_json(r: TuneResult) -> dict[str, Any]:
             "measured": {str(k): v for k, v in r.measured.items()}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradring tune", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workload", help=f"built-in ({', '.join(BUILTIN)}) or module:function "
-                                     "returning (model, input, loss_fn)")
-    ap.add_argument("--nproc", type=int, default=2)
+def parser() -> argparse.ArgumentParser:
+    """``gradring tune``'s command line."""
+    from gradring.tools.helpfmt import command_parser
+
+    ap = command_parser(
+        "gradring tune",
+        "Pick bucket_cap_mb for your model on this machine. On several local processes "
+        "it times your model's backward and the all-reduce at several sizes, predicts "
+        "each candidate cap's step time from them, then trains DDP at the predicted "
+        "best cap and at the default (25 MiB) and recommends a different cap only when "
+        "it measured faster beyond the run-to-run noise. The prediction follows the "
+        "same rule as bucket_cap_mb='auto'; the report says when the measurement "
+        "overrules it.",
+        [("gradring tune mlp", "a built-in model on 2 processes"),
+         ("gradring tune mypkg.models:workload --nproc 4",
+          "your own model: a function returning (model, input, loss_fn)"),
+         ("gradring tune mlp --caps 1,4,25 --measure-all",
+          "measure every candidate cap, not only the pick and the default")],
+        f"Built-in models: {', '.join(BUILTIN)}. How the tuner decides is described in "
+        "gradring/tools/tune.py and docs/overlap.md.")
+    ap.add_argument("workload", help=f"a built-in model ({', '.join(BUILTIN)}) or "
+                                     "module:function returning (model, input, loss_fn)")
+    ap.add_argument("--nproc", type=int, default=2, metavar="N", help="local processes")
     ap.add_argument("--caps", default=",".join(f"{c:g}" for c in DEFAULT_CAPS_MB),
-                    help="candidate caps in MiB, comma-separated (25 is always added)")
-    ap.add_argument("--steps", type=int, default=10, help="steps per measurement round")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved DDP rounds")
+                    metavar="LIST",
+                    help="candidate caps in MiB, comma-separated; 25 is always added")
+    ap.add_argument("--steps", type=int, default=10, metavar="N",
+                    help="training steps per measurement round")
+    ap.add_argument("--rounds", type=int, default=3, metavar="N",
+                    help="measurement rounds, the set-ups taking turns")
     ap.add_argument("--measure-all", action="store_true",
-                    help="run DDP at every candidate cap, not only the chosen and the default")
-    ap.add_argument("--per-bucket-ms", type=float, default=None,
-                    help="cost of one collective the backward cannot hide (default: the "
-                         "measured smallest all-reduce; 0: fixed costs overlap perfectly)")
-    ap.add_argument("--json", default=None, help="also write the raw result here")
+                    help="train DDP at every candidate cap, not only the pick and the default")
+    ap.add_argument("--per-bucket-ms", type=float, default=None, metavar="MS",
+                    help="what one all-reduce costs the backward even when it overlaps "
+                         "(default: the measured time of the smallest all-reduce; 0: no "
+                         "such cost)")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="also write the measurements and predictions here (default: none)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     # As `python -m` does: a workload in the current folder imports, here and
     # in the rank processes (which inherit PYTHONPATH).

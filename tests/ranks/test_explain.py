@@ -14,6 +14,7 @@ import gradring
 from gradring.observe import explain as ex
 from gradring.observe.trace import Event
 from tests.support.env import environ
+from tests.support.explain_rows import assert_rows_add_up, printed_rows
 
 STEPS = 12
 
@@ -53,37 +54,50 @@ def test_step_breakdown_on_synthetic_events_is_exact() -> None:
     assert s.pre_forward == pytest.approx(0.5) and s.post_forward == pytest.approx(0.3)
     assert s.backward == pytest.approx(8.0)
     # exposed 4 ms after backward_end: bucket 0 still runs for 1, then bucket 1 for 3
-    assert s.exposed == pytest.approx(1.0) and s.last_bucket == pytest.approx(3.0)
+    assert s.exposed_comm == pytest.approx(4.0)
+    assert s.earlier_buckets == pytest.approx(1.0) and s.last_bucket == pytest.approx(3.0)
     assert s.wait == 0.0
     assert s.optimizer == pytest.approx(1.0)
-    assert s.write == pytest.approx(0.5)
-    assert s.other == pytest.approx(20.0 - 2 - 8 - 4 - 1)
+    assert s.copy == pytest.approx(0.5)
+    assert s.other == pytest.approx(20.0 - 2 - 8 - 4 - 0.5 - 1)
+    # the rows add up to the step, the parts to the exposed time
+    assert sum(getattr(s, k) for k in ex.STEP_ROWS) == pytest.approx(s.step)
+    assert sum(getattr(s, k) for k in ex.EXPOSED_ROWS) == pytest.approx(s.exposed_comm)
+
+
+def _records(*ranks: list[Event], **facts: object) -> list[dict]:
+    return [{"rank": r, "facts": _facts(**facts), "curve": None,
+             "events": [list(e) for e in evs]} for r, evs in enumerate(ranks)]
 
 
 def test_wait_for_the_slowest_rank_is_split_off_the_exposed_time() -> None:
     # Rank 1 starts its backward 2 ms later; both finish the last collective together.
     fast, slow = _rank_events(100.0, 0.0, gate_shift=2.0), _rank_events(100.0, 2.0)
-    gate: dict[int, float] = {}
-    for evs in (fast, slow):
-        for it, t in ex.last_launches(evs).items():
-            gate[it] = max(gate.get(it, t), t)
-    s = ex.rank_steps(fast, gate)[0]
-    # The slow rank launched its last bucket 2 ms after the fast one (3 + 7.5 + 2 ms):
-    # the fast rank's exposed 6 ms = 1.5 waiting + the rest.
-    assert s.wait == pytest.approx(1.5)
-    assert s.wait + s.last_bucket + s.exposed == pytest.approx(6.0)
-    rec = [{"rank": r, "facts": _facts(), "curve": None,
-            "events": [list(e) for e in evs]} for r, evs in enumerate((fast, slow))]
+    rec = _records(fast, slow)
+    gates = ex.launched_by_all(rec, ex.record_events(rec))
+    s = ex.rank_steps(fast, gates[0])[0]
+    # The fast rank's backward ends at 11 ms. Bucket 0 runs on to 12 (the slow rank
+    # launched it at 7: real work); bucket 1 starts at 12 but the slow rank launches
+    # it only at 12.5 (5 + 7.5): 0.5 ms of waiting, then 4.5 of its own run.
+    assert s.wait == pytest.approx(0.5)
+    assert s.earlier_buckets == pytest.approx(1.0) and s.last_bucket == pytest.approx(4.5)
+    assert s.wait + s.last_bucket + s.earlier_buckets == pytest.approx(6.0)
     x = ex.analyse(rec)
-    assert x.parts[0]["wait"] == pytest.approx(1.5) and x.parts[1]["wait"] == 0.0
+    assert x.parts[0]["wait"] == pytest.approx(0.5) and x.parts[1]["wait"] == 0.0
     # The printed table gives the whole exposed time (overlap_stats' figure) on one
-    # row and its parts indented below it, never a part under the whole's name.
-    rows = {line[:17].strip(): line[17:].split() for line in
-            ex.format_explanation(x).splitlines()[2:11]}
-    total = x.parts[0]["wait"] + x.parts[0]["last_bucket"] + x.parts[0]["exposed"]
-    assert float(rows["exposed comm"][0]) == pytest.approx(total, abs=0.01)
-    assert float(rows["wait (peers)"][0]) == pytest.approx(1.5, abs=0.01)
-    assert {"last bucket", "earlier buckets"} <= set(rows)
+    # row and its parts indented below it, adding up to it as printed.
+    rows = printed_rows(ex.format_explanation(x))
+    assert rows["exposed comm"][0] == pytest.approx(6.0, abs=0.005)
+    assert rows["wait (peers)"][0] == pytest.approx(0.5, abs=0.005)
+    for r in (0, 1):
+        assert_rows_add_up(rows, r)
+
+
+def test_printed_rows_add_up_as_printed() -> None:
+    # 1.114 + 1.114 + 1.114 = 3.342: rounded alone, 1.11 x 3 = 3.33 under a 3.34 total
+    assert ex.apportion(3.342, [1.114, 1.114, 1.114]) == [1.12, 1.11, 1.11]
+    assert sum(ex.apportion(7.72, [0.374, 3.733, 3.613])) == pytest.approx(7.72)
+    assert ex.apportion(0.0, [0.0, 0.0]) == [0.0, 0.0]
 
 
 def _facts(**kw: object) -> dict:
@@ -104,14 +118,28 @@ def test_no_complete_step_is_a_clear_error() -> None:
 
 def test_buckets_reduced_at_the_end_are_said_so() -> None:
     evs = [list(e) for e in _rank_events(100.0, 0.0)]
-    said = "every bucket was reduced when the backward ended"
+    said = "every bucket was reduced after the backward (GRADRING_OVERLAP=0)"
     quiet = ex.analyse([{"rank": 0, "facts": _facts(), "curve": None, "events": evs}])
     assert not any(said in n for n in quiet.notes)
-    why = "GRADRING_OVERLAP=0"
-    x = ex.analyse([{"rank": 0, "facts": _facts(overlap=False, overlap_why=why),
+    x = ex.analyse([{"rank": 0, "facts": _facts(overlap=False, overlap_why="GRADRING_OVERLAP=0"),
                      "curve": None, "events": evs}])
-    assert any(said in n and why in n for n in x.notes), x.notes
+    assert any(said in n for n in x.notes), x.notes
     assert said in x.text
+
+
+def test_a_fact_without_a_saving_is_a_note_not_a_finding() -> None:
+    # Buckets ready at 2 and 7.5 ms of an 8 ms backward, running 7 and 3 ms: launched
+    # when ready they would end at 12 ms, as they did. Nothing to gain: no finding with
+    # a saving of 0.00, a note that says why.
+    evs = [list(e) for e in _rank_events(100.0, 0.0)]
+    x = ex.analyse([{"rank": 0, "facts": _facts(overlap=False, overlap_why="GRADRING_OVERLAP=0"),
+                     "curve": None, "events": evs}])
+    assert "at_the_end" not in x.keys(), x.text
+    assert "expected saving 0.00" not in x.text
+    note = next(n for n in x.notes if n.startswith("buckets were reduced after the backward"))
+    assert "would save 0.00 ms/step, less than a finding needs" in note
+    for f in x.findings:  # the bar of docs/explain.md, for every finding
+        assert f.saving_ms >= ex.MIN_SAVING_MS
 
 
 # ----------------------------------------------------------------- real 2-rank runs
@@ -229,7 +257,7 @@ def _explain_case(rank: int, world: int, case: str, out_dir: str | None = None) 
 
 PAIRS = [  # (finding, run that provokes it, run that must not report it)
     ("find_unused", "unused_on", "unused_needed"),
-    ("broadcast_buffers", "constant_buffer", "batchnorm"),
+    ("forward_sync_buffers", "constant_buffer", "batchnorm"),
     ("bucket_cap", "tiny_cap", "default_cap"),
     ("last_bucket", "split_last", "one_tensor_last"),
     ("comm_hook", "slow_hook", "no_hook"),
@@ -263,10 +291,12 @@ def test_trace_files_give_the_live_answer(pools, tmp_path, capsys) -> None:
     from gradring.tools import explain as cli
 
     assert cli.main([merged]) == 0
-    assert "broadcast_buffers=False" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # torch 2.13's name for it: broadcast_buffers is deprecated (a FutureWarning)
+    assert "forward_sync_buffers=False" in out and "broadcast_buffers" not in out
     assert cli.main([merged, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["ranks"] == [0, 1] and "broadcast_buffers" in [f["key"] for f in doc["findings"]]
+    assert doc["ranks"] == [0, 1] and "forward_sync_buffers" in [f["key"] for f in doc["findings"]]
 
 
 def test_explain_cli_rejects_files_it_cannot_read(tmp_path, capsys) -> None:

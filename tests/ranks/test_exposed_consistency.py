@@ -1,13 +1,17 @@
-"""One run, four reports, one exposed time: ``ddp.overlap_stats()``, the demo's summary,
-``gradring explain`` and ``gradring timeline`` give the same exposed communication
-for the same rank ([Note: exposed communication] in gradring/observe/overlap.py).
+"""One run, every report, one set of figures: ``ddp.overlap_stats()``, the demo's summary,
+``gradring explain`` (its text and ``--json``) and ``gradring timeline`` summarise the same
+steps with the same means, and every breakdown adds up to its total ([Note: which steps
+the reports summarise] and [Note: exposed communication] in gradring/observe/overlap.py),
+on a run with one bucket and on one with several.
 
-Before they shared one definition, one run printed "exposed communication 6.98
-ms/step" in the demo and "exposed comm 8.45" in explain: a median over the newest
-10 iterations against a sum of three medians over the newest 20."""
+Before they shared one definition, one run printed "exposed comm 7.72" above parts
+"wait 0.37 + last bucket 3.73 + earlier 0.00" (medians of parts, over 18 steps against
+19 iterations), and the demo's bucket table said "run 11.67" where explain said
+"last bucket 8.22"."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -19,24 +23,25 @@ from gradring.observe import explain as ex
 from gradring.observe import timeline
 from gradring.observe.trace import Event
 from tests.support.env import environ
+from tests.support.explain_rows import assert_rows_add_up, printed_rows
 
 STEPS = 14
 
 
-def record_run(rank: int, world: int, out_dir: str, overlap: str) -> dict:
-    """Train a 3-bucket MLP (with an optimizer), then collect every report's figure."""
+def record_run(rank: int, world: int, out_dir: str, overlap: str, cap_mb: float) -> dict:
+    """Train an MLP (with an optimizer), then collect every report's figure."""
     with environ(GRADRING_OVERLAP=overlap):
-        return _record_run(rank, out_dir)
+        return _record_run(rank, out_dir, cap_mb)
 
 
-def _record_run(rank: int, out_dir: str) -> dict:
+def _record_run(rank: int, out_dir: str, cap_mb: float) -> dict:
     import gradring
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 256))
-    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.2)
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
     return _train_and_report(rank, ddp, out_dir)
 
 
@@ -50,7 +55,8 @@ def _train_and_report(rank: int, ddp: nn.Module, out_dir: str) -> dict:
         opt.zero_grad(set_to_none=True)
         ddp(x).pow(2).mean().backward()
         opt.step()
-    ddp(x)  # one more forward: the last step is complete for explain too
+    with torch.no_grad():
+        ddp(x)  # one more forward: the last step is complete
     stats = ddp.overlap_stats()
     live = gradring.explain(ddp, measure=False)
     path = export_chrome_trace(ddp, os.path.join(out_dir, f"rank{rank}.json"))
@@ -58,9 +64,8 @@ def _train_and_report(rank: int, ddp: nn.Module, out_dir: str) -> dict:
     if rank == 0:
         merge_traces(paths, os.path.join(out_dir, "merged.json"))
     ddp.comm.all_gather_object(rank)  # rank 0 has merged before anyone returns
-    return {"stats": stats, "live_exposed": live.parts[rank].get("exposed_total"),
-            "live_text": live.text, "live_keys": live.keys(),
-            "buckets": len(ddp.reducer.buckets),
+    return {"stats": stats, "live_parts": live.parts[rank], "live_text": live.text,
+            "live_keys": live.keys(), "buckets": len(ddp.reducer.buckets),
             "overlap": ddp.reducer.launches_when_ready}
 
 
@@ -70,43 +75,84 @@ def _printed(pattern: str, text: str) -> str:
     return m.group(1)
 
 
+@pytest.mark.parametrize("cap_mb", [25.0, 0.2], ids=["one-bucket", "many-buckets"])
 @pytest.mark.parametrize("overlap", ["1", "0"], ids=["launch-when-ready", "at-the-end"])
-def test_four_reports_agree_on_the_exposed_time(pools, tmp_path, overlap, capsys) -> None:
-    res = pools.run(2, record_run, str(tmp_path), overlap, timeout=180)
+def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, overlap, cap_mb,
+                                                              capsys) -> None:
+    res = pools.run(2, record_run, str(tmp_path), overlap, cap_mb, timeout=180)
     merged = str(tmp_path / "merged.json")
-    assert res[0]["buckets"] >= 2 and res[0]["overlap"] == (overlap == "1")
+    one = cap_mb == 25.0
+    assert (res[0]["buckets"] == 1) if one else (res[0]["buckets"] >= 3)
+    assert res[0]["overlap"] == (overlap == "1")
     offline = ex.analyse(ex.load(merged))
+    from gradring.tools import explain as cli
     from gradring.tools.demo import _overlap_summary
 
+    assert cli.main([merged, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
     # The same printed figure: the demo's line, explain's row, the timeline's line ...
     demo = "\n".join(_overlap_summary({"overlap": res[0]["stats"], "step_ms": 10.0}))
     shown = f"{res[0]['stats']['exposed_ms']:.2f}"
     assert _printed(r"exposed communication (\S+) ms/step", demo) == shown
-    row = next(line for line in offline.text.splitlines() if line.startswith("exposed comm"))
-    assert row.split()[2] == shown, offline.text
+    rows = printed_rows(offline.text)
+    assert f"{rows['exposed comm'][0]:.2f}" == shown, offline.text
     assert timeline.main([merged, "-o", str(tmp_path / "t.png")]) == 0
     out = capsys.readouterr().out
     assert _printed(r"rank 0: exposed communication (\S+) ms/step", out) == shown
     report = timeline.timeline_report(merged, 3)
     assert report is not None
+    # ... one set of steps, named once in the header ...
+    header = offline.text.splitlines()[0]
+    assert f"means over {res[0]['stats']['iterations']} step(s)" in header, header
+    assert "iteration" not in header, header
     for rank in (0, 1):
-        stats = res[rank]["stats"]
-        # ... and the same float, every way round
+        stats, parts = res[rank]["stats"], offline.parts[rank]
+        # ... the same float, every way round ...
         figure = stats["exposed_ms"]
         assert stats["iterations"] == len(stats["exposed_per_iteration_ms"]) >= STEPS - 2
-        assert res[rank]["live_exposed"] == figure
-        assert offline.parts[rank]["exposed_total"] == figure
+        assert parts["steps"] == stats["iterations"]
+        assert res[rank]["live_parts"]["exposed_comm"] == figure
+        assert parts["exposed_comm"] == figure
+        assert doc["parts"][str(rank)]["exposed_comm"] == figure
         assert report.exposed[rank].ms == figure
         assert list(report.exposed[rank].iterations) == stats["exposed_iterations"]
+        # ... and every breakdown adds up to its total: the buckets' exposed runs, ...
+        table = stats["buckets"]
+        assert sum(b["exposed_ms"] for b in table) == pytest.approx(figure, abs=1e-9)
+        # ... explain's parts of the exposed time and the rows of the step, ...
+        assert parts["wait"] + parts["last_bucket"] + parts["earlier_buckets"] == \
+            pytest.approx(figure, abs=1e-9)
+        assert sum(parts[k] for k in ex.STEP_ROWS) == pytest.approx(parts["step"], abs=1e-9)
+        assert_rows_add_up(rows, rank)
+        # ... the last bucket is the table's last bucket, less its wait for the peers ...
+        assert parts["last_bucket"] <= table[-1]["exposed_ms"] + 1e-9
+        if one:
+            assert parts["earlier_buckets"] == pytest.approx(0.0, abs=1e-9)
+            assert parts["wait"] + parts["last_bucket"] == \
+                pytest.approx(table[0]["exposed_ms"], abs=1e-9)
+        # ... and the timeline's phases are explain's rows, step by step.
+        steps = {s.iteration: s for s in ex.all_rank_steps(ex.load(merged))[rank]}
+        for it in report.iterations:
+            drawn = {p: 0.0 for p in timeline.PHASES}
+            for seg in report.segments[rank][it]:
+                drawn[seg.phase] += (seg.t1 - seg.t0) * 1e3
+            for phase, keys in timeline.PHASE_ROWS.items():
+                want = sum(getattr(steps[it], k) for k in keys)
+                assert drawn[phase] == pytest.approx(want, abs=1e-6), (phase, it)
+    # the demo's bucket table shows the exposed column the figures add up from
+    assert "exposed" in demo.splitlines()[2]
     # the live answer is the file's answer
-    assert res[0]["live_text"].splitlines()[1:11] == offline.text.splitlines()[1:11]
-    # reduced after the backward: explain says so as a finding, with a saving
+    assert res[0]["live_text"].splitlines()[1:12] == offline.text.splitlines()[1:12]
+    # reduced after the backward: explain says so, as a finding or as a note, and the
+    # figures it quotes are the table's
+    said = [f.evidence for f in offline.findings if f.key == "at_the_end"] + \
+        [n for n in offline.notes if n.startswith("buckets were reduced after the backward")]
     if overlap == "0":
-        assert "at_the_end" in offline.keys(), offline.text
-        assert "buckets were reduced after the backward" in offline.text
-        assert "would be left exposed" in offline.text
+        assert len(said) == 1, offline.text
+        assert f"exposed comm {offline.parts[0]['exposed_comm']:.2f} ms/step" in said[0]
+        assert "would be left exposed" in said[0]
     else:
-        assert "at_the_end" not in offline.keys()
+        assert said == [], offline.text
 
 
 def test_at_the_end_finding_names_the_reason_and_the_saving() -> None:
@@ -136,7 +182,7 @@ def test_at_the_end_finding_names_the_reason_and_the_saving() -> None:
              "overlap": False, "overlap_why": why}
     x = ex.analyse([{"rank": 0, "facts": facts, "curve": None,
                      "events": [list(e) for e in evs]}])
-    assert x.parts[0]["exposed_total"] == pytest.approx(6.0)
+    assert x.parts[0]["exposed_comm"] == pytest.approx(6.0)
     [f] = [f for f in x.findings if f.key == "at_the_end"]
     assert f.title == "buckets were reduced after the backward (GRADRING_OVERLAP=0)"
     assert f.saving_ms == pytest.approx(6.0)

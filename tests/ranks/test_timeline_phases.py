@@ -51,12 +51,13 @@ def _train_steps(rank: int, world: int, out_dir: str, steps: int, width: int) ->
 
 def test_tile_covers_the_step_with_labelled_other() -> None:
     # forward 0-2, backward 3-8 over an exposed 7-9 (exposed wins), a gap 9-10
+    running = "exposed: collective running"
     pieces = timeline._tile(0.0, 10.0, [(3, 0.0, 2.0, "forward", -1),
                                        (2, 3.0, 8.0, "backward", -1),
-                                       (1, 7.0, 9.0, "exposed comm", -1)])
+                                       (1, 7.0, 9.0, running, -1)])
     assert [(a, b, p) for a, b, p, _ in pieces] == [
         (0.0, 2.0, "forward"), (2.0, 3.0, "other"), (3.0, 7.0, "backward"),
-        (7.0, 9.0, "exposed comm"), (9.0, 10.0, "other")]
+        (7.0, 9.0, running), (9.0, 10.0, "other")]
 
 
 def test_every_phase_of_a_recorded_run_is_drawn(pools, tmp_path, capsys) -> None:
@@ -71,7 +72,7 @@ def test_every_phase_of_a_recorded_run_is_drawn(pools, tmp_path, capsys) -> None
             # one forward's start to the next one's, without a hole or an overlap
             assert all(a.t1 == b.t0 for a, b in zip(segs, segs[1:]))
             assert {s.phase for s in segs} <= set(timeline.PHASES)
-            for phase in ("forward", "backward", "exposed comm", "optimizer"):
+            for phase in ("forward", "backward", "exposed: collective running", "optimizer"):
                 assert any(s.phase == phase and s.t1 > s.t0 for s in segs), (phase, segs)
         shares = report.shares(rank)
         assert sum(shares.values()) == pytest.approx(1.0)
