@@ -107,3 +107,78 @@ def test_a_long_run_is_drawn_as_a_bounded_summary(pools, tmp_path, capsys) -> No
     few = str(tmp_path / "few.png")
     assert timeline.main([merged, "-o", few, "--last", str(timeline.GANTT_MAX + 1)]) == 0
     assert matplotlib.image.imread(few).shape[:2] == (h, w)
+
+
+def train_many_buckets(rank: int, world: int, out_dir: str) -> str:
+    """Eight 256x256 layers in buckets of about one layer, launched when ready."""
+    import gradring
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with environ(GRADRING_OVERLAP="1"):
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.2)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        x = torch.randn(4, 256)
+        for _ in range(8):
+            opt.zero_grad(set_to_none=True)
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+        with torch.no_grad():
+            ddp(x)
+    path = export_chrome_trace(ddp, os.path.join(out_dir, f"rank{rank}.json"))
+    paths = ddp.comm.all_gather_object(path)
+    if rank == 0:
+        merge_traces(paths, os.path.join(out_dir, "merged.json"))
+    ddp.comm.all_gather_object(rank)
+    return path
+
+
+def _overlaps(a, b) -> bool:  # noqa: ANN001
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("case", ["at-the-end", "many-buckets"])
+def test_the_picture_reads_as_drawn(pools, tmp_path, case) -> None:
+    """What a reader could misread: iteration labels over the title, all-reduces in the
+    backward's colour, a legend naming phases the picture does not show."""
+    _needs_matplotlib()
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    if case == "at-the-end":
+        pools.run(2, train_steps, str(tmp_path), 8, 256, timeout=120)
+    else:
+        pools.run(2, train_many_buckets, str(tmp_path), timeout=120)
+    report = timeline.timeline_report(str(tmp_path / "merged.json"), 3)
+    assert report is not None and report.mode == "gantt"
+    fig = timeline.gantt_figure(report)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        [ax] = [a for a in fig.axes if a.get_title()]
+        title = ax.title.get_window_extent(renderer)
+        [labels] = [a for a in ax.child_axes if a.get_gid() == "iteration labels"]
+        ticks = [t for t in labels.get_xticklabels() if t.get_text()]
+        assert [t.get_text() for t in ticks][:1] == [f"it {report.iterations[0]}"]
+        for t in ticks:
+            assert not _overlaps(t.get_window_extent(renderer), title), t.get_text()
+        # the comm lane's colours are no phase's colour, the backward's least of all
+        by_gid: dict[str, set[str]] = {}
+        for c in ax.collections:
+            for face in c.get_facecolor():
+                by_gid.setdefault(c.get_gid(), set()).add(mcolors.to_hex(face))
+        comm = set().union(*(v for k, v in by_gid.items() if k.startswith("comm:")))
+        assert len({k for k in by_gid if k.startswith("comm:")}) >= 2
+        phases = set().union(*(v for k, v in by_gid.items() if k.startswith("phase:")))
+        assert mcolors.to_hex(timeline.PHASE_COLOUR["backward"]) in phases
+        assert comm and not comm & phases, (comm, phases)
+        # the legend lists what is drawn, and only that
+        drawn = {k.split(":", 1)[1] for k in by_gid if k.startswith("phase:")}
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        names = [timeline.OTHER_MEANS if p == "other" else p for p in timeline.PHASES
+                 if p in drawn]
+        assert legend[1:] == names, legend
+        assert legend[0].startswith("comm lane")
+    finally:
+        plt.close(fig)
