@@ -271,6 +271,10 @@ def test_tune_recommends_only_a_gain_beyond_the_spread() -> None:
     r = _fake_result([[0], [1]], 9.5, 10.0, 0.8)
     assert "keep the default" in tune.recommendation(r)
     assert "within the rounds' spread" in tune.recommendation(r)
+    # ... and where the measurement overrules the step model, it says what "auto",
+    # which decides by the model alone, would take
+    assert "bucket_cap_mb='auto'" in tune.recommendation(r)
+    assert "would take 1 MiB" in tune.recommendation(r)
     # A gain beyond the spread is reported as one.
     r = _fake_result([[0], [1]], 8.0, 10.0, 0.5)
     assert tune.recommendation(r).startswith("recommendation: bucket_cap_mb=1:")

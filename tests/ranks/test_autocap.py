@@ -116,3 +116,22 @@ def _warns(rank: int, world: int) -> list[str]:
 def test_find_unused_without_static_graph_warns(pools) -> None:
     for msgs in pools.run(2, _warns):
         assert any("bucket_cap_mb='auto'" in m for m in msgs), msgs
+
+
+def test_auto_and_tune_pick_by_one_rule_and_say_why() -> None:
+    """A model of 4 MiB fits one bucket at 25, 50 and 100 MiB: the three make the same
+    buckets and predict the same step. "auto" once took the largest (100 MiB) where
+    ``gradring tune`` kept the default; both now keep 25 and say why."""
+    prof = _profile(4, MIB, backward_ms=20.0)
+    curve = step_model.CommCurve([4096, 8 * MIB], [1.0, 1.0])  # all fixed cost
+    pick = autocap.decide(prof, curve)
+    assert pick.cap_bytes == 25 * MIB, pick
+    assert "the default 25 MiB" in pick.why and "same buckets" in pick.why, pick.why
+    preds = [step_model.simulate(prof, curve, c, per_bucket_ms=1.0)
+             for c in step_model.DEFAULT_CAPS_MB]
+    assert autocap.pick(preds).prediction.cap_mb == 25  # the rule gradring tune applies
+    # A real gain beyond the 2% tolerance still moves both off the default.
+    slow = step_model.CommCurve([4096, 96 * MIB], [0.1, 0.1 + 48.0])
+    big = _profile(24, 4 * MIB, backward_ms=100.0)
+    moved = autocap.decide(big, slow)
+    assert moved.cap_bytes != 25 * MIB and "against" in moved.why, moved.why
