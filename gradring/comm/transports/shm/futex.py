@@ -2,13 +2,16 @@
 
 [Note: spin, then block]
 A waiter first spins briefly in Python (a few tens of µs: a peer that is
-running arrives in ~1 µs), then sleeps in ``FUTEX_WAIT`` in short slices so
-that it can check deadlines and peer liveness. Pure spinning collapses when
-the peer has been descheduled; blocking in the kernel gives the core to it.
-Writers bump a 32-bit word with ``FUTEX_WAKE_OP`` (``*w += 1`` and wake all
-waiters, atomically, in one system call), so several writers may share one
-word (a doorbell) and no wake-up is lost: a waiter passes the value it saw,
-and the kernel refuses to sleep if the word has moved since.
+running arrives in ~1 µs), yields while that costs nothing (see [Note: yield
+only while it is free] in ``transport.py``), then sleeps in ``FUTEX_WAIT``
+in short slices so that it can check deadlines and peer liveness. Pure
+spinning collapses when the peer has been descheduled; blocking in the
+kernel gives the core to it. A word several ranks bump (a doorbell) goes up
+with ``FUTEX_WAKE_OP`` (``*w += 1`` and wake all waiters, atomically, in one
+system call); a word only its owner writes (the barrier word) is stored and
+then woken with ``FUTEX_WAKE``. No wake-up is lost either way: a waiter
+passes the value it saw, and the kernel refuses to sleep if the word has
+moved since.
 
 Shared-memory ordering relies on x86-64 (TSO): plain stores become visible
 in program order, so "write data, then bump the word" needs no fence. The
@@ -28,6 +31,7 @@ AVAILABLE = sys.platform.startswith("linux") and platform.machine() in ("x86_64"
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
 _FUTEX_WAKE_OP = 5
 _FUTEX_OP_ADD = 1
 _FUTEX_OP_CMP_EQ = 0
@@ -53,6 +57,15 @@ def add_and_wake(addr: int) -> None:
     if rc < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"futex(FUTEX_WAKE_OP) failed: {os.strerror(err)}")
+
+
+def wake(addr: int) -> None:
+    """Wake every waiter on ``*(uint32*)addr`` (its owner has just stored a new value)."""
+    rc = _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _WAKE_ALL,
+                  ctypes.c_void_p(0), ctypes.c_void_p(0), 0)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"futex(FUTEX_WAKE) failed: {os.strerror(err)}")
 
 
 def wait(addr: int, seen: int, timeout_s: float) -> bool:

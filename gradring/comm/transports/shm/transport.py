@@ -69,6 +69,12 @@ SPIN_ITERS = 64
 YIELD_S = config.current().shm_yield_us * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
 SLICE_S = 0.05
+#: A ``sched_yield`` that returns later than this gave the core to another process;
+#: then the yield window is skipped for ``_CONTENDED_S``.
+_LOST_CORE_S = 100e-6
+_CONTENDED_S = 0.5
+#: Busy polls before sleeping while the core is contended.
+_CONTENDED_SPIN = 4
 
 _DTYPE_CODES = desync.DTYPE_CODES
 
@@ -96,6 +102,8 @@ class ShmTransport:
         self._ctls = [ctl if p == rank else peer_ctls[p] for p in range(world_size)]
         # Their 32-bit word views, indexed [rank][word] in the hot loops.
         self._words = [c.words for c in self._ctls]  # type: ignore[union-attr]
+        self._own_words = ctl.words
+        self._barrier_addr = ctl.address + 4 * BARRIER_WORD
         # Every rank's two inline data slots as byte tensors, [rank][slot]
         # (see ``exchange_inline``).
         self._inline = [[c.bytes[inline_offset(world_size, k):  # type: ignore[union-attr]
@@ -151,6 +159,9 @@ class ShmTransport:
         # Whether the collective in flight did data work after its last barrier (then
         # ``finish`` adds the closing barrier).
         self._open = False
+        # Until when (``time.perf_counter``) waits skip the yield window: a yield lost
+        # the core to another process (see [Note: yield only while it is free]).
+        self._contended_until = 0.0
         # A collective is between start() and a successful finish() (SIGTERM reports it).
         self._busy = False
         _live.add(self)
@@ -446,16 +457,37 @@ class ShmTransport:
 
     def _wait(self, p: int, word: int, until: Any, what: str,
               waiting_for: Sequence[int]) -> None:
+        """[Note: yield only while it is free]
+        The yield window helps only while this rank has a core to itself: a
+        ``sched_yield`` then returns at once, and the GIL goes to the other
+        threads of the process (the backward's hooks) meanwhile. When other
+        processes want the core, a yield hands it to them for their whole time
+        slice, milliseconds, while sleeping in the kernel would have been woken
+        (and preferred by the scheduler) the moment the peer arrived. So a yield
+        that returns late (``_LOST_CORE_S``) marks the core as contended, and
+        for ``_CONTENDED_S`` the waits spin a few polls and then sleep at once.
+        With 4 processes spinning on 2 cores this took an 8-byte all-reduce from
+        ~2x gloo's time to about gloo's, and a 1 MiB one from 1.8x to at or below
+        (``python benchmarks/small_collectives.py --load 4``); on a free core
+        nothing changes.
+        """
         words = self._words[p]
-        for _ in range(SPIN_ITERS):
-            if until(words[word]):
-                return
         clock = time.perf_counter
-        yield_end = clock() + YIELD_S
-        while clock() < yield_end:
-            os.sched_yield()
+        now = clock()
+        for _ in range(SPIN_ITERS if now >= self._contended_until else _CONTENDED_SPIN):
             if until(words[word]):
                 return
+        if now >= self._contended_until:  # see [Note: yield only while it is free]
+            yield_end = now + YIELD_S
+            while now < yield_end:
+                os.sched_yield()
+                after = clock()
+                if after - now > _LOST_CORE_S:
+                    self._contended_until = after + _CONTENDED_S
+                    break
+                if until(words[word]):
+                    return
+                now = after
         addr = self._ctls[p].address + 4 * word
         while True:
             seen = words[word]
@@ -491,11 +523,14 @@ class ShmTransport:
             first = verdict.read(self._leader)
             if first is None:
                 self._epoch += 1
-                futex.add_and_wake(self._ctl.address + 4 * BARRIER_WORD)
+                self._own_words[BARRIER_WORD] = self._epoch & _MASK  # this rank's word only
         finally:
             self._glock.release()
         if first is not None:
             raise self._fail_sticky(first)
+        # Woken after the lock is released: a woken peer that preempts this rank then
+        # never finds the lock held.
+        futex.wake(self._barrier_addr)
 
     def _lock_timeout(self) -> CollectiveError:
         """The group's lock stayed taken to the deadline: fail, naming its holder and
