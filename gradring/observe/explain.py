@@ -77,6 +77,9 @@ from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile,
 STEP_ROWS = ("forward", "backward", "exposed_comm", "copy", "optimizer", "other")
 #: The parts of ``exposed_comm``; they add up to it.
 EXPOSED_ROWS = ("wait", "last_bucket", "earlier_buckets")
+#: Rows printed with their own rounding: the step, and the figures overlap_stats() and
+#: the demo print too; the others are rounded to add up to them (``apportion``).
+PINNED_ROWS = ("step", "backward", "exposed_comm")
 TABLE_ROWS = (("forward", "forward"), ("backward", "backward"),
               ("exposed_comm", "exposed comm"), ("wait", "  wait (peers)"),
               ("last_bucket", "  last bucket"), ("earlier_buckets", "  earlier buckets"),
@@ -577,12 +580,13 @@ def format_explanation(x: Explanation) -> str:
     shown: dict[int, dict[str, float]] = {}
     for r in ranks:
         part = x.parts[r]
-        # the totals keep their own rounding (exposed comm is overlap_stats()' figure);
-        # the rows under them are rounded to add up to them as printed
-        row = {"step": float(f"{part['step']:.2f}"),
-               "exposed_comm": float(f"{part['exposed_comm']:.2f}")}
-        rest = [k for k in STEP_ROWS if k != "exposed_comm"]
-        row.update(zip(rest, apportion(row["step"] - row["exposed_comm"],
+        # the totals and the rows other reports print too (overlap_stats()' exposed
+        # comm and backward) keep their own rounding; the other rows are rounded to
+        # add up to them as printed
+        row = {k: float(f"{part[k]:.2f}") for k in PINNED_ROWS}
+        rest = [k for k in STEP_ROWS if k not in PINNED_ROWS]
+        row.update(zip(rest, apportion(row["step"] - sum(row[k] for k in PINNED_ROWS
+                                                         if k != "step"),
                                        [part[k] for k in rest])))
         row.update(zip(EXPOSED_ROWS, apportion(row["exposed_comm"],
                                                [part[k] for k in EXPOSED_ROWS])))

@@ -96,6 +96,8 @@ def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, ov
     assert _printed(r"exposed communication (\S+) ms/step", demo) == shown
     rows = printed_rows(offline.text)
     assert f"{rows['exposed comm'][0]:.2f}" == shown, offline.text
+    # the backward too: a figure two reports print is printed alike
+    assert _printed(r"backward (\S+) ms", demo) == f"{rows['backward'][0]:.2f}"
     assert timeline.main([merged, "-o", str(tmp_path / "t.png")]) == 0
     out = capsys.readouterr().out
     assert _printed(r"rank 0: exposed communication (\S+) ms/step", out) == shown
