@@ -17,7 +17,7 @@ spread (``benchmarks/ablation.py``; the figures are in docs/design.md,
 
 - ``homed``: a CPU bucket's gradient stays in ``.grad``; only the part the
   peers read is copied into the bucket, and the collective writes the result
-  straight back into ``.grad`` ([Note: homed all-reduce] in ``comm/homes.py``).
+  straight back into ``.grad`` ([Note: external parts] in ``comm/external.py``).
   Only where gradient and slot are both row-major: homing moves flat memory.
 - ``packed``: slots of at most ``SMALL_SLOT_NUMEL`` elements are copied in
   and out a bucket at a time, by batched calls, when the bucket is ready

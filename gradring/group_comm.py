@@ -77,15 +77,17 @@ class GroupComm:
                          async_op: bool = True) -> torch.futures.Future | None:
         """DDP's bucket all-reduce with gradients left in ``.grad``: ``pieces`` are
         (element offset, flat gradient) pairs sorted by offset, each multiplied by
-        ``scale`` where the collective reads it (see [Note: homed all-reduce]).
+        ``scale`` where the collective reads it (the all-reduce with external parts:
+        [Note: external parts] in ``comm/external.py``).
         ``async_op=False`` as for :meth:`all_reduce`."""
         if not async_op:
             with self.labelled(label):
-                comm.all_reduce_homed(flat, comm.Homes(pieces, scale), group=self.group,
-                                      async_op=False)
+                comm.all_reduce_external(flat, comm.ExternalParts(pieces, scale),
+                                         group=self.group, async_op=False)
             return None
         with self.labelled(label, on_done):
-            work = comm.all_reduce_homed(flat, comm.Homes(pieces, scale), group=self.group)
+            work = comm.all_reduce_external(flat, comm.ExternalParts(pieces, scale),
+                                            group=self.group)
             assert work is not None
             fut = work.get_future()
             _attach_if_untaken(fut, on_done)

@@ -28,7 +28,7 @@ class SlotKind(enum.Enum):
 
     - ``HOMED`` (fast path ``homed``): the gradient stays in ``.grad``; the
       collective reads the own chunk from it and writes the result back into
-      it ([Note: homed all-reduce] in ``comm/homes.py``);
+      it ([Note: external parts] in ``comm/external.py``);
     - ``PACKED`` (fast path ``packed``): a small slot outside view mode;
       copied in and out like ``COPIED``, but a bucket's small slots at a
       time when the bucket is ready ([Note: packed slots] in ``packing.py``).
@@ -100,9 +100,9 @@ class Bucket:
         # Left to be reduced by the finalize on its own thread (see [Note: buckets
         # left to the finalize] in reducer/launcher.py).
         self.inline = False
-        # The part of the buffer this rank reduces itself (homes.own_range), set by
+        # The part of the buffer this rank reduces itself (comm.own_range), set by
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
-        # pairs and their slots (see [Note: homed all-reduce] in comm/homes.py).
+        # pairs and their slots (see [Note: external parts] in comm/external.py).
         self.own = (0, 0)
         # Whether gradients may stay in .grad (CPU, floating point, world > 1, not view mode).
         self.homable = False

@@ -10,17 +10,19 @@ The contract the rest of gradring relies on:
   ``barrier`` likewise.
 - ``empty(shape, dtype, group=None)`` returns a tensor living in the transport's
   own memory (zero-copy for collectives); DDP buckets are allocated with it.
-- ``all_reduce_homed(flat, homes, group=None)``: DDP's bucket all-reduce with
-  gradients left in their own tensors (``Homes(pieces, scale)``; the part a
-  rank reduces itself is ``own_range(numel, rank, world_size)``), see
-  [Note: homed all-reduce] in ``homes.py``.
+- ``all_reduce_external(flat, parts, group=None)``: an all-reduce of ``flat``
+  where some ranges live in other tensors, which hold their input and receive
+  their result (``ExternalParts(pieces, scale)``; the part a rank reduces
+  itself is ``own_range(numel, rank, world_size)``), see [Note: external
+  parts] in ``external.py``.
 - ``shutdown()`` tears everything down (threads, shared memory); later calls
   start afresh.
 
 How it is built (details in docs/collectives.md), module by module:
 
-- ``api``: the functions above, issuing each collective; ``homes``: DDP's
-  homed all-reduce (``all_reduce_homed``, ``Homes``, ``own_range``);
+- ``api``: the functions above, issuing each collective; ``external``: the
+  all-reduce with external parts (``ExternalParts``, ``own_range``);
+  ``small_sync``: synchronous small all-reduces on the caller's thread;
 - ``context``: per-group state; ``registry``: the groups that have some;
   ``runner``: one collective, start to finish; ``engine``: the per-group
   async thread; ``select``: thresholds, the choice of transport and
@@ -61,7 +63,7 @@ from gradring.comm.api import (
     ReduceOp,
     all_gather_into_tensor,
     all_reduce,
-    all_reduce_homed,
+    all_reduce_external,
     barrier,
     broadcast,
     empty,
@@ -71,7 +73,7 @@ from gradring.comm.api import (
 from gradring.comm.context import shutdown as _shutdown
 from gradring.comm.desync import DesyncError
 from gradring.comm.engine import Work
-from gradring.comm.homes import Homes, own_range
+from gradring.comm.external import ExternalParts, own_range
 from gradring.comm.recorder import label
 from gradring.comm.transport import CollectiveError
 
@@ -89,8 +91,8 @@ __all__ = [
     "CollectiveError",
     "DesyncError",
     "label",
-    "all_reduce_homed",
-    "Homes",
+    "all_reduce_external",
+    "ExternalParts",
     "own_range",
 ]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from gradring.comm import desync, engine, ops, runner, select
 from gradring.comm.context import GroupContext, context, existing_context
 from gradring.comm.engine import Job, Work
-from gradring.comm.homes import Homes, finish_out, own_range, stage_in
+from gradring.comm.external import ExternalParts, finish_out, own_range, stage_in
 from gradring.comm.recorder import RECORDER, Entry, take_on_done
 from gradring.comm.registry import GROUPS
 from gradring.comm.runner import Plan
@@ -63,12 +63,12 @@ def _refused(ctx: GroupContext, entry: Entry, async_op: bool) -> Work | None:
 
 def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tensor,
            op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor],
-           homes: Homes | None = None) -> Work | None:
+           parts: ExternalParts | None = None) -> Work | None:
     entry = _entry(ctx, kind, inp)
     if ctx.failures.broken is not None:
         return _refused(ctx, entry, async_op)
     env = select.overrides()
-    plan = Plan(kind, output, inp, op, root, entry.seq, env, entry, homes)
+    plan = Plan(kind, output, inp, op, root, entry.seq, env, entry, parts)
     fut: torch.futures.Future = torch.futures.Future()
     on_done = take_on_done()
     if on_done is not None:  # before the engine runs it (see recorder.label)
@@ -158,14 +158,14 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor])
 
 
-def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None,
-                     async_op: bool = True) -> Work | None:
-    """DDP's bucket all-reduce: ``homes.scale`` times the SUM of ``flat``, where
-    parts of ``flat`` live in (and go back to) other tensors; see [Note: homed
-    all-reduce] in ``homes.py``. The caller has put into ``flat`` everything
-    outside ``homes.own_range(flat.numel(), rank, world_size)``; inside, homed
-    elements are read from their homes. The future resolves to ``[flat]``;
-    with ``async_op=False`` it runs on the caller's thread and returns None.
+def all_reduce_external(flat: torch.Tensor, parts: ExternalParts, group: Any = None,
+                        async_op: bool = True) -> Work | None:
+    """``parts.scale`` times the SUM of ``flat``, where some ranges of ``flat`` live in
+    other tensors, which hold their input and receive their result; see [Note:
+    external parts] in ``external.py``. The caller has put into ``flat`` everything
+    outside ``own_range(flat.numel(), rank, world_size)``; inside, external ranges
+    are read from their tensors. The future resolves to ``[flat]``; with
+    ``async_op=False`` it runs on the caller's thread and returns None.
     """
     ctx = context(group)
     if ctx is None:
@@ -174,24 +174,24 @@ def all_reduce_homed(flat: torch.Tensor, homes: Homes, group: Any = None,
             or ctx.world_size == 1 or flat.numel() == 0:
         # No algorithm of ours runs: stage everything, let all_reduce pick the path.
         own = own_range(flat.numel(), ctx.rank, ctx.world_size)
-        stage_in(flat, homes, *own)
-        on_done = take_on_done()  # for the homed result, not the plain sum
+        stage_in(flat, parts, *own)
+        on_done = take_on_done()  # for the result with its parts out, not the plain sum
         work = all_reduce(flat, group=group, async_op=True)
         assert work is not None
         fut = work.get_future()
 
-        def home(f: torch.futures.Future) -> list[torch.Tensor]:
+        def copy_out(f: torch.futures.Future) -> list[torch.Tensor]:
             f.wait()
-            finish_out(flat, homes)
+            finish_out(flat, parts)
             return [flat]
-        homed = fut.then(home)
+        done = fut.then(copy_out)
         if on_done is not None:
-            homed.add_done_callback(on_done)
+            done.add_done_callback(on_done)
         if not async_op:
-            homed.wait()
+            done.wait()
             return None
-        return Work(homed)
-    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, async_op, [flat], homes)
+        return Work(done)
+    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, async_op, [flat], parts)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,

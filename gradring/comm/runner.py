@@ -14,7 +14,7 @@ import torch
 
 from gradring.comm import algos, desync, select
 from gradring.comm.algos import direct
-from gradring.comm.homes import Homes
+from gradring.comm.external import ExternalParts
 from gradring.comm.ops import Op
 from gradring.comm.recorder import Entry
 from gradring.comm.store import exchange_lists, group_store, instance_prefix
@@ -37,7 +37,7 @@ class Plan(NamedTuple):
     seq: int  # issue number within the group, identical on every rank
     env: select.Overrides  # GRADRING_TRANSPORT / GRADRING_ALGO at issue time
     entry: Entry | None = None  # its flight-recorder entry
-    homes: Homes | None = None  # all_reduce only: see [Note: homed all-reduce]
+    parts: ExternalParts | None = None  # all_reduce only: see [Note: external parts]
 
 
 def run(ctx: GroupContext, plan: Plan) -> None:
@@ -89,7 +89,7 @@ def _run(ctx: GroupContext, plan: Plan) -> None:
             entry.start(info.algo)
         transport.start(info)
         algos.run(choice.algo, transport,
-                  algos.Call(info, out, inp, plan.op, plan.root, plan.homes))
+                  algos.Call(info, out, inp, plan.op, plan.root, plan.parts))
         finish = getattr(transport, "finish", None)
         if finish is not None:
             finish()  # shm's closing agreement: see [Note: sticky failures]

@@ -49,7 +49,7 @@ def test_the_hook_path_is_never_traced() -> None:
     for m in ("gradring.reducer.reducer", "gradring.reducer.static_graph",
               "gradring.buckets.bucket", "gradring.buckets.slot_io", "gradring.buckets.packing",
               "gradring.reducer.bucket_set", "gradring.reducer.launcher",
-              "gradring.buckets.grad_bucket", "gradring.comm.homes",
+              "gradring.buckets.grad_bucket", "gradring.comm.external",
               "gradring.observe.trace", "gradring.graph"):
         assert m in _modules() and _never_traced(m), m
 

@@ -22,10 +22,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradring.comm import homes as _homes
-from gradring.comm import ops
+from gradring.comm import external, ops
 from gradring.comm.algos import direct, hierarchical, naive, ring, tree
-from gradring.comm.homes import Homes
+from gradring.comm.external import ExternalParts
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveInfo, Kind
 
@@ -38,7 +37,7 @@ class Call(NamedTuple):
     inp: torch.Tensor  # flat, read (same object as ``out`` when in place)
     op: Op = ops.SUM  # reduction (SUM for copies)
     root: int = 0  # broadcast source, as a group rank
-    homes: Homes | None = None  # all-reduce only: see [Note: homed all-reduce]
+    parts: ExternalParts | None = None  # all-reduce only: see [Note: external parts]
 
 
 #: The one signature every registered algorithm has.
@@ -61,7 +60,7 @@ ALGORITHMS: dict[tuple[str, Kind], Algorithm] = {
     ("direct/oneshot", ALL_REDUCE):
         lambda t, c: direct.all_reduce_oneshot(t, c.info, c.out, c.op),
     ("direct/twoshot", ALL_REDUCE):
-        lambda t, c: direct.all_reduce_twoshot(t, c.info, c.out, c.op, c.homes),
+        lambda t, c: direct.all_reduce_twoshot(t, c.info, c.out, c.op, c.parts),
     ("direct", BROADCAST): lambda t, c: direct.broadcast(t, c.info, c.out, c.root),
     ("direct", ALL_GATHER): lambda t, c: direct.all_gather(t, c.info, c.out, c.inp),
     ("direct", REDUCE_SCATTER):
@@ -70,8 +69,8 @@ ALGORITHMS: dict[tuple[str, Kind], Algorithm] = {
     ("hierarchical", ALL_REDUCE): lambda t, c: hierarchical.all_reduce(t, c.info, c.out, c.op),
 }
 
-#: The algorithms that read a homed all-reduce's homes themselves.
-READS_HOMES = frozenset({"direct/twoshot"})
+#: The algorithms that read an all-reduce's external parts themselves.
+READS_PARTS = frozenset({"direct/twoshot"})
 
 
 def lookup(name: str, kind: Kind) -> Algorithm:
@@ -85,14 +84,15 @@ def lookup(name: str, kind: Kind) -> Algorithm:
 
 
 def run(name: str, transport: Any, call: Call) -> None:
-    """Run ``call`` with algorithm ``name`` on ``transport``. A homed all-reduce on an
-    algorithm that does not read homes is staged around a plain one (``homes.py``)."""
+    """Run ``call`` with algorithm ``name`` on ``transport``. An all-reduce with external
+    parts on an algorithm that does not read them is staged around a plain one
+    (``external.py``)."""
     algorithm = lookup(name, call.info.kind)
-    h = call.homes
-    if h is None or name in READS_HOMES:
+    h = call.parts
+    if h is None or name in READS_PARTS:
         algorithm(transport, call)
         return
-    lo, hi = _homes.own_range(call.out.numel(), transport.rank, transport.world_size)
-    _homes.stage_in(call.out, h, lo, hi)
-    algorithm(transport, call._replace(homes=None))
-    _homes.finish_out(call.out, h)
+    lo, hi = external.own_range(call.out.numel(), transport.rank, transport.world_size)
+    external.stage_in(call.out, h, lo, hi)
+    algorithm(transport, call._replace(parts=None))
+    external.finish_out(call.out, h)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from gradring.comm import ops
-from gradring.comm.homes import Homes, reduce_own, spans
+from gradring.comm.external import ExternalParts, reduce_own, spans
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveInfo, DirectTransport
 
@@ -63,10 +63,10 @@ def _still_agreed(t: DirectTransport) -> None:
 
 
 def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
-                       op: Op, homes: Homes | None = None) -> None:
+                       op: Op, parts: ExternalParts | None = None) -> None:
     """Reduce-scatter through direct reads, all-gather through direct writes; see
-    [Note: direct algorithms]. With ``homes`` (SUM only), see [Note: homed
-    all-reduce] in ``homes.py``.
+    [Note: direct algorithms]. With ``parts`` (SUM only), see [Note: external
+    parts] in ``external.py``.
 
     [Note: whole chunks, not pipelined blocks]
     Cutting chunks into blocks, with a signal per block so that peers copy a
@@ -88,7 +88,7 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
     # it into every peer's exposed buffer.
     peers = [views[p] for p in range(w) if p != r]
     _still_agreed(t)  # no writes into peers' memory once any rank gave up
-    if homes is None:
+    if parts is None:
         # In place into our own tensor (its lines are in cache: they were just
         # read): measured 5-15% faster at 4-25 MiB than summing into staging.
         dst = flat[lo:hi]
@@ -97,16 +97,16 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
         for v in peers:
             ops.copy(v[lo:hi], dst)
     else:
-        reduce_own(flat, peers, homes, lo, hi)
+        reduce_own(flat, peers, parts, lo, hi)
     t.arrive()
     t.wait_arrivals()
     # Every other chunk's result now sits in our exposed buffer: where that is
-    # not its destination (staging, or a home), move it there.
+    # not its destination (staging, or an external part), move it there.
     for p in range(w):
         if p != r:
-            for a, b, home in spans(homes, *bounds[p]):
-                if home is not None:
-                    ops.copy(home, mine[a:b])
+            for a, b, part in spans(parts, *bounds[p]):
+                if part is not None:
+                    ops.copy(part, mine[a:b])
                 elif not zero_copy:
                     ops.copy(flat[a:b], mine[a:b])
 

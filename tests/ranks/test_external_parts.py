@@ -1,8 +1,9 @@
-"""Homed all-reduce (gradients left in .grad, see comm/homes.py) against oracles.
+"""The all-reduce with external parts (comm/external.py; DDP leaves gradients in .grad
+this way) against oracles.
 
 - ``spans`` against a brute-force element map;
 - every algorithm, on the threaded transport, against the exact sum each
-  rank's weighted inputs must give: the two-shot reads homes itself, the
+  rank's weighted inputs must give: the two-shot reads the external parts itself, the
   others go through ``stage_in``/``finish_out``. Homed elements of the own
   chunk are NaN in the flat buffer, so reading them there instead of from the
   home cannot go unnoticed;
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import gradring.comm.algos as algos
-from gradring.comm import homes
+from gradring.comm import external
 from gradring.comm.ops import SUM
 from gradring.comm.transport import CollectiveInfo, Kind
 from gradring.comm.transports.threaded import run_ranks
@@ -51,11 +52,11 @@ def test_spans_match_an_element_map() -> None:
                 pieces.append((a, t))
                 for i in range(a, b):
                     owner[i] = k
-        h = homes.Homes(pieces)
+        h = external.ExternalParts(pieces)
         lo = random.Random(seed + 1).randint(0, n)
         hi = random.Random(seed + 2).randint(lo, n)
         seen = []
-        for a, b, home in homes.spans(h, lo, hi):
+        for a, b, home in external.spans(h, lo, hi):
             assert lo <= a < b <= hi
             if home is None:
                 assert all(i not in owner for i in range(a, b))
@@ -79,10 +80,10 @@ SCALES = (0.5, 0.25, 1.0, 0.125)  # powers of two: exact in every dtype
 def _homed(t, algo: str, zero_copy: bool, n: int, dtype: torch.dtype, seq: int):
     r, w = t.rank, t.world_size
     x, scale = _rank_input(r, n, dtype), SCALES[r]
-    layout = _layout(n, seed=n + r)  # each rank homes different pieces
+    layout = _layout(n, seed=n + r)  # each rank keeps different pieces external
     flat = t.world.empty(n, dtype) if zero_copy else torch.empty(n, dtype=dtype)
     flat.copy_(x * scale)
-    lo, hi = homes.own_range(n, r, w)
+    lo, hi = external.own_range(n, r, w)
     pieces = []
     for a, b, homed in layout:
         if homed:
@@ -90,14 +91,14 @@ def _homed(t, algo: str, zero_copy: bool, n: int, dtype: torch.dtype, seq: int):
             lo_a, hi_b = max(a, lo), min(b, hi)
             if lo_a < hi_b:
                 flat[lo_a:hi_b] = float("nan")  # must be read from the home
-    h = homes.Homes(pieces, scale)
+    h = external.ExternalParts(pieces, scale)
     info = CollectiveInfo(seq, Kind.ALL_REDUCE, n * flat.element_size(), dtype, "test", "threads")
     t.start(info)
-    # The registry runs the two-shot on the homes and stages the others around them.
-    algos.run(ALGO_NAMES[algo], t, algos.Call(info, flat, flat, SUM, homes=h))
+    # The registry runs the two-shot on the parts and stages the others around them.
+    algos.run(ALGO_NAMES[algo], t, algos.Call(info, flat, flat, SUM, parts=h))
     result = flat.clone()
     for a, piece in pieces:
-        result[a:a + piece.numel()] = piece  # the homed parts are answered by the homes
+        result[a:a + piece.numel()] = piece  # the external parts hold their result
     return result
 
 
