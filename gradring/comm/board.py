@@ -313,6 +313,16 @@ class PeerBoard:
                         self._beats[p] = (count, now, old[2])
         return found
 
+    def cut_off(self, skip: set[int] | frozenset[int] = frozenset()) -> list[str]:
+        """In words, the peers (not in ``skip``) whose heartbeat has not moved for
+        ``STALE_S``: unreachable (see [Note: heartbeats])."""
+        out = []
+        for p in range(self.world_size):
+            silent = self.silent_for(p) if p != self.rank and p not in skip else None
+            if silent is not None and silent >= STALE_S:
+                out.append(describe_status(p, None, 0, silent))
+        return out
+
     def silent_for(self, rank: int) -> float | None:
         """Seconds, as seen from here, since ``rank``'s heartbeat last moved; None when
         unknown (it never beat, or was not watched long enough to tell)."""

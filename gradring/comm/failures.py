@@ -70,6 +70,10 @@ class Failures:
         if cut_off is not None:  # the peers' reports cannot be read
             err = type(err)(f"{err}; {cut_off}, so rank {self.rank} cannot learn what its "
                             "peers reported (a network partition, or the store's host is down)")
+        else:  # peers whose heartbeat stopped: cut off (see [Note: heartbeats])
+            cut = self.board.cut_off({p for p, _ in dead})
+            if cut:
+                err = type(err)(f"{err}; " + "; ".join(cut))
         if not told:
             return err
         cls = desync.DesyncError if any(s.get("error") == "DesyncError"

@@ -173,7 +173,8 @@ class Watchdog:
                                          "DesyncError")
                 if status["state"] == "failed" or (status["state"] == "left"
                                                    and status["seq"] < e.seq):
-                    return WatchdogError(describe_status(p, status, e.seq),
+                    cut = w.board.cut_off({p})  # the failed peer's words may be cut short
+                    return WatchdogError("; ".join([describe_status(p, status, e.seq), *cut]),
                                          status.get("error", ""))
         if now >= w.deadline:
             cut_off = w.board.store_unreachable() if w.board is not None else None

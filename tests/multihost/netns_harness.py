@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +192,11 @@ class TwoHosts:
             subprocess.run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "del", "dev", h.veth,
                             "root"], capture_output=True, timeout=10)
 
+    def link(self, up: bool) -> None:
+        """Set the link between the hosts up or down (both ends of the veth pair)."""
+        for h in self.hosts:
+            _ip("-n", h.ns, "link", "set", h.veth, "up" if up else "down")
+
     def tx_bytes(self, host: int) -> int:
         r = subprocess.run(["ip", "netns", "exec", self.hosts[host].ns, "cat",
                             f"/sys/class/net/{self.hosts[host].veth}/statistics/tx_bytes"],
@@ -217,9 +222,13 @@ class TwoHosts:
 
     def torchrun(self, script: str, args: Sequence[str] = (), *, nproc_per_node: int = 2,
                  env: dict[str, str] | None = None, timeout: float = 120.0,
-                 shm_sizes: dict[int, str] | None = None) -> list[Run]:
+                 shm_sizes: dict[int, str] | None = None,
+                 tick: Callable[[list[str]], bool] | None = None) -> list[Run]:
         """Run ``script`` under torchrun on both hosts at once; wait at most ``timeout`` s.
         ``shm_sizes``: the /dev/shm size of some hosts by index (default 2g each).
+        ``tick(outputs)``: called every 50 ms with each host's output so far (to act on
+        events, e.g. set the link down); returning True ends the run there (every
+        process still running is killed, ``returncode=None``).
 
         Returns one :class:`Run` per host; a host still running at the
         timeout is killed and gets ``returncode=None``.
@@ -249,6 +258,8 @@ class TwoHosts:
                 for i, p in enumerate(procs):
                     if ends[i] is None and p.poll() is not None:
                         ends[i] = time.monotonic() - started
+                if tick is not None and tick([_read_all(log) for log in logs]):
+                    break
                 time.sleep(0.05)
             runs = []
             for i, (h, p, log) in enumerate(zip(self.hosts, procs, logs)):
@@ -265,6 +276,17 @@ class TwoHosts:
                     self._procs.remove(p)
             for log in logs:
                 log.close()
+
+
+def _read_all(log: Any) -> str:
+    """What a running host wrote so far (pread: the shared file offset stays put)."""
+    out, off = [], 0
+    while True:
+        chunk = os.pread(log.fileno(), 1 << 20, off)
+        if not chunk:
+            return b"".join(out).decode("utf-8", "replace")
+        out.append(chunk)
+        off += len(chunk)
 
 
 def _kill_session(p: subprocess.Popen) -> None:

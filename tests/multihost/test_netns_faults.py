@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -140,3 +141,79 @@ def test_raise_after_gather_barrier_fails_the_same_collective_on_the_host(hosts)
     assert "injected fault after the all-gather barrier on rank 1" in peer["error"], text
     for r in (2, 3):
         assert "timed out" not in errors[r], text
+
+
+# -- a host cut off from the others ------------------------------------------------------
+#: gradring's deadline in the partition runs; gloo's own (the process group's) is 60 s
+#: (worker.py), so an error that says "timed out after 15s" came from gradring's deadline
+#: and not from gloo's: the order of two deadlines, not a measured duration.
+PARTITION_TIMEOUT = "15"
+
+
+class _Partition:
+    """``tick`` for TwoHosts.torchrun: sets the link down once every rank said MH_READY;
+    with ``up_after_s`` sets it up again that many seconds later (a flap). Ends the run
+    once all 4 ranks reported an error, or finished."""
+
+    def __init__(self, hosts: TwoHosts, up_after_s: float | None = None) -> None:
+        self.hosts = hosts
+        self.up_after_s = up_after_s
+        self.down_at: float | None = None
+        self.up_at: float | None = None
+
+    def __call__(self, outputs: list[str]) -> bool:
+        text = "\n".join(outputs)
+        if self.down_at is None and text.count("MH_READY ") >= 4:
+            self.hosts.link(up=False)
+            self.down_at = time.monotonic()
+        if self.down_at is not None and self.up_at is None and self.up_after_s is not None \
+                and time.monotonic() - self.down_at >= self.up_after_s:
+            self.hosts.link(up=True)
+            self.up_at = time.monotonic()
+        done = text.count("MH_ERROR ") + text.count("MH_RESULT ")
+        return done >= 4
+
+
+def _partition_run(hosts: TwoHosts, tick: _Partition, steps: str) -> tuple[list, str]:
+    try:
+        runs = hosts.torchrun(WORKER, ["partition", "--victim", "-1", "--at-step", "5",
+                                       "--steps", steps, "--linger", LINGER_S],
+                              nproc_per_node=2, timeout=CAP_S, tick=tick,
+                              env={"GRADRING_TIMEOUT": PARTITION_TIMEOUT})
+    finally:
+        hosts.link(up=True)  # for the next test, whatever happened
+    return runs, describe(runs)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_cut_off_host_fails_every_rank_naming_the_partition(hosts, attempt):
+    """The link goes down mid-training and stays down. Every rank must raise (before, the
+    cut-off host's ranks hung in a store call under the board's lock until killed): the
+    cut-off ranks say the store is unreachable, the others call them unreachable (not
+    "alive"), both at gradring's deadline, before gloo's."""
+    tick = _Partition(hosts)
+    runs, text = _partition_run(hosts, tick, "100000")
+    assert tick.down_at is not None, "the ranks never got ready:\n" + text
+    errors = {d["rank"]: d["error"] for d in records(runs, "MH_ERROR")}
+    assert sorted(errors) == [0, 1, 2, 3], "not every rank raised:\n" + text
+    store = f"the store at {hosts.hosts[0].addr}:"
+    for r in (2, 3):  # host b: the store (torchrun's, on host a) is out of reach
+        assert store in errors[r] and "is unreachable" in errors[r], text
+        assert "timed out after" in errors[r], text
+    for r in (0, 1):  # host a: ranks 2 and 3 are cut off, and never called alive
+        assert re.search(r"rank [23] is unreachable", errors[r]), text
+        assert not re.search(r"rank [23] (\(pid \d+\) is alive|posted nothing)", errors[r]), text
+        assert "timed out after" in errors[r], text
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_link_down_then_up_before_the_deadline_trains_on(hosts, attempt):
+    """A flap shorter than the deadline: the link is down for 3 s, then up. The store
+    calls that found no answer meanwhile must not have broken anything: every rank
+    finishes its steps, none raises."""
+    tick = _Partition(hosts, up_after_s=3.0)
+    runs, text = _partition_run(hosts, tick, "300")
+    assert tick.down_at is not None and tick.up_at is not None, text
+    assert not records(runs, "MH_ERROR"), text
+    done = sorted(d["rank"] for d in records(runs, "MH_RESULT") if d.get("finished"))
+    assert done == [0, 1, 2, 3], text

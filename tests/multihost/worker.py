@@ -6,6 +6,8 @@
                                                                  # intra-host phase
     torchrun ... worker.py raise-late --victim 1 --at-step 3     # ... after the all-gather
                                                                  # barrier
+    torchrun ... worker.py partition --at-step 5 --steps 300     # says MH_READY at step 5;
+                                                                 # the test cuts the link
 ``--linger S``: after an error, a rank waits S seconds before it exits (and says
 ``MH_EXIT``), so the tests can tell whether its peers failed because of its error or
 only because it exited.
@@ -158,6 +160,8 @@ def kill(victim: int, at_step: int, steps: int, linger: float, how: str = "kill"
         _arm_gather_fault()
     try:
         for step in range(steps):
+            if how == "partition" and step == at_step:
+                emit("MH_READY", rank=rank, step=step)  # the test may cut the link now
             if rank == victim and step == at_step:
                 emit("MH_VICTIM", **where(), step=step)
                 if how == "kill":
@@ -176,7 +180,7 @@ def kill(victim: int, at_step: int, steps: int, linger: float, how: str = "kill"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("train", "kill", "raise", "raise-late"))
+    ap.add_argument("mode", choices=("train", "kill", "raise", "raise-late", "partition"))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--victim", type=int, default=3)
     ap.add_argument("--at-step", type=int, default=3)
