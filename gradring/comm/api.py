@@ -73,7 +73,7 @@ def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tenso
     on_done = take_on_done()
     if on_done is not None:  # before the engine runs it (see recorder.label)
         fut.add_done_callback(on_done)
-    if ctx.self_enforced(env):  # shm: waits enforce deadlines and fail fast themselves
+    if ctx.connect_shm(env):  # shm: waits enforce deadlines and fail fast themselves
         if not async_op:
             ctx.engine.run_now(runner.run, ctx, plan)
             return None

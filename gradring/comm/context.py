@@ -126,10 +126,11 @@ class GroupContext:
     def next_seq(self) -> int:
         return next(self._seq)
 
-    def self_enforced(self, env: select.Overrides) -> bool:
-        """Whether the transport enforces deadlines and fail-fast in the waiting thread
-        (shm on one host); otherwise the watchdog watches (see watchdog.py). The first
-        call connects shm (collective: every rank issues its first collective)."""
+    def connect_shm(self, env: select.Overrides) -> bool:
+        """Connect the group's shm transport on the first call (collective: every rank
+        issues its first collective), and say whether this collective runs on it. Its
+        waits enforce deadlines and fail fast themselves; elsewhere the watchdog
+        watches (see watchdog.py)."""
         if env.transport == "torch" or env.algo == "native":
             return False
         t = self.transports

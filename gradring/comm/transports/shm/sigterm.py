@@ -19,7 +19,7 @@ gradring job removes them. The handler (installed as described below):
 [Note: installing the SIGTERM handler from the main thread]
 Python lets only the main thread call ``signal.signal``, and the first shm
 connect runs in whichever thread issues the group's first collective
-(``GroupContext.self_enforced`` connects; asynchronous collectives too, before
+(``GroupContext.connect_shm`` connects; asynchronous collectives too, before
 the engine thread takes them): a training loop or a model built in a thread of
 the user's connects there. So the handler is installed at the first of these
 that runs on the main thread: the creation of a group's context
