@@ -3,7 +3,7 @@
 # by a veth pair, each with its own hostname and its own /dev/shm (root only).
 #
 #   sudo scripts/multihost.sh                                  # DDP check: tests/multihost/worker.py train
-#   sudo scripts/multihost.sh --rate 1gbit --delay 0.5ms -- benchmarks/ddp_step.py
+#   sudo scripts/multihost.sh --rate 1gbit --delay 0.5ms -- examples/quickstart.py
 #   sudo scripts/multihost.sh --nproc-per-node 1 -- my_train.py --epochs 1
 #
 # Options: --nproc-per-node N (2), --rate R and --delay D (netem on both directions of

@@ -1,13 +1,12 @@
-"""The bench's floor DDP (``gradring bench ddp --floor``) must be a DDP: torch's
-DDP on the same model and batches is its oracle, and its table must say what
-the per-round figures say."""
+"""The developer benchmarks' rank pieces: the floor DDP (``benchmarks/ddp_floor.py``)
+must be a DDP, with torch's DDP on the same model and batches as its oracle, and
+the hand-off floor (``benchmarks/handoff.py``) must complete both ways and clean up.
+(Their tables are checked in tests/unit/test_dev_benchmarks.py.)"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from gradring.tools.bench.ddp_step import report
 
 
 def _cnn() -> nn.Module:
@@ -18,7 +17,7 @@ def _cnn() -> nn.Module:
 
 
 def _floor_against_torch(rank: int, world_size: int) -> dict:
-    from gradring.tools.bench.floor import FlatDDP
+    from benchmarks.ddp_floor import FlatDDP
 
     torch.set_num_threads(1)
     mine = FlatDDP(_cnn())
@@ -45,21 +44,10 @@ def test_floor_ddp_gives_torch_ddp_gradients_and_buffers(pools) -> None:
         assert all(r["buffers"]), r
 
 
-def test_floor_table_gives_per_round_medians() -> None:
-    rounds = {"pair": [10.0, 10.0, 10.0], "torch": [20.0, 22.0, 18.0],
-              "gradring": [14.0, 15.0, 13.0], "gradring_view": [14.0, 15.0, 13.0],
-              "floor": [12.0, 12.0, 12.0], "_pair_rank0": [10.0, 10.0, 10.0]}
-    text = report({"m": rounds}, 2)
-    row = next(line for line in text.splitlines()[::-1] if line.startswith("m "))
-    # overheads: floor 2, gradring 4 (median of 4, 5, 3), torch 10; gradring - floor 2
-    assert row.split() == ["m", "2.00", "4.00", "0.20", "0.40", "2.00"], text
-    assert "floor" not in report({"m": {k: v for k, v in rounds.items() if k != "floor"}}, 2)
-
-
 def _handoffs(rank: int, world_size: int) -> dict:
     import glob
 
-    from gradring.tools.bench.handoff import round_trips
+    from benchmarks.handoff import round_trips
 
     torch.set_num_threads(1)
     times = [round_trips(rank, 20, block) for block in (False, True)]
@@ -67,7 +55,7 @@ def _handoffs(rank: int, world_size: int) -> dict:
 
 
 def test_handoff_floor_runs_both_ways_and_leaves_no_file(pools) -> None:
-    # ``gradring bench allreduce --handoff``: 20 round trips spinning, 20 sleeping in
+    # ``benchmarks/handoff.py``: 20 round trips spinning, 20 sleeping in
     # the kernel; each side completes them (a lost wake-up would hang the rank), and
     # the shared word's file is gone once both ranks mapped it.
     for r in pools.run(2, _handoffs):

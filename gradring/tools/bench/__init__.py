@@ -1,10 +1,12 @@
 """Benchmarks shipped with the package, run as ``gradring bench NAME [options]``.
 
-Each module has ``main(argv, prog)`` and runs as ``python -m
-gradring.tools.bench.NAME`` too; ``benchmarks/*.py`` in a source checkout are
-thin wrappers around them. Benchmarks that need the source tree (the
-multi-host one uses the test suite's network-namespace harness) stay in
-``benchmarks/`` only.
+They measure gradring against torch on the user's machine. Each module has
+``main(argv, prog)`` and runs as ``python -m gradring.tools.bench.NAME`` too;
+``noise.py`` and ``load.py`` are shared by them. Benchmarks that need a source
+checkout (another commit, the test suite's harness) or study gradring's
+internals live in the checkout's ``benchmarks/`` only; they build on
+``ddp_step.measure``/``report`` and ``allreduce.launch``, and nothing here
+imports from there.
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@
     gradring bench allreduce                        # world 2, ~25 s
     gradring bench allreduce --nproc 4 --sizes 4,1M,25M --reps 7
     gradring bench allreduce --variants shm-empty,gloo
-    gradring bench allreduce --crossover            # where select.py switches
-
-(``python benchmarks/allreduce.py`` in a source checkout runs the same.)
 
 It starts ``--nproc`` rank processes itself (gloo process group over a
 FileStore, one intra-op thread each), and for every size times, in
@@ -28,6 +25,11 @@ collectives use (``add_``, ``copy_``) on ordinary memory. Each kernel is timed
 alone, so an algorithm can come in slightly under it (above 100%) by reusing
 cache lines between phases: the two-shot writes each sum into lines it has
 just read. Call :func:`run` and :func:`format_table` from code.
+
+A source checkout's ``benchmarks/`` holds developer studies built on this
+one's :func:`launch`: ``allreduce_crossover.py`` (the algorithms behind the
+size thresholds) and ``handoff.py`` (a bare futex hand-off between ranks, the
+floor under a small all-reduce).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -72,7 +75,6 @@ class Result(NamedTuple):
     reps: int
     rows: list[Row]
     bounds: list[Bound]
-    handoff: dict[str, float] = {}  # noqa: RUF012 - "spin"/"block": s per round trip
 
 
 def parse_size(text: str) -> int:
@@ -87,7 +89,7 @@ def _iters(size: int) -> int:
 
 
 def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: int,
-               variants: list[str], handoff: bool, queue: Any) -> None:
+               variants: list[str], queue: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -117,13 +119,6 @@ def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: i
 
     times: dict[tuple[int, str], list[float]] = {}
     rates: dict[int, list[tuple[float, float]]] = {}
-    if handoff:  # see handoff.py: the floor under any small all-reduce here
-        from gradring.tools.bench.handoff import round_trips
-
-        for _ in range(reps):
-            for how in ("spin", "block"):
-                times.setdefault((0, "handoff-" + how), []).append(
-                    round_trips(rank, 200, how == "block"))
     for size in sizes:
         n = max(1, size // 4)
         tensors = {v: (comm.empty(n) if v == "shm-empty" else torch.empty(n)).zero_()
@@ -170,47 +165,13 @@ def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: i
     dist.destroy_process_group()
 
 
-def _crossover_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: int,
-                    queue: Any) -> None:
-    """Time each candidate of select.py's two switches at every size."""
-    import torch
-    import torch.distributed as dist
-
-    from gradring import comm
-    from gradring.comm import select
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, nproc), rank=rank,
-                            world_size=nproc, timeout=timedelta(seconds=120))
-    out: dict[tuple[int, str], list[float]] = {}
-    for size in sizes:
-        t = torch.zeros(max(1, size // 4))
-        for name in ("oneshot", "twoshot", "tree", "ring"):
-            if name in ("tree", "ring"):
-                os.environ.update(GRADRING_TRANSPORT="torch", GRADRING_ALGO=name)
-            else:
-                os.environ.pop("GRADRING_TRANSPORT", None)
-                os.environ.pop("GRADRING_ALGO", None)
-                select.ONESHOT_MAX_BYTES = 1 << 60 if name == "oneshot" else -1
-            iters = max(3, min(100, (1 << 20) // max(size, 1)))
-            for _ in range(reps):
-                comm.all_reduce(t)
-                comm.all_reduce(t)
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    comm.all_reduce(t)
-                out.setdefault((size, name), []).append((time.perf_counter() - t0) / iters)
-    keys = sorted(out)
-    mat = torch.tensor([out[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(mat, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        queue.put({k: statistics.median(mat[i].tolist()) for i, k in enumerate(keys)})
-    comm.shutdown()
-    dist.destroy_process_group()
-
-
-def _launch(target: Any, nproc: int, args: tuple, timeout: float) -> Any:
+def launch(target: Callable[..., None], nproc: int, args: tuple[Any, ...],
+           timeout: float) -> Any:
+    """Start ``nproc`` fresh rank processes running ``target(rank, nproc, store_path,
+    *args, queue)`` and return the first object one of them puts on ``queue`` (rank
+    0's result, by convention). ``store_path`` is a FileStore path for
+    ``init_process_group``; ``target`` must be picklable (a module-level function).
+    Raises ``queue.Empty`` when nothing arrives within ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gradring-bench-") as tmp:
@@ -228,34 +189,16 @@ def _launch(target: Any, nproc: int, args: tuple, timeout: float) -> Any:
                     p.kill()
 
 
-def crossover(nproc: int = 2, sizes: tuple[int, ...] = (4, 4096, 65536, 262144, 1 << 20),
-              reps: int = 3, timeout: float = 600) -> str:
-    """Table of the candidates behind select.py's thresholds (median µs per call)."""
-    res = _launch(_crossover_main, nproc, (list(sizes), reps), timeout)
-    lines = [f"# crossovers, world {nproc}: time per all_reduce (us), user tensors",
-             f"# {'size':>9} {'oneshot':>9} {'twoshot':>9} {'tree':>9} {'ring':>9}"]
-    for size in sizes:
-        cells = " ".join(f"{res[(size, n)] * 1e6:9.1f}"
-                         for n in ("oneshot", "twoshot", "tree", "ring"))
-        lines.append(f"  {_fmt_size(size):>9} {cells}")
-    return "\n".join(lines)
-
-
 def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
-        variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600,
-        handoff: bool = False) -> Result:
+        variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600) -> Result:
     """Run the benchmark in ``nproc`` fresh processes; return medians."""
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    times, rates = _launch(_rank_main, nproc, (list(sizes), reps, list(variants), handoff),
-                           timeout)
+    times, rates = launch(_rank_main, nproc, (list(sizes), reps, list(variants)), timeout)
     busfactor = 2 * (nproc - 1) / nproc
     rows = []
-    floor = {k[1].removeprefix("handoff-"): statistics.median(v)
-             for k, v in times.items() if k[1].startswith("handoff-")}
-    collectives = {k: v for k, v in times.items() if k[1] in VARIANTS}
-    for (size, variant), samples in sorted(collectives.items(), key=lambda kv: (
+    for (size, variant), samples in sorted(times.items(), key=lambda kv: (
             kv[0][0], list(VARIANTS).index(kv[0][1]))):
         t = statistics.median(samples)
         rows.append(Row(size, variant, t, size / t / 1e9, size / t / 1e9 * busfactor))
@@ -266,10 +209,11 @@ def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
         w = nproc
         t = (w + 1) / w * size / add + 2 * (w - 1) / w * size / cpy
         bounds.append(Bound(size, add / 1e9, cpy / 1e9, t, size / t / 1e9 * busfactor))
-    return Result(nproc, reps, rows, bounds, floor)
+    return Result(nproc, reps, rows, bounds)
 
 
-def _fmt_size(size: int) -> str:
+def fmt_size(size: int) -> str:
+    """``size`` bytes as the table writes it: 4 B, 64 KiB, 25 MiB."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if size >= 1 << shift and size % (1 << shift) == 0:
             return f"{size >> shift} {unit}"
@@ -285,40 +229,30 @@ def format_table(res: Result) -> str:
              f"{'busbw(GB/s)':>12} {'vs gloo':>8}"]
     for r in res.rows:
         ratio = f"{gloo[r.size] / r.time_s:7.2f}x" if r.size in gloo else ""
-        lines.append(f"  {_fmt_size(r.size):>9}  {VARIANTS[r.variant]:<28} "
+        lines.append(f"  {fmt_size(r.size):>9}  {VARIANTS[r.variant]:<28} "
                      f"{r.time_s * 1e6:10.1f} {r.algbw:12.3f} {r.busbw:12.3f} {ratio:>8}")
     for b in res.bounds:
         best = [r for r in res.rows if r.size == b.size and r.variant == "shm-empty"]
         reach = f"; comm.empty reaches {best[0].busbw / b.busbw:.0%}" if best else ""
-        lines.append(f"# memory-traffic bound at {_fmt_size(b.size)}: busbw {b.busbw:.2f} GB/s "
+        lines.append(f"# memory-traffic bound at {fmt_size(b.size)}: busbw {b.busbw:.2f} GB/s "
                      f"({b.time_s * 1e6:.0f} us; add {b.add_gbs:.1f} GB/s, copy "
                      f"{b.copy_gbs:.1f} GB/s){reach}")
-    for how, t in sorted(res.handoff.items(), reverse=True):
-        lines.append(f"# hand-off floor ({how}): {t * 1e6:.1f} us per round trip between ranks "
-                     "0 and 1, no data (see handoff.py)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog or "gradring bench allreduce",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="rank processes (default: 2)")
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
-                        help="comma-separated byte sizes, suffixes K/M/G allowed")
-    parser.add_argument("--reps", type=int, default=7)
+                        help="comma-separated byte sizes, suffixes K/M/G allowed "
+                             "(default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=7, help="repetitions (default: 7)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--handoff", action="store_true",
-                        help="also time a bare futex round trip between ranks 0 and 1 "
-                             "(the floor under a small all-reduce, see handoff.py)")
-    parser.add_argument("--crossover", action="store_true",
-                        help="time the candidates behind select.py's thresholds instead")
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     args = parser.parse_args(argv)
-    if args.crossover:
-        print(crossover(args.nproc, reps=args.reps))
-        return 0
     res = run(args.nproc, tuple(parse_size(s) for s in args.sizes.split(",")), args.reps,
-              tuple(v.strip() for v in args.variants.split(",")), handoff=args.handoff)
+              tuple(v.strip() for v in args.variants.split(",")))
     print(format_table(res))
     return 0
 

@@ -3,24 +3,19 @@
     gradring bench ddp                 # world 2, all models
     gradring bench ddp --nproc 2 --steps 10 --rounds 5 --models mlp64 small2000
 
-(``python benchmarks/ddp_step.py`` in a source checkout runs the same.)
-
 Each rank runs, round after round, the same model under these set-ups:
 ``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
 the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
 and gradring's with its always-on trace switched off (``notrace``); with
-``--floor`` also a minimal flat DDP over gradring's transport (``floor``, see
-``floor.py``: what any DDP here pays, so gradring minus floor is what the
-reducer's own machinery costs); with ``--overlap`` also gradring's DDP with
-``GRADRING_OVERLAP=1`` (``overlap_on``: buckets launch when ready, on the
-comm thread) and ``=0`` (``overlap_off``: every bucket reduced at the end of
-the backward), beside the default, which decides per host (see [Note:
-overlap needs a free core] in ``gradring/reducer/overlap_policy.py``). Rounds
-interleave the set-ups step by step (every set-up takes one step in turn, in
-an order shuffled anew each step, the ranks starting each step together), so
-that a slow stretch of the machine hits all of them alike. A round's figure
-is the median of its steps, each timed on its own; the tables give medians
-over rounds. One intra-op thread per rank.
+``--overlap`` also gradring's DDP with ``GRADRING_OVERLAP=1`` (``overlap_on``:
+buckets launch when ready, on the comm thread) and ``=0`` (``overlap_off``:
+every bucket reduced at the end of the backward), beside the default, which
+decides per host (see docs/overlap.md). Rounds interleave the set-ups step by
+step (every set-up takes one step in turn, in an order shuffled anew each
+step, the ranks starting each step together), so that a slow stretch of the
+machine hits all of them alike. A round's figure is the median of its steps,
+each timed on its own; the tables give medians over rounds. One intra-op
+thread per rank.
 
 Models: ``mlp64``/``mlp8`` (12 x Linear(1024), batch 64 / 8 per rank),
 ``transformer`` (4 torch encoder layers, d 256, seq 128), ``gpt`` (GPT-shaped:
@@ -53,18 +48,15 @@ differences over the whole run. On a machine whose speed drifts from second
 to second (a shared VM), this moves far less than a difference of medians
 over rounds, so it is the figure to quote there; its ``halves`` column gives
 the ratio over the first and the second half of the steps, which shows how
-much the figure itself moved. ``--overlap`` and ``--rung`` use it too.
-
-``--rung`` also times, after each model's rounds, one all-reduce of as many
-bytes as the model's gradients, resident in shared memory (a ``comm.empty``
-buffer, as ``gradring bench allreduce`` times it; median of the slowest
-rank over 9 calls), and prints gradring's overhead in units of that
-all-reduce: a DDP cannot cost less than moving its gradients once, so this
-is how far the reducer is from the physical limit (the target is 1.5).
+much the figure itself moved. ``--overlap`` uses it too.
 
 ``--load N`` runs N processes that spin on the CPU beside the ranks for the
-whole run (see ``load.py``): the same comparison on a host that another
-job is using.
+whole run: the same comparison on a host that another job is using.
+
+A source checkout's ``benchmarks/`` folder holds developer studies built on
+this bench: ``ddp_against.py`` (this tree against another commit),
+``ddp_floor.py`` (a minimal DDP as the floor) and ``ddp_rung.py`` (the
+overhead in units of one all-reduce).
 """
 
 from __future__ import annotations
@@ -78,7 +70,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -175,7 +167,9 @@ class _ManySmall(nn.Module):
         return x
 
 
-def build(kind: str) -> tuple[nn.Module, Any]:
+def build(kind: str) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
+    """The model of kind ``kind`` (see MODELS), seeded alike on every rank, and a
+    function that makes an input batch of a given size."""
     torch.manual_seed(0)
     if kind == "mlp":
         layers: list[nn.Module] = []
@@ -269,23 +263,19 @@ def _overlap_env(value: str | None) -> Iterator[None]:
 #: --overlap's set-ups and the GRADRING_OVERLAP each is built and rebuilt under.
 OVERLAP_SETUPS = {"overlap_on": "1", "overlap_off": "0"}
 
+#: The set-ups every run steps (see the module docstring).
+BASE_SETUPS = ("pair", "torch", "gradring", "gradring_view", "notrace")
 
-def _allreduce_ms(nbytes: int, reps: int = 9) -> list[float]:
-    """--rung: each of ``reps`` calls' ms for an all-reduce of ``nbytes`` resident in
-    shared memory (``comm.empty``), every call started together on all ranks."""
-    from gradring import comm
+#: An extra set-up for :func:`measure`: builds the module to step from a copy of the
+#: model. It is sent to spawned ranks, so it must be picklable: a module-level
+#: function or class, not a lambda.
+SetupFactory = Callable[[nn.Module], nn.Module]
 
-    buf = comm.empty(max(1, nbytes // 4)).zero_()
-    comm.all_reduce(buf)  # connect and fault the pages in outside the timing
-    comm.all_reduce(buf)
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        comm.all_reduce(buf)
-        out.append((time.perf_counter() - t0) * 1e3)
-    del buf
-    return out
+#: A per-model probe for :func:`measure`: runs on every rank, in step, after the
+#: model's rounds, and returns extra series for its results. Series named without a
+#: leading underscore are merged as the slowest rank's, index by index; those named
+#: ``_...`` are rank 0's. Picklable, as a SetupFactory.
+ModelProbe = Callable[[nn.Module], dict[str, list[float]]]
 
 
 def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> None:
@@ -308,10 +298,8 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             "notrace": gradring.DistributedDataParallel(copy.deepcopy(base)),
         }
         setups["notrace"].reducer.trace.enabled = False
-        if args.floor:
-            from gradring.tools.bench.floor import FlatDDP
-
-            setups["floor"] = FlatDDP(copy.deepcopy(base))
+        for key, factory in args.extra_setups.items():
+            setups[key] = factory(copy.deepcopy(base))
         for m in setups.values():
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
         why = {"gradring": setups["gradring"].reducer.overlap_why}
@@ -337,11 +325,8 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
                     res["_pair_steps"].extend(walls)
         results[name] = res
         res["_nparams"] = [float(sum(1 for p in base.parameters() if p.requires_grad))]
-        if getattr(args, "rung", False):
-            nbytes = sum(p.numel() * p.element_size() for p in base.parameters()
-                         if p.requires_grad)
-            res["_bytes"] = [float(nbytes)]
-            res["allreduce_ms"] = _allreduce_ms(nbytes)
+        if args.probe is not None:
+            res.update(args.probe(base))
         if rank == 0:
             res["_why"] = why  # type: ignore[assignment]
             results[name]["_mem"] = [float(v) for v in
@@ -353,34 +338,6 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
     out_q.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def compare_rank(rank: int, world: int, store_path: str, models: list[str], steps: int
-                 ) -> dict[str, dict[str, list[float]]]:
-    """One rank of ``--against``'s job (see against.py): per model, the wall ms of
-    each step of ``pair``, torch's DDP and gradring's DDP, stepped in turn. Only
-    gradring's public API is used, so that any commit's gradring can run it."""
-    import gradring
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
-    out: dict[str, dict[str, list[float]]] = {}
-    for name in models:
-        kind, batch = MODELS[name]
-        base, make_x = build(kind)
-        x = make_x(batch)
-        setups = {"pair": copy.deepcopy(base),
-                  "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
-                  "gradring": gradring.DistributedDataParallel(copy.deepcopy(base))}
-        for m in setups.values():
-            time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
-        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in setups.items()}
-        out[name] = {k: v[2] for k, v in interleaved_round(setups, opts, x, steps).items()}
-        del setups
-    dist.barrier()
-    dist.destroy_process_group()
-    return out
 
 
 def _slowest(per_rank: list[dict[str, dict[str, list[float]]]]
@@ -497,36 +454,11 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
     lines += _paired_table(results)
-    lines += _floor_table(results)
     lines += _overlap_table(results)
-    lines += _rung_table(results)
     if notes:
         lines += ["", "NOT TRUSTWORTHY on this machine now (rerun with more --rounds/--steps, "
                   "or on a quieter machine):", *("  " + n for n in notes)]
     return "\n".join(lines)
-
-
-def _floor_table(results: dict[str, dict[str, list[float]]]) -> list[str]:
-    """--floor: the minimal flat DDP's overhead beside torch's and gradring's
-    (see gradring/tools/bench/floor.py), medians over rounds of per-round figures."""
-    rows = [name for name, res in results.items() if "floor" in res]
-    if not rows:
-        return []
-    lines = ["", "floor = a minimal flat DDP over gradring's transport (one broadcast, one "
-             "all-reduce at the end, no buckets); per-round overheads, medians",
-             f"{'model':<12}{'ovh floor':>11}{'ovh gradring':>14}{'floor/torch':>13}"
-             f"{'gradring/torch':>16}{'gradring-floor':>16}"]
-    for name in rows:
-        res = results[name]
-        per = {k: [v - p for v, p in zip(res[k], res["pair"])] for k in ("torch", "gradring",
-                                                                         "floor")}
-        med = {k: statistics.median(v) for k, v in per.items()}
-        extra = statistics.median([g - f for g, f in zip(per["gradring"], per["floor"])])
-        frac = {k: (f"{med[k] / med['torch']:.2f}" if med["torch"] > 0 else "noisy")
-                for k in ("floor", "gradring")}
-        lines.append(f"{name:<12}{med['floor']:>11.2f}{med['gradring']:>14.2f}"
-                     f"{frac['floor']:>13}{frac['gradring']:>16}{extra:>16.2f}")
-    return lines
 
 
 def _halves(res: dict[str, Any], key: str) -> str:
@@ -603,37 +535,32 @@ def _overlap_table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _rung_table(results: dict[str, dict[str, Any]]) -> list[str]:
-    """--rung: gradring's overhead in units of one resident all-reduce of the
-    model's gradient bytes (the physical limit a DDP step pays at least once)."""
-    rows = [name for name, res in results.items() if "allreduce_ms" in res]
-    if not rows:
-        return []
-    lines = ["", "rung: gradring's overhead / one all-reduce of the model's gradient bytes, "
-             "resident in shared memory (target <= 1.5)",
-             f"{'model':<12}{'MiB':>8}{'all-reduce ms':>15}{'ovh gradring':>14}"
-             f"{'ovh torch':>11}{'gradring/AR':>13}{'torch/AR':>10}"]
-    for name in rows:
-        res = results[name]
-        ar = statistics.median(res["allreduce_ms"])
-        og = statistics.median(paired(res, "gradring") or
-                               [g - p for g, p in zip(res["gradring"], res["pair"])])
-        ot = statistics.median(paired(res, "torch") or
-                               [t - p for t, p in zip(res["torch"], res["pair"])])
-        mib = res["_bytes"][0] / 2.0**20 if "_bytes" in res else float("nan")
-        lines.append(f"{name:<12}{mib:>8.2f}{ar:>15.3f}{og:>14.2f}{ot:>11.2f}"
-                     f"{og / ar:>13.2f}{ot / ar:>10.2f}")
-    return lines
+def measure(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
+            rounds: int = 5, *, overlap: bool = False, load: int = 0,
+            extra_setups: dict[str, SetupFactory] | None = None,
+            probe: ModelProbe | None = None) -> dict[str, dict[str, list[float]]]:
+    """Run the bench's rounds on ``nproc`` fresh rank processes and return, per
+    model, the slowest rank's figures (the input of :func:`report`).
 
-
-def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
-        rounds: int = 5, floor: bool = False, overlap: bool = False, rung: bool = False,
-        load: int = 0) -> str:
-    """Run the bench (see the module docstring) and return its tables."""
+    ``extra_setups`` are stepped beside the bench's own set-ups, in the same
+    shuffled turns; ``probe`` runs after each model's rounds (see SetupFactory
+    and ModelProbe). ``load`` CPU-spinning processes run beside the ranks."""
     from gradring.tools.bench.load import competing_load
 
-    args = argparse.Namespace(models=models or list(MODELS), steps=steps, rounds=rounds,
-                              floor=floor, overlap=overlap, rung=rung)
+    models = list(models) if models is not None else list(MODELS)
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; choose from {list(MODELS)}")
+    extra = dict(extra_setups or {})
+    taken = set(BASE_SETUPS) | (set(OVERLAP_SETUPS) if overlap else set())
+    clash = sorted(k for k in extra if k in taken or k.startswith("_"))
+    if clash:
+        raise ValueError(f"extra set-ups {clash} clash with the bench's own names "
+                         f"{sorted(taken)} (or start with '_')")
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    args = argparse.Namespace(models=models, steps=steps, rounds=rounds, overlap=overlap,
+                              extra_setups=extra, probe=probe)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp, competing_load(load):
@@ -644,35 +571,50 @@ def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
         per_rank = dict(q.get() for _ in procs)
         for p in procs:
             p.join()
-    head = f"competing load: {load} spinning process(es) beside the ranks\n" if load else ""
-    return head + report(_slowest([per_rank[r] for r in range(nproc)]), nproc)
+    return _slowest([per_rank[r] for r in range(nproc)])
+
+
+def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
+        rounds: int = 5, overlap: bool = False, load: int = 0) -> str:
+    """Run the bench (see the module docstring) and return its tables."""
+    from gradring.tools.bench.load import load_note
+
+    results = measure(nproc, models, steps, rounds, overlap=overlap, load=load)
+    return load_note(load) + report(results, nproc)
+
+
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every DDP step bench takes: --nproc, --models, --steps, --rounds,
+    --load (read back with :func:`check_run_arguments`)."""
+    ap.add_argument("--nproc", type=int, default=2, help="rank processes (default: 2)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                    metavar="MODEL",
+                    help=f"models to step, of {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="steps of each set-up per round (default: 5)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds (default: 5)")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="run N CPU-spinning processes beside the ranks (default: 0)")
+
+
+def check_run_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Reject values of :func:`add_run_arguments`' options that cannot run (exits
+    through ``ap.error`` with the reason)."""
+    for name, least in (("nproc", 1), ("steps", 1), ("rounds", 1), ("load", 0)):
+        if getattr(a, name) < least:
+            ap.error(f"--{name} must be at least {least}, got {getattr(a, name)}")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog or "gradring bench ddp", description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--floor", action="store_true",
-                    help="also step a minimal flat DDP (gradring/tools/bench/floor.py)")
+    add_run_arguments(ap)
     ap.add_argument("--overlap", action="store_true",
-                    help="also step gradring with GRADRING_OVERLAP=1 and =0 beside the default")
-    ap.add_argument("--rung", action="store_true",
-                    help="also time one resident all-reduce of each model's gradient bytes")
-    ap.add_argument("--load", type=int, default=0, metavar="N",
-                    help="run N CPU-spinning processes beside the ranks (see load.py)")
-    ap.add_argument("--against", metavar="REV",
-                    help="run this tree and git revision REV alternately, round by round, "
-                         "and print new/old per model (see against.py)")
+                    help="also step gradring with GRADRING_OVERLAP=1 and =0 beside the "
+                         "default (default: off)")
     a = ap.parse_args(argv)
-    if a.against:
-        from gradring.tools.bench.against import run_against
-
-        print(run_against(a.against, a.models, a.steps, a.rounds, a.nproc, load=a.load))
-        return 0
-    print(run(a.nproc, a.models, a.steps, a.rounds, a.floor, a.overlap, a.rung, a.load))
+    check_run_arguments(ap, a)
+    print(run(a.nproc, a.models, a.steps, a.rounds, a.overlap, a.load))
     return 0
 
 

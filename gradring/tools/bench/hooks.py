@@ -3,8 +3,6 @@
     gradring bench hooks                        # world 2, defaults (about a minute)
     gradring bench hooks --rounds 7 --steps 4   # steadier medians
 
-(``python benchmarks/hooks.py`` in a source checkout runs the same.)
-
 Model: 12 x ``nn.Linear(1024, 1024)`` + ReLU (50 MB of fp32 gradients), per-rank
 batch 64, one intra-op thread per rank, a gloo process group; the DDP reducer and
 every hook communicate through gradring's own collectives (shared memory on one

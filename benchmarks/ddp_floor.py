@@ -1,6 +1,16 @@
-"""The floor of a DDP step: the least a DDP can do over gradring's own transport.
+"""The floor of a DDP step: gradring's DDP against the least a DDP can do over
+gradring's own transport.
 
-``gradring bench ddp --floor`` steps this beside torch's and gradring's DDP.
+    python benchmarks/ddp_floor.py                        # world 2, all models
+    python benchmarks/ddp_floor.py --models resnet gpt --steps 7 --rounds 7
+
+Runs ``gradring bench ddp`` (``gradring.tools.bench.ddp_step.measure``) with one
+more set-up, ``floor``: ``FlatDDP`` below, stepped in the same shuffled turns,
+and prints the bench's tables and then the floor's: per model, the floor's and
+gradring's overhead over the pair (medians of per-round figures), each as a
+fraction of torch's, and gradring's minus the floor's, which is what the
+reducer's own machinery costs.
+
 ``FlatDDP`` keeps torch's DDP semantics for the bench's models (rank 0's
 buffers before every forward, gradients averaged when ``backward()``
 returns) with as little machinery as that takes:
@@ -21,12 +31,17 @@ what the reducer's features cost.
 
 from __future__ import annotations
 
+import argparse
+import statistics
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradring import comm
+from gradring.tools.bench import ddp_step
+from gradring.tools.bench.load import load_note
 
 _ALIGN = 16
 
@@ -85,3 +100,49 @@ class FlatDDP(nn.Module):
                 comm.all_reduce(self._grads, group=self.group)
             self._grads.mul_(1.0 / self.world)
             torch._foreach_copy_(grads, self._grad_views)
+
+
+def floor_table(results: dict[str, dict[str, list[float]]]) -> list[str]:
+    """The floor's overhead beside torch's and gradring's, medians over rounds of
+    per-round figures; no lines when no model stepped the floor."""
+    rows = [name for name, res in results.items() if "floor" in res]
+    if not rows:
+        return []
+    lines = ["", "floor = a minimal flat DDP over gradring's transport (one broadcast, one "
+             "all-reduce at the end, no buckets); per-round overheads, medians",
+             f"{'model':<12}{'ovh floor':>11}{'ovh gradring':>14}{'floor/torch':>13}"
+             f"{'gradring/torch':>16}{'gradring-floor':>16}"]
+    for name in rows:
+        res = results[name]
+        per = {k: [v - p for v, p in zip(res[k], res["pair"])] for k in ("torch", "gradring",
+                                                                         "floor")}
+        med = {k: statistics.median(v) for k, v in per.items()}
+        extra = statistics.median([g - f for g, f in zip(per["gradring"], per["floor"])])
+        frac = {k: (f"{med[k] / med['torch']:.2f}" if med["torch"] > 0 else "noisy")
+                for k in ("floor", "gradring")}
+        lines.append(f"{name:<12}{med['floor']:>11.2f}{med['gradring']:>14.2f}"
+                     f"{frac['floor']:>13}{frac['gradring']:>16}{extra:>16.2f}")
+    return lines
+
+
+def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5, rounds: int = 5,
+        load: int = 0) -> str:
+    """The bench with the floor beside it: the bench's tables, then the floor's."""
+    results = ddp_step.measure(nproc, models, steps, rounds, load=load,
+                               extra_setups={"floor": FlatDDP})
+    return "\n".join([load_note(load) + ddp_step.report(results, nproc),
+                      *floor_table(results)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/ddp_floor.py", description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ddp_step.add_run_arguments(ap)
+    a = ap.parse_args(argv)
+    ddp_step.check_run_arguments(ap, a)
+    print(run(a.nproc, a.models, a.steps, a.rounds, a.load))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

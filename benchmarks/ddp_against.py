@@ -1,15 +1,17 @@
-"""``gradring bench ddp --against REV``: this tree's DDP step against another commit's.
+"""This tree's DDP step against another commit's, round by round.
 
-    gradring bench ddp --against HEAD~1
-    gradring bench ddp --against main --models mlp64 resnet --rounds 7 --steps 7
+    python benchmarks/ddp_against.py --against HEAD~1
+    python benchmarks/ddp_against.py --against main --models mlp64 resnet --rounds 7 --steps 7
 
 REV is checked out into a temporary git worktree. Two gradrings cannot live in
 one process, so each round starts one measuring job per tree, alternating which
-tree goes first, and every job runs the same models with the same code from
-this tree's ``ddp_step.py`` (only ``import gradring`` differs: the job puts its
-tree first on ``sys.path``). Inside a job, every rank steps ``pair`` (no DDP),
-torch's DDP and gradring's DDP in turn, step by step, as ``gradring bench ddp``
-does, and keeps each set-up's median step.
+tree goes first, and every job runs the same models with the same code: this
+tree's ``gradring/tools/bench/ddp_step.py`` (the bench's models and its
+interleaved, shuffled steps) and this file's :func:`compare_rank`, both loaded
+by path, so only ``import gradring`` differs (the job puts its tree first on
+``sys.path``). Inside a job, every rank steps ``pair`` (no DDP), torch's DDP
+and gradring's DDP in turn, step by step, as ``gradring bench ddp`` does, and
+keeps each set-up's median step.
 
 The table gives, per model, gradring's step time and overhead (step minus
 pair) in each tree, the ratio new/old of the step times round by round
@@ -17,37 +19,86 @@ pair) in each tree, the ratio new/old of the step times round by round
 in the same job. A model is flagged SLOWER when every round's new/old ratio is
 above 1 and the median is beyond the spread of the old tree's own rounds; a
 single noisy round never flags.
+
+Nothing at this module's top level imports gradring: the jobs load it by path
+beside the other tree's gradring.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+#: The checkout this file belongs to: "this tree", the new side of the comparison.
+HERE = Path(__file__).resolve().parents[1]
+#: The bench whose models and steps both trees run (this tree's copy, loaded by path).
+BENCH = HERE / "gradring" / "tools" / "bench" / "ddp_step.py"
 
-# The job each tree runs: it imports this tree's ddp_step.py by path (model
-# builders and the interleaved round; no gradring import at module level), and
-# gradring from the tree given on the command line.
+# The job each tree runs: it loads this tree's ddp_step.py and this file by path
+# (neither imports gradring at module level), and gradring from the tree given on
+# the command line.
 _JOB = r"""
 import importlib.util, json, os, sys
-tree, bench, models, steps, rank, world, store = sys.argv[1], sys.argv[2], \
-    sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+tree, bench, here, models, steps, rank, world, store = sys.argv[1], sys.argv[2], \
+    sys.argv[3], sys.argv[4].split(","), int(sys.argv[5]), int(sys.argv[6]), \
+    int(sys.argv[7]), sys.argv[8]
 sys.path.insert(0, tree)
-spec = importlib.util.spec_from_file_location("_gr_bench_ddp_step", bench)
-mod = importlib.util.module_from_spec(spec)
-sys.modules["_gr_bench_ddp_step"] = mod
-spec.loader.exec_module(mod)
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+step = load("_gr_bench_ddp_step", bench)
+job = load("_gr_bench_against", here)
 import gradring
 assert os.path.realpath(os.path.dirname(os.path.dirname(gradring.__file__))) == \
     os.path.realpath(tree), (gradring.__file__, tree)
-print("RESULT " + json.dumps(mod.compare_rank(rank, world, store, models, steps)))
+print("RESULT " + json.dumps(job.compare_rank(step, rank, world, store, models, steps)))
 """
+
+
+def compare_rank(bench: ModuleType, rank: int, world: int, store_path: str,
+                 models: list[str], steps: int) -> dict[str, dict[str, list[float]]]:
+    """One rank of a job: per model, the wall ms of each step of ``pair``, torch's
+    DDP and gradring's DDP, stepped in turn with ``bench``'s (this tree's
+    ``ddp_step``) ``build``, ``time_steps`` and ``interleaved_round``. Only
+    gradring's public API is used, so that any commit's gradring can run it."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import gradring
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in models:
+        kind, batch = bench.MODELS[name]
+        base, make_x = bench.build(kind)
+        x = make_x(batch)
+        setups = {"pair": copy.deepcopy(base),
+                  "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(base)),
+                  "gradring": gradring.DistributedDataParallel(copy.deepcopy(base))}
+        for m in setups.values():
+            bench.time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in setups.items()}
+        out[name] = {k: v[2] for k, v in bench.interleaved_round(setups, opts, x, steps).items()}
+        del setups
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
 
 
 def _job(tree: str, models: list[str], steps: int, nproc: int) -> dict[str, Any]:
@@ -59,7 +110,7 @@ def _job(tree: str, models: list[str], steps: int, nproc: int) -> dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="gradring-against-store-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [subprocess.Popen(
-            [sys.executable, "-c", _JOB, tree, os.path.join(_HERE, "ddp_step.py"),
+            [sys.executable, "-c", _JOB, tree, str(BENCH), str(Path(__file__).resolve()),
              ",".join(models), str(steps), str(rank), str(nproc), store],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank in range(nproc)]
@@ -81,12 +132,17 @@ def _job(tree: str, models: list[str], steps: int, nproc: int) -> dict[str, Any]
 
 def _worktree(rev: str) -> tuple[str, str]:
     """A detached worktree of REV in a temporary folder: (repository root, worktree path)."""
-    repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=_HERE, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=HERE,
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise RuntimeError(f"{HERE} is not a git checkout: {found.stderr.strip()}")
+    repo = found.stdout.strip()
     path = tempfile.mkdtemp(prefix="gradring-against-")
     os.rmdir(path)
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", path, rev], cwd=repo,
-                   check=True, capture_output=True, text=True)
+    added = subprocess.run(["git", "worktree", "add", "--detach", "-q", path, rev], cwd=repo,
+                           capture_output=True, text=True)
+    if added.returncode != 0:
+        raise RuntimeError(f"cannot check out {rev!r}: {added.stderr.strip()}")
     return repo, path
 
 
@@ -125,17 +181,16 @@ def report(new: list[dict[str, Any]], old: list[dict[str, Any]], rev: str) -> st
 def run_against(rev: str, models: list[str], steps: int, rounds: int, nproc: int,
                 load: int = 0) -> str:
     """Alternate this tree and REV round by round, with ``load`` CPU-spinning
-    processes beside the ranks throughout (see load.py); return the table."""
-    from gradring.tools.bench.load import competing_load
+    processes beside the ranks throughout; return the table."""
+    from gradring.tools.bench.load import competing_load, load_note
 
-    here = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
     repo, old_tree = _worktree(rev)
     new_runs: list[dict[str, Any]] = []
     old_runs: list[dict[str, Any]] = []
     try:
         with competing_load(load):
             for r in range(rounds):
-                order = [("new", here), ("old", old_tree)]
+                order = [("new", str(HERE)), ("old", old_tree)]
                 if r % 2:
                     order.reverse()
                 for tag, tree in order:
@@ -147,5 +202,23 @@ def run_against(rev: str, models: list[str], steps: int, rounds: int, nproc: int
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", old_tree], cwd=repo,
                        check=False, capture_output=True)
-    head = f"competing load: {load} spinning process(es) beside the ranks\n" if load else ""
-    return head + report(new_runs, old_runs, rev)
+    return load_note(load) + report(new_runs, old_runs, rev)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gradring.tools.bench import ddp_step
+
+    ap = argparse.ArgumentParser(prog="python benchmarks/ddp_against.py",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--against", metavar="REV", required=True,
+                    help="the git revision to run against this tree (required)")
+    ddp_step.add_run_arguments(ap)
+    a = ap.parse_args(argv)
+    ddp_step.check_run_arguments(ap, a)
+    print(run_against(a.against, a.models, a.steps, a.rounds, a.nproc, load=a.load))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
