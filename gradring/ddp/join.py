@@ -11,7 +11,7 @@ in the same order, with neutral contents:
     bucket rebuild broadcast (once)      the same rebuild
     buffer broadcast                     buffer broadcast
     bucket all-reduces, in order         the same buckets, all zeros
-    used-bitmap all-reduce               a zero bitmap
+    used-bitmap all-reduce               its last global bitmap (as torch)
 
 so nobody waits for a partner that will never come. At the end, the last rank
 to join broadcasts its parameters so every replica ends identical.

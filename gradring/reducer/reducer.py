@@ -667,8 +667,12 @@ class Reducer:
             bucket.reset()
         launcher.close_events()
         if self.mode is GraphMode.FIND_UNUSED:
-            zeros = torch.zeros(len(self.params), dtype=torch.int32)
-            self.comm.all_reduce(zeros, label="DDP unused-parameter map").wait()
+            # As torch's joined rank: the last map it holds (the global one of its last
+            # backward), all-reduced in place, so a parameter any rank used before stays
+            # "used" for the ranks still training (its gradient becomes zeros, not None).
+            if self._global_used is None:
+                self._global_used = torch.zeros(len(self.params), dtype=torch.int32)
+            self.comm.all_reduce(self._global_used, label="DDP unused-parameter map").wait()
         if not (self.order_is_final or self.in_static_first_iteration):
             self._rebuild.stand_in()  # rebuild in step with the others
         self.num_backward += 1

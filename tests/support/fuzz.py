@@ -251,11 +251,8 @@ def _torch_asserted(record: list[Any]) -> bool:
 def torch_can_run(sc: Scenario) -> bool:
     """Whether torch's DDP runs the scenario here as gradring's does (gloo, CPU)."""
     # A second backward after one forward raises under torch's DDP where it
-    # only accumulates under gradring's (docs/ddp-differences.md). Under Join
-    # with find_unused_parameters, torch's joined rank sends its last usage map
-    # where gradring's sends zeros, so a parameter the training rank left out
-    # gets zeros there and stays None here (a difference not yet resolved).
-    return "twice" not in sc.steps and not (sc.join_extra and sc.find_unused)
+    # only accumulates under gradring's (docs/ddp-differences.md).
+    return "twice" not in sc.steps
 
 
 def run_seed(rank: int, world_size: int, seed: int, max_numel: int,
