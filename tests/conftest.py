@@ -17,9 +17,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bucket reduced on the training thread when the backward ends. Their rank
 # bodies get the variable through the pools (Pools.environ).
 BOTH_POLICIES = {
-    "tests/ranks/test_ddp_behaviour.py", "tests/ranks/test_ddp_corners.py",
-    "tests/ranks/test_ddp_corners_more.py", "tests/ranks/test_ddp_identity.py",
-    "tests/ranks/test_ddp_oracle.py", "tests/ranks/test_ddp_surface.py",
+    "tests/ranks/test_ddp_buckets.py", "tests/ranks/test_ddp_buffers.py",
+    "tests/ranks/test_ddp_constructor.py", "tests/ranks/test_ddp_create_graph.py",
+    "tests/ranks/test_ddp_diagnostics.py", "tests/ranks/test_ddp_forward_backward_patterns.py",
+    "tests/ranks/test_ddp_inputs_and_outputs.py", "tests/ranks/test_ddp_nesting_and_rewrapping.py",
+    "tests/ranks/test_ddp_no_sync.py", "tests/ranks/test_ddp_post_accumulate_hooks.py",
+    "tests/ranks/test_ddp_semi_private.py", "tests/ranks/test_ddp_state_dict_and_pickling.py",
+    "tests/ranks/test_ddp_unused_parameters.py", "tests/ranks/test_ddp_identity.py",
+    "tests/ranks/test_ddp_oracle.py",
     "tests/ranks/test_grad_layout.py", "tests/ranks/test_small_params.py",
     "tests/ranks/test_no_sync_unused.py", "tests/ranks/test_join.py",
     "tests/ranks/test_hooks.py", "tests/ranks/test_sparse_grads.py",
