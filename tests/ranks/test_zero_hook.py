@@ -11,7 +11,7 @@ parameters after every step and the flag at every forward.
 
 [Note: the gloo refusal, lifted here only]
 Both hook builders raise "Gloo backend using Overlapping DDP with ZeRO may meet
-hangs" when the DDP's process group is gloo (pytorch issue 62300); they check it
+hangs" when the DDP's process group is gloo; they check it
 once, when the hook is built, with ``dist.get_backend(ddp.process_group)``. gradring
 keeps that refusal (the check is torch's code and gradring's DDP has the same
 ``process_group``): ``test_gloo_refused_as_torch_refuses``. The rank pool is gloo,

@@ -66,7 +66,7 @@ def test_every_status_is_ok_na_or_pending_with_a_reason() -> None:
             assert reason.strip(), f"{obj}.{name}: '{kind}' needs a reason"
 
 
-def test_the_issue_42_read_is_listed() -> None:
+def test_zero_overlap_hooks_read_of_has_rebuilt_buckets_is_listed() -> None:
     """The read that started the list: ZeRO's overlap hooks and ``_has_rebuilt_buckets``."""
     statuses = tr.parse_statuses(tr.DOC.read_text(encoding="utf-8"))
     assert statuses[("DDP", "_has_rebuilt_buckets")].startswith("ok")
