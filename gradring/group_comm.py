@@ -20,7 +20,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from gradring import comm
 from gradring.byte_stage import ByteStage, byte_layout
 from gradring.comm.context import existing_context
-from gradring.comm.recorder import take_on_done
 from gradring.comm.select import overrides
 
 
@@ -32,13 +31,6 @@ def _byte_viewable(dtype: torch.dtype) -> bool:
     except (RuntimeError, TypeError):
         return False
     return True
-
-
-def _attach_if_untaken(fut: torch.futures.Future, on_done: Callable[[Any], None] | None) -> None:
-    """A path that completed at once (one rank, no process group) never took
-    ``on_done`` ahead of time: attach it now."""
-    if on_done is not None and take_on_done() is not None:
-        fut.add_done_callback(on_done)
 
 
 class GroupComm:
@@ -59,17 +51,16 @@ class GroupComm:
                    async_op: bool = True) -> torch.futures.Future | None:
         """Sum ``tensor`` in place across the group; the future resolves to ``[tensor]``.
         ``label`` names the collective in errors, desync checks and the flight recorder;
-        ``on_done(future)`` runs when it completes (see comm.recorder.label).
+        ``on_done(future)`` runs when it completes (see ``comm.all_reduce``).
         ``async_op=False``: done when this returns (None), on this thread where
         the transport allows (no hand-off to the comm thread)."""
         if not async_op:
-            with self.labelled(label):
-                comm.all_reduce(tensor, group=self.group)
+            comm.all_reduce(tensor, group=self.group, label=label)
             return None
-        with self.labelled(label, on_done):
-            fut = comm.all_reduce(tensor, group=self.group, async_op=True).get_future()
-            _attach_if_untaken(fut, on_done)
-        return fut
+        work = comm.all_reduce(tensor, group=self.group, async_op=True, label=label,
+                               on_done=on_done)
+        assert work is not None
+        return work.get_future()
 
     def all_reduce_homed(self, flat: torch.Tensor, pieces: list[tuple[int, torch.Tensor]],
                          scale: float, *, label: str | None = None,
@@ -80,27 +71,24 @@ class GroupComm:
         ``scale`` where the collective reads it (the all-reduce with external parts:
         [Note: external parts] in ``comm/external.py``).
         ``async_op=False`` as for :meth:`all_reduce`."""
+        parts = comm.ExternalParts(pieces, scale)
         if not async_op:
-            with self.labelled(label):
-                comm.all_reduce_external(flat, comm.ExternalParts(pieces, scale),
-                                         group=self.group, async_op=False)
+            comm.all_reduce_external(flat, parts, group=self.group, async_op=False,
+                                     label=label)
             return None
-        with self.labelled(label, on_done):
-            work = comm.all_reduce_external(flat, comm.ExternalParts(pieces, scale),
-                                            group=self.group)
-            assert work is not None
-            fut = work.get_future()
-            _attach_if_untaken(fut, on_done)
-        return fut
+        work = comm.all_reduce_external(flat, parts, group=self.group, label=label,
+                                        on_done=on_done)
+        assert work is not None
+        return work.get_future()
 
     @contextlib.contextmanager
-    def labelled(self, label: str | None,
-                 on_done: Callable[[Any], None] | None = None) -> Iterator[None]:
-        """Label the collectives issued inside (nothing when ``label`` is None)."""
-        if label is None and on_done is None:
+    def labelled(self, label: str | None) -> Iterator[None]:
+        """Label the collectives issued inside, by code that is not gradring's (a comm
+        hook); nothing when ``label`` is None."""
+        if label is None:
             yield
         else:
-            with comm.label(label, on_done):
+            with comm.label(label):
                 yield
 
     def exchange_lists(self, tag: str, mine: list[int]) -> dict[int, list[int]]:

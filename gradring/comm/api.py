@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 
 from gradring.comm import desync, engine, ops, runner, select
+from gradring.comm.collective import Collective
 from gradring.comm.context import GroupContext, context, existing_context
 from gradring.comm.engine import Job, Work
 from gradring.comm.external import ExternalParts, finish_out, own_range, stage_in
-from gradring.comm.recorder import RECORDER, Entry, take_on_done
+from gradring.comm.recorder import RECORDER
 from gradring.comm.registry import GROUPS
-from gradring.comm.runner import Plan
-from gradring.comm.transport import CollectiveInfo, Kind
+from gradring.comm.small_sync import SmallSync
+from gradring.comm.transport import Kind
 
 ReduceOp = dist.ReduceOp
 _default_group = dist.distributed_c10d._get_default_group
@@ -47,13 +48,21 @@ def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
     return mine if dtype in ops.REDUCE_DTYPES else None
 
 
-def _entry(ctx: GroupContext, kind: Kind, inp: torch.Tensor) -> Entry:
-    """Number the collective and give it a flight-recorder entry."""
-    return RECORDER.issue(ctx.name, ctx.next_seq(), kind.label,
-                          inp.numel() * inp.element_size(), inp.dtype, inp.shape)
+#: ``on_done(future)``: run when the collective completes, added to its future before
+#: the engine can run it (added afterwards, the caller had to win the GIL back from
+#: the engine thread that had just started: 0.4 ms per DDP bucket).
+OnDone = Callable[[torch.futures.Future], None]
 
 
-def _refused(ctx: GroupContext, entry: Entry, async_op: bool) -> Work | None:
+def _issued(ctx: GroupContext, kind: Kind, inp: torch.Tensor, label: str | None,
+            **run: Any) -> Collective:
+    """Number the collective and describe it (the flight recorder keeps it); ``run``:
+    what it runs on (see :class:`~gradring.comm.collective.Collective`)."""
+    return RECORDER.issue(ctx.name, ctx.next_seq(), kind, inp.numel() * inp.element_size(),
+                          inp.dtype, inp.shape, label=label, **run)
+
+
+def _refused(ctx: GroupContext, entry: Collective, async_op: bool) -> Work | None:
     """After the watchdog failed a collective the engine is still stuck in, fail at once."""
     err = ctx.failures.refused(entry)
     if async_op:
@@ -63,26 +72,29 @@ def _refused(ctx: GroupContext, entry: Entry, async_op: bool) -> Work | None:
 
 def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tensor,
            op: ops.Op, root: int, async_op: bool, value: list[torch.Tensor],
-           parts: ExternalParts | None = None) -> Work | None:
-    entry = _entry(ctx, kind, inp)
-    if ctx.failures.broken is not None:
-        return _refused(ctx, entry, async_op)
+           parts: ExternalParts | None = None, label: str | None = None,
+           on_done: OnDone | None = None) -> Work | None:
     env = select.overrides()
-    plan = Plan(kind, output, inp, op, root, entry.seq, env, entry, parts)
+    c = _issued(ctx, kind, inp, label, output=output, input=inp, op=op, root=root,
+                parts=parts, env=env)
+    if ctx.failures.broken is not None:
+        return _refused(ctx, c, async_op)
     fut: torch.futures.Future = torch.futures.Future()
-    on_done = take_on_done()
-    if on_done is not None:  # before the engine runs it (see recorder.label)
+    if on_done is not None:
         fut.add_done_callback(on_done)
     if ctx.connect_shm(env):  # shm: waits enforce deadlines and fail fast themselves
+        shm = ctx.transports.existing_shm()
+        if ctx.small is None or not ctx.small.serves(shm):
+            ctx.small = SmallSync(ctx, shm)
         if not async_op:
-            ctx.engine.run_now(runner.run, ctx, plan)
+            ctx.engine.run_now(runner.run, ctx, c)
             return None
-        ctx.engine.submit(Job(functools.partial(runner.run, ctx, plan), fut, value))
+        ctx.engine.submit(Job(functools.partial(runner.run, ctx, c), fut, value))
         return Work(fut, ctx.engine)
     # Elsewhere a blocked gloo wait cannot be interrupted: the caller waits on a
     # watched future instead, synchronous calls included (see watchdog.py).
-    ctx.engine.submit(Job(functools.partial(runner.run, ctx, plan), fut, value))
-    work = Work(ctx.watch(entry, fut, value), ctx.engine)
+    ctx.engine.submit(Job(functools.partial(runner.run, ctx, c), fut, value))
+    work = Work(ctx.watch(c, fut, value), ctx.engine)
     if async_op:
         return work
     work.wait()
@@ -90,7 +102,8 @@ def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tenso
 
 
 def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.Tensor],
-            value: list[torch.Tensor], async_op: bool, call: Callable[[bool], Any]) -> Any:
+            value: list[torch.Tensor], async_op: bool, call: Callable[[bool], Any],
+            label: str | None = None, on_done: OnDone | None = None) -> Any:
     """A process-group collective (gloo) under gradring's deadline, board, flight
     recorder and ``GRADRING_CHECK``; CUDA tensors go straight to torch (NCCL has its
     own watchdog). ``call(async_op)`` issues it."""
@@ -99,15 +112,13 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
     ctx = context(group)
     if ctx is None or ctx.world_size == 1:
         return call(async_op)
-    entry = _entry(ctx, kind, inp)
+    entry = _issued(ctx, kind, inp, label)
     if ctx.failures.broken is not None:
         return _refused(ctx, entry, async_op)
     entry.start("native")
     if desync.enabled():
-        info = CollectiveInfo(entry.seq, kind, entry.nbytes, inp.dtype, "native", ctx.name,
-                              tuple(inp.shape), entry.label)
         try:
-            desync.check_native(info, ctx.group, ctx.rank, ctx.world_size)
+            desync.check_native(entry, ctx.group, ctx.rank, ctx.world_size)
         except desync.DesyncError as exc:
             raise ctx.failures.desync(entry, exc) from None
     try:
@@ -120,7 +131,6 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
     except RuntimeError:  # a backend without futures: torch's own work, unwatched
         return work if async_op else work.wait() and None
     mine = Work(ctx.watch(entry, native, value))
-    on_done = take_on_done()
     if on_done is not None:
         mine.get_future().add_done_callback(on_done)
     if async_op:
@@ -129,43 +139,61 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
     return None
 
 
-def _done(async_op: bool, value: list[torch.Tensor]) -> Work | None:
-    return engine.completed(value) if async_op else None
+def _done(async_op: bool, value: list[torch.Tensor],
+          on_done: OnDone | None = None) -> Work | None:
+    """Nothing to run (world size 1, no elements): done already."""
+    if not async_op:
+        return None
+    work = engine.completed(value)
+    if on_done is not None:
+        work.get_future().add_done_callback(on_done)
+    return work
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
-               async_op: bool = False) -> Work | None:
+               async_op: bool = False, *, label: str | None = None,
+               on_done: OnDone | None = None) -> Work | None:
     """Reduce ``tensor`` across ``group`` in place (SUM, AVG, MAX, MIN).
 
     With ``async_op=True`` returns a :class:`Work`; ``get_future()`` resolves
     to ``[tensor]``. AVG on integer tensors truncates towards zero. CUDA
     tensors use the process group's native all_reduce.
+
+    gradring's own arguments: ``label`` names the collective in errors, desync
+    checks and the flight recorder (else the enclosing ``comm.label``'s);
+    ``on_done(future)`` runs when it completes.
     """
     if not async_op:  # [Note: the small synchronous path] in small_sync.py
         ctx = GROUPS.get(group if group is not None else _default_group())
         if ctx is not None and ctx.small is not None \
-                and ctx.small.all_reduce(tensor, op):  # type: ignore[attr-defined]
+                and ctx.small.all_reduce(tensor, op, label):  # type: ignore[attr-defined]
+            if on_done is not None:
+                engine.completed([tensor]).get_future().add_done_callback(on_done)
             return None
     mine = _reduction(op, tensor.dtype)
     if mine is None or _is_native(tensor):
         return _native(group, Kind.ALL_REDUCE, tensor, [tensor], [tensor], async_op,
-                       lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
+                       lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+                       label, on_done)
     ctx = context(group)
     if ctx is None:
         return None
     if ctx.world_size == 1 or tensor.numel() == 0:
-        return _done(async_op, [tensor])
-    return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor])
+        return _done(async_op, [tensor], on_done)
+    return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor],
+                  label=label, on_done=on_done)
 
 
 def all_reduce_external(flat: torch.Tensor, parts: ExternalParts, group: Any = None,
-                        async_op: bool = True) -> Work | None:
+                        async_op: bool = True, *, label: str | None = None,
+                        on_done: OnDone | None = None) -> Work | None:
     """``parts.scale`` times the SUM of ``flat``, where some ranges of ``flat`` live in
     other tensors, which hold their input and receive their result; see [Note:
     external parts] in ``external.py``. The caller has put into ``flat`` everything
     outside ``own_range(flat.numel(), rank, world_size)``; inside, external ranges
     are read from their tensors. The future resolves to ``[flat]``; with
-    ``async_op=False`` it runs on the caller's thread and returns None.
+    ``async_op=False`` it runs on the caller's thread and returns None. ``label``
+    and ``on_done`` as for :func:`all_reduce`.
     """
     ctx = context(group)
     if ctx is None:
@@ -175,8 +203,7 @@ def all_reduce_external(flat: torch.Tensor, parts: ExternalParts, group: Any = N
         # No algorithm of ours runs: stage everything, let all_reduce pick the path.
         own = own_range(flat.numel(), ctx.rank, ctx.world_size)
         stage_in(flat, parts, *own)
-        on_done = take_on_done()  # for the result with its parts out, not the plain sum
-        work = all_reduce(flat, group=group, async_op=True)
+        work = all_reduce(flat, group=group, async_op=True, label=label)
         assert work is not None
         fut = work.get_future()
 
@@ -185,13 +212,14 @@ def all_reduce_external(flat: torch.Tensor, parts: ExternalParts, group: Any = N
             finish_out(flat, parts)
             return [flat]
         done = fut.then(copy_out)
-        if on_done is not None:
+        if on_done is not None:  # for the result with its parts out, not the plain sum
             done.add_done_callback(on_done)
         if not async_op:
             done.wait()
             return None
         return Work(done)
-    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, async_op, [flat], parts)
+    return _issue(ctx, Kind.ALL_REDUCE, flat, flat, ops.SUM, 0, async_op, [flat], parts,
+                  label=label, on_done=on_done)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,

@@ -35,7 +35,6 @@ from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.registry import GROUPS
-from gradring.comm.small_sync import SmallSync
 from gradring.comm.store import group_store
 from gradring.comm.transports.group import GroupTransports
 from gradring.comm.transports.shm import orphans, sigterm
@@ -82,7 +81,7 @@ class GroupContext:
         self.failures.progress = self.peer_progress
         # Synchronous small all-reduces on the caller's thread, once shm is connected
         # (see [Note: the small synchronous path] in ``small_sync.py``).
-        self.small: SmallSync | None = None
+        self.small: Any = None  # a SmallSync, set by api._issue
         # Last sequence number this rank issued and completed (the board's "left after").
         self.last_seq = 0
         # Whether the ranks' settings were compared yet (see agree_settings).
@@ -135,11 +134,7 @@ class GroupContext:
             return False
         t = self.transports
         shm = t.existing_shm() if t.has_shm_answer() else t.shm()
-        if shm is None:
-            return False
-        if self.small is None or not self.small.serves(shm):
-            self.small = SmallSync(self, shm)
-        return True
+        return shm is not None
 
     def watch(self, entry: Entry, fut: torch.futures.Future,
               value: list[torch.Tensor]) -> torch.futures.Future:

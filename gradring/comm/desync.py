@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gradring import config
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, describe_collective
+from gradring.comm.transport import Collective, CollectiveError, Kind, describe_collective
 
 #: dtype <-> small integer, as written into descriptors and fingerprints.
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -79,7 +79,7 @@ def fingerprint_words(seq: int, kind: Kind, nbytes: int, dtype: torch.dtype,
             shape_hash(shape) if full else 0, text_hash(label) if full else 0, 0, 0]
 
 
-def fingerprint(info: CollectiveInfo, *, full: bool) -> torch.Tensor:
+def fingerprint(info: Collective, *, full: bool) -> torch.Tensor:
     """:func:`fingerprint_words` of ``info`` as an int64 tensor (to send or gather)."""
     return torch.tensor(fingerprint_words(info.seq, info.kind, info.nbytes, info.dtype,
                                           info.shape, info.label, full=full),
@@ -114,7 +114,7 @@ def message(rank: int, mine: str, peer: int, theirs: str, what: str, group: str)
             f"(group {group})")
 
 
-def mismatch(info: CollectiveInfo, rank: int, peer: int, theirs: Sequence[int],
+def mismatch(info: Collective, rank: int, peer: int, theirs: Sequence[int],
              what: str) -> DesyncError:
     """The error for ``peer`` issuing ``theirs`` (fingerprint words) while ``rank``
     issued ``info``."""
@@ -123,7 +123,7 @@ def mismatch(info: CollectiveInfo, rank: int, peer: int, theirs: Sequence[int],
     return DesyncError(message(rank, mine, peer, describe_words(theirs), what, info.group))
 
 
-def check_native(info: CollectiveInfo, group: Any, rank: int, world_size: int) -> None:
+def check_native(info: Collective, group: Any, rank: int, world_size: int) -> None:
     """``GRADRING_CHECK=1`` before a native collective: all-gather fingerprints, compare."""
     mine = fingerprint(info, full=True)
     everyone = torch.empty(world_size * WORDS, dtype=torch.int64)

@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from gradring.comm import exits
+from gradring.comm.registry import GROUPS
 from gradring.comm.store import BoundedStore, group_store, instance_prefix
 from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import segments
@@ -124,11 +125,9 @@ def explain(group: Any, prefix: str | None = None, what: str = "the call") -> st
     in_store = _store_ids(g, prefix, world) if prefix is not None else None
     ids.update(in_store or {})
     with contextlib.suppress(Exception):
-        from gradring.comm.context import existing_context  # here: context imports agree
-
-        ctx = existing_context(g)
+        ctx = GROUPS.get(g)  # the group's context, if gradring made one (never makes it)
         if ctx is not None:
-            ids.update(ctx.board.identities())
+            ids.update(ctx.board.identities())  # type: ignore[attr-defined]
     here = host_key()
     for attempt in range(6):  # a socket closes before its process is reaped
         dead = [(r, pid) for r, (pid, host) in sorted(ids.items())

@@ -50,14 +50,14 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from gradring import config, safe_files
-from gradring.comm import desync
-from gradring.comm.transport import Kind, describe_collective
+from gradring.comm.collective import Collective
+from gradring.comm.transport import Kind
 
 #: Ring-buffer length of the flight recorder.
 FLIGHT_SIZE = config.current().flight_size
@@ -66,75 +66,24 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def label(text: str | None, on_done: Callable[[Any], None] | None = None) -> Iterator[None]:
+def label(text: str | None) -> Iterator[None]:
     """Label the collectives issued inside (e.g. ``"bucket 3"``) for errors and the recorder.
 
-    ``on_done(future)`` is added to the future of the (one) collective issued
-    inside *before* the collective is handed to its engine: added afterwards,
-    the call had to win the GIL back from the engine thread that had just
-    started, which measured 0.4 ms per bucket on the DDP launch path.
+    A context rather than an argument because it must cross code that is not
+    gradring's: a DDP comm hook is the user's function, and the collectives it
+    issues (through ``torch.distributed`` or ``gradring.comm``) carry the bucket's
+    label without being told. gradring's own calls pass ``label=`` directly.
     """
-    prev = getattr(_local, "label", None), getattr(_local, "on_done", None)
-    _local.label, _local.on_done = text, on_done
+    prev = getattr(_local, "label", None)
+    _local.label = text
     try:
         yield
     finally:
-        _local.label, _local.on_done = prev
+        _local.label = prev
 
 
-def take_on_done() -> Callable[[Any], None] | None:
-    """The ``on_done`` of the enclosing :func:`label`, handed out once."""
-    fn = getattr(_local, "on_done", None)
-    _local.on_done = None
-    return fn
-
-
-class Entry:
-    """One collective as the flight recorder keeps it."""
-
-    __slots__ = ("group", "seq", "kind", "nbytes", "dtype", "shape", "label", "algo",
-                 "issued", "started", "ended", "state", "error")
-
-    def __init__(self, group: str, seq: int, kind: str, nbytes: int, dtype: torch.dtype,
-                 shape: Sequence[int], algo: str = "") -> None:
-        self.group = group  # process group name
-        self.seq = seq  # per-group issue number, equal on every rank
-        self.kind = kind  # "all_reduce", "broadcast", ...
-        self.nbytes = nbytes  # bytes of this rank's input
-        self.dtype = dtype  # converted to text only when shown (keeps issue cheap)
-        self.shape = shape
-        self.label = getattr(_local, "label", None)  # e.g. "DDP bucket 3" (comm.label)
-        self.algo = algo  # filled in when it starts
-        self.issued = time.time()  # wall clock: comparable across ranks of one host
-        self.started: float | None = None
-        self.ended: float | None = None
-        self.state = "issued"  # issued -> started -> completed | failed
-        self.error = ""
-
-    def start(self, algo: str) -> None:
-        self.algo, self.started, self.state = algo, time.time(), "started"
-
-    def finish(self) -> None:
-        self.ended, self.state = time.time(), "completed"
-
-    def fail(self, error: str) -> None:
-        self.ended, self.state, self.error = time.time(), "failed", error
-
-    def describe(self) -> str:
-        return describe_collective(self.kind, self.seq, self.nbytes, self.dtype, self.shape,
-                                   self.label)
-
-    def fingerprint(self) -> list[int]:
-        """``desync.fingerprint_words`` of this collective (what the board compares)."""
-        return desync.fingerprint_words(self.seq, Kind[self.kind.upper()], self.nbytes,
-                                        self.dtype, self.shape, self.label,
-                                        full=desync.enabled())
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__slots__}
-        d["dtype"] = str(self.dtype).replace("torch.", "")
-        d["shape"] = list(self.shape)
-        return d
+#: The flight recorder's name for what it keeps: one :class:`Collective` per call.
+Entry = Collective
 
 
 class FlightRecorder:
@@ -162,9 +111,13 @@ class FlightRecorder:
         """What this rank knows of its peers' progress in ``group`` (see ``peers``)."""
         self.peers[group] = {str(p): dict(v) for p, v in progress.items()}
 
-    def issue(self, group: str, seq: int, kind: str, nbytes: int, dtype: torch.dtype,
-              shape: Sequence[int]) -> Entry:
-        entry = Entry(group, seq, kind, nbytes, dtype, shape)
+    def issue(self, group: str, seq: int, kind: Kind | str, nbytes: int, dtype: torch.dtype,
+              shape: Sequence[int], label: str | None = None, **run: Any) -> Collective:
+        """A new :class:`Collective` kept in the ring, labelled ``label`` (else by the
+        enclosing :func:`label`); ``run``: what it runs on (``output=``, ``input=``...)."""
+        entry = Collective(group, seq, kind, nbytes, dtype, shape,
+                           label if label is not None else getattr(_local, "label", None),
+                           **run)
         self._ring.append(entry)  # deque.append is atomic under the GIL
         return entry
 

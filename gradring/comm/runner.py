@@ -1,24 +1,24 @@
 """Running one issued collective: pick the transport and algorithm, run it, report.
 
 The engine thread (or the caller, for a synchronous call on shm) runs each
-:class:`Plan` through :func:`run`, in issue order. Algorithms come from the
+:class:`~gradring.comm.collective.Collective` through :func:`run`, in issue
+order. Algorithms come from the
 registry (``algos/__init__.py``), the choice from ``select.py``, and failures
 go through the group's :class:`~gradring.comm.failures.Failures`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradring.comm import algos, desync, select
 from gradring.comm.algos import direct
-from gradring.comm.external import ExternalParts
+from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
-from gradring.comm.recorder import Entry
 from gradring.comm.store import exchange_lists, group_store, instance_prefix
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import space
 from gradring.comm.transports.shm.space import ShmExhausted
 
@@ -26,38 +26,24 @@ if TYPE_CHECKING:
     from gradring.comm.context import GroupContext
 
 
-class Plan(NamedTuple):
-    """One issued collective, as the engine runs it."""
-
-    kind: Kind
-    output: torch.Tensor  # written (all_reduce/broadcast: the tensor itself)
-    input: torch.Tensor  # read (same object as output for in-place collectives)
-    op: Op  # reduction (SUM for copies)
-    root: int  # broadcast source, as a group rank
-    seq: int  # issue number within the group, identical on every rank
-    env: select.Overrides  # GRADRING_TRANSPORT / GRADRING_ALGO at issue time
-    entry: Entry | None = None  # its flight-recorder entry
-    parts: ExternalParts | None = None  # all_reduce only: see [Note: external parts]
-
-
-def run(ctx: GroupContext, plan: Plan) -> None:
-    """Run ``plan`` on the calling thread (engine or inline) for group ``ctx``."""
+def run(ctx: GroupContext, c: Collective) -> None:
+    """Run ``c`` on the calling thread (engine or inline) for group ``ctx``."""
     try:
-        _run(ctx, plan)
+        _run(ctx, c)
     except ShmExhausted as exc:
         # Every rank raised it in this collective (shm/space.py): all fall back together.
         shm = ctx.transports.existing_shm()
         in_use = _largest_holding(ctx, shm.memory.reserved if shm else 0)
         advice = space.advice(exc.needed, in_use, ctx.world_size)
         ctx.transports.drop_shm(str(exc))
-        if plan.env.transport == "shm":
+        if c.env.transport == "shm":
             err = CollectiveError(f"{exc}; GRADRING_TRANSPORT=shm forbids falling back to "
                                   f"the process group. {advice}")
-            ctx.failures.record(plan.entry, err)
+            ctx.failures.record(c, err)
             raise err from None
         space.warn_once(advice + "; gradring now runs this group's collectives over the "
                         "process group instead (slower)")
-        _run(ctx, plan)
+        _run(ctx, c)
 
 
 def _largest_holding(ctx: GroupContext, mine: int) -> int:
@@ -73,62 +59,54 @@ def _largest_holding(ctx: GroupContext, mine: int) -> int:
     return max([mine] + [v[0] for v in theirs.values() if v and type(v[0]) is int])
 
 
-def _run(ctx: GroupContext, plan: Plan) -> None:
-    out, copy_back = _flat(plan.output)
-    inp = out if plan.input is plan.output else _flat(plan.input)[0]
-    entry = plan.entry
+def _run(ctx: GroupContext, c: Collective) -> None:
+    output, inp_t = c.output, c.input
+    assert output is not None and inp_t is not None, "a collective runs once"
+    out, copy_back = _flat(output)
+    inp = out if inp_t is output else _flat(inp_t)[0]
     label, transport = "?", None
     try:
-        label, transport = select.pick_transport(ctx.transports, plan.env.transport, ctx.name)
-        nbytes = inp.numel() * inp.element_size()
-        choice = select.choose(plan.kind, nbytes, ctx.world_size, label, plan.env.algo)
-        info = CollectiveInfo(plan.seq, plan.kind, nbytes, inp.dtype,
-                              f"{choice.algo} over {choice.transport}", ctx.name,
-                              tuple(plan.input.shape), entry.label if entry else None)
-        if entry is not None:
-            entry.start(info.algo)
-        transport.start(info)
-        algos.run(choice.algo, transport,
-                  algos.Call(info, out, inp, plan.op, plan.root, plan.parts))
+        label, transport = select.pick_transport(ctx.transports, c.env.transport, ctx.name)
+        choice = select.choose(c.kind, c.nbytes, ctx.world_size, label, c.env.algo)
+        c.start(f"{choice.algo} over {choice.transport}")
+        transport.start(c)
+        algos.run(choice.algo, transport, algos.Call(c, out, inp, c.op, c.root, c.parts))
         finish = getattr(transport, "finish", None)
         if finish is not None:
             finish()  # shm's closing agreement: see [Note: sticky failures]
     except ShmExhausted:
         raise  # not a failure: run() falls back
     except BaseException as exc:
-        err = _failed(ctx, entry, label, transport, exc)
+        err = _failed(ctx, c, label, transport, exc)
         if err is exc:
             raise
         raise err from (None if isinstance(exc, desync.DesyncError) else exc)
     if copy_back:
-        plan.output.copy_(out.view(plan.output.shape))
-    if entry is not None:
-        entry.finish()
-    ctx.last_seq = plan.seq
+        output.copy_(out.view(output.shape))
+    c.finish()
+    ctx.last_seq = c.seq
 
 
-def run_small_all_reduce(ctx: GroupContext, entry: Entry, transport: Any, flat: torch.Tensor,
+def run_small_all_reduce(ctx: GroupContext, c: Collective, transport: Any, flat: torch.Tensor,
                          op: Op) -> None:
     """A small all-reduce of flat contiguous ``flat`` on ``transport`` (shm), run on
     the caller's thread by ``small_sync.py``: what :func:`_run` does for it, without
     the choosing (``direct/inline`` is what ``select.choose`` picks for it)."""
-    info = CollectiveInfo(entry.seq, Kind.ALL_REDUCE, entry.nbytes, flat.dtype,
-                          "direct/inline over shm", ctx.name, tuple(entry.shape), entry.label)
-    entry.start(info.algo)
+    c.start("direct/inline over shm")
     try:
-        transport.start(info)
-        direct.all_reduce_inline(transport, info, flat, op)
+        transport.start(c)
+        direct.all_reduce_inline(transport, c, flat, op)
         transport.finish()
     except BaseException as exc:
-        err = _failed(ctx, entry, "shm", transport, exc)
+        err = _failed(ctx, c, "shm", transport, exc)
         if err is exc:
             raise
         raise err from None
-    entry.finish()
-    ctx.last_seq = entry.seq
+    c.finish()
+    ctx.last_seq = c.seq
 
 
-def _failed(ctx: GroupContext, entry: Entry | None, label: str, transport: Any,
+def _failed(ctx: GroupContext, entry: Collective | None, label: str, transport: Any,
             exc: BaseException) -> BaseException:
     """Record the failure ``exc`` of a collective on ``transport`` (``label`` as
     ``select.pick_transport`` names it) and return the error the caller gets."""

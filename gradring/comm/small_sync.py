@@ -35,6 +35,7 @@ import torch
 
 from gradring.comm import ops, runner, select
 from gradring.comm.recorder import RECORDER
+from gradring.comm.transport import Kind
 
 if TYPE_CHECKING:
     from gradring.comm.context import GroupContext
@@ -54,7 +55,7 @@ class SmallSync:
         """Whether this runs over ``transport`` (a fallback or reconnect replaces it)."""
         return transport is self._transport
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any) -> bool:
+    def all_reduce(self, tensor: torch.Tensor, op: Any, label: str | None = None) -> bool:
         """Run ``all_reduce(tensor, op)`` here and return True, or return False having
         done nothing (the caller takes the general path)."""
         if not tensor.is_cpu or tensor.dtype not in _DTYPES:
@@ -75,8 +76,8 @@ class SmallSync:
         if not engine.try_enter():
             return False
         try:
-            entry = RECORDER.issue(ctx.name, ctx.next_seq(), "all_reduce", nbytes,
-                                   tensor.dtype, tensor.shape)
+            entry = RECORDER.issue(ctx.name, ctx.next_seq(), Kind.ALL_REDUCE, nbytes,
+                                   tensor.dtype, tensor.shape, label=label)
             runner.run_small_all_reduce(ctx, entry, transport, tensor.view(-1), mine)
         finally:
             engine.leave()

@@ -42,22 +42,22 @@ class Kind(enum.IntEnum):
         return self.name.lower()
 
 
-class CollectiveInfo(NamedTuple):
-    """What one collective is, for deadlines and error messages."""
+class Collective(Protocol):
+    """What transports and algorithms read of a collective: the fields of
+    :class:`gradring.comm.collective.Collective` (the one object that describes a
+    collective; this is its interface, so that this module needs nothing above it)."""
 
     seq: int  # per-group issue number, identical on every rank
     kind: Kind
     nbytes: int  # bytes of this rank's input tensor
     dtype: torch.dtype
-    algo: str  # e.g. "direct/twoshot", "ring", "tree"
+    algo: str  # e.g. "direct/twoshot over shm"
     group: str  # the process group's name
-    shape: tuple[int, ...] = ()  # the caller's tensor shape (desync checks, messages)
-    label: str | None = None  # the caller's label, e.g. "DDP bucket 3" (comm.label)
+    shape: tuple[int, ...]  # the caller's tensor shape (desync checks, messages)
+    label: str | None  # the caller's label, e.g. "DDP bucket 3"
 
     def describe(self) -> str:
-        what = describe_collective(self.kind.label, self.seq, self.nbytes, self.dtype,
-                                   self.shape, self.label)
-        return f"{what[:-1]}, algo {self.algo}, group {self.group})"
+        """The collective in words, for errors."""
 
 
 def describe_collective(kind: str, seq: int, nbytes: int, dtype: torch.dtype | str,
@@ -88,7 +88,7 @@ class Transport(Protocol):
     rank: int
     world_size: int
 
-    def start(self, info: CollectiveInfo) -> None:
+    def start(self, info: Collective) -> None:
         """Begin a collective: arm its deadline and remember it for error messages."""
 
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
@@ -117,14 +117,14 @@ class DirectTransport(Transport, Protocol):
         most once per collective, before ``exchange``.
         """
 
-    def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
+    def exchange(self, info: Collective, exposed: torch.Tensor | None, *,
                  zero_copy: bool) -> Exchange:
         """Publish ``exposed``, wait for every rank to arrive, return all ranks' buffers.
 
         Raises :class:`CollectiveError` if a peer is in a different collective.
         """
 
-    def exchange_inline(self, info: CollectiveInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+    def exchange_inline(self, info: Collective, flat: torch.Tensor) -> list[torch.Tensor]:
         """Copy ``flat`` (small) where peers read it; after one barrier, return every
         rank's copy in rank order. The copies stay readable until this rank's next
         exchange, and nothing that follows needs a closing barrier."""

@@ -20,8 +20,9 @@ import torch
 
 import gradring.comm.algos as algos
 from gradring.comm import external
+from gradring.comm.collective import Collective
 from gradring.comm.ops import SUM
-from gradring.comm.transport import CollectiveInfo, Kind
+from gradring.comm.transport import Kind
 from gradring.comm.transports.threaded import run_ranks
 from tests.support import oracle
 from tests.support.env import environ
@@ -92,7 +93,8 @@ def _homed(t, algo: str, zero_copy: bool, n: int, dtype: torch.dtype, seq: int):
             if lo_a < hi_b:
                 flat[lo_a:hi_b] = float("nan")  # must be read from the home
     h = external.ExternalParts(pieces, scale)
-    info = CollectiveInfo(seq, Kind.ALL_REDUCE, n * flat.element_size(), dtype, "test", "threads")
+    info = Collective("threads", seq, Kind.ALL_REDUCE, n * flat.element_size(), dtype,
+                      algo="test")
     t.start(info)
     # The registry runs the two-shot on the parts and stages the others around them.
     algos.run(ALGO_NAMES[algo], t, algos.Call(info, flat, flat, SUM, parts=h))

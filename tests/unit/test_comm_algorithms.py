@@ -16,8 +16,9 @@ import torch
 import gradring.comm.algos as algos
 from gradring.comm import ops
 from gradring.comm.algos import direct, naive, ring, tree
+from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.transport import CollectiveError, Kind
 from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,11 +35,12 @@ def rank_data(rank: int, count: int, dtype: torch.dtype, salt: int = 0) -> torch
     return ((i * 7 + rank * 13 + salt * 5) % 11 - 5).to(dtype)
 
 
-def info(seq: int, kind: Kind, t: torch.Tensor) -> CollectiveInfo:
-    return CollectiveInfo(seq, kind, t.numel() * t.element_size(), t.dtype, "test", "threads")
+def info(seq: int, kind: Kind, t: torch.Tensor) -> Collective:
+    return Collective("threads", seq, kind, t.numel() * t.element_size(), t.dtype,
+                      algo="test")
 
 
-def begin(t, seq: int, kind: Kind, flat: torch.Tensor) -> CollectiveInfo:
+def begin(t, seq: int, kind: Kind, flat: torch.Tensor) -> Collective:
     i = info(seq, kind, flat)
     t.start(i)
     return i
@@ -98,7 +100,7 @@ P2P_FAMILY = {Kind.REDUCE_SCATTER: "ring", Kind.ALL_GATHER: "ring", Kind.BROADCA
               Kind.BARRIER: "tree"}
 
 
-def _collective(family: str, t, i: CollectiveInfo, out: torch.Tensor, inp: torch.Tensor,
+def _collective(family: str, t, i: Collective, out: torch.Tensor, inp: torch.Tensor,
                 op: Op = ops.SUM, root: int = 0) -> None:
     """Run collective ``i`` through the algorithm registry: ``family`` "ring" or "direct"."""
     name = "direct" if family == "direct" else P2P_FAMILY[i.kind]
@@ -279,7 +281,7 @@ def test_chunk_bounds_cover_everything() -> None:
 def test_mismatched_collectives_raise() -> None:
     def body(t):
         kind = Kind.ALL_REDUCE if t.rank == 0 else Kind.BROADCAST
-        i = CollectiveInfo(0, kind, 40, torch.float32, "test", "threads")
+        i = Collective("threads", 0, kind, 40, torch.float32, algo="test")
         t.start(i)
         direct.barrier(t, i)
 
@@ -291,7 +293,7 @@ def test_missing_peer_times_out() -> None:
     def body(t):
         if t.rank == 1:
             return
-        t.start(CollectiveInfo(3, Kind.ALL_REDUCE, 4, torch.float32, "ring", "threads"))
+        t.start(Collective("threads", 3, Kind.ALL_REDUCE, 4, torch.float32, algo="ring"))
         ring.all_reduce(t, torch.ones(4), ops.SUM)
 
     world = ThreadedWorld(2, timeout=0.3)

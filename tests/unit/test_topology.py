@@ -19,8 +19,9 @@ import torch.distributed as dist
 from gradring import config
 from gradring.comm import ops, select
 from gradring.comm.algos import hierarchical, naive, ring
+from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind
+from gradring.comm.transport import CollectiveError, Kind
 from gradring.comm.transports import topology
 from gradring.comm.transports.hosts import HostTransports, SubsetTransport
 from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
@@ -128,9 +129,9 @@ def rank_data(rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     return ((i * 7 + rank * 13) % 11 - 5).to(dtype)
 
 
-def info(seq: int, t: torch.Tensor) -> CollectiveInfo:
-    return CollectiveInfo(seq, Kind.ALL_REDUCE, t.numel() * t.element_size(), t.dtype,
-                          "hierarchical", "threads")
+def info(seq: int, t: torch.Tensor) -> Collective:
+    return Collective("threads", seq, Kind.ALL_REDUCE, t.numel() * t.element_size(), t.dtype,
+                      algo="hierarchical")
 
 
 class Hosts:

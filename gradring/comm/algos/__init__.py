@@ -26,13 +26,13 @@ from gradring.comm import external, ops
 from gradring.comm.algos import direct, hierarchical, naive, ring, tree
 from gradring.comm.external import ExternalParts
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveInfo, Kind
+from gradring.comm.transport import Collective, Kind
 
 
 class Call(NamedTuple):
     """One collective as an algorithm receives it."""
 
-    info: CollectiveInfo  # what it is (seq, kind, bytes, ...): descriptors and errors
+    info: Collective  # what it is (seq, kind, bytes, ...): descriptors and errors
     out: torch.Tensor  # flat, written (the tensor itself for in-place collectives)
     inp: torch.Tensor  # flat, read (same object as ``out`` when in place)
     op: Op = ops.SUM  # reduction (SUM for copies)

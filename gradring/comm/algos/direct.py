@@ -44,7 +44,7 @@ import torch
 from gradring.comm import ops
 from gradring.comm.external import ExternalParts, reduce_own, spans
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveInfo, DirectTransport
+from gradring.comm.transport import Collective, DirectTransport
 
 
 def _staged_copy_except(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
@@ -62,7 +62,7 @@ def _still_agreed(t: DirectTransport) -> None:
         check()
 
 
-def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
+def all_reduce_twoshot(t: DirectTransport, info: Collective, flat: torch.Tensor,
                        op: Op, parts: ExternalParts | None = None) -> None:
     """Reduce-scatter through direct reads, all-gather through direct writes; see
     [Note: direct algorithms]. With ``parts`` (SUM only), see [Note: external
@@ -111,7 +111,7 @@ def all_reduce_twoshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
                     ops.copy(flat[a:b], mine[a:b])
 
 
-def all_reduce_oneshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
+def all_reduce_oneshot(t: DirectTransport, info: Collective, flat: torch.Tensor,
                        op: Op) -> None:
     """Every rank reduces everything from staged copies: one barrier, for small messages."""
     mine, _ = t.expose(flat, force_staging=True)
@@ -121,7 +121,7 @@ def all_reduce_oneshot(t: DirectTransport, info: CollectiveInfo, flat: torch.Ten
     ops.finish(flat, op, t.world_size)
 
 
-def all_reduce_inline(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor,
+def all_reduce_inline(t: DirectTransport, info: Collective, flat: torch.Tensor,
                       op: Op) -> None:
     """Small messages: the one-shot with every input carried by the exchange itself
     (``exchange_inline``), so one barrier and no closing agreement; the same sum in
@@ -130,7 +130,7 @@ def all_reduce_inline(t: DirectTransport, info: CollectiveInfo, flat: torch.Tens
     ops.finish(flat, op, t.world_size)
 
 
-def broadcast(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor, src: int) -> None:
+def broadcast(t: DirectTransport, info: Collective, flat: torch.Tensor, src: int) -> None:
     """Group rank ``src`` exposes its buffer; everybody else copies it."""
     exposed = None
     zero_copy = False
@@ -147,7 +147,7 @@ def broadcast(t: DirectTransport, info: CollectiveInfo, flat: torch.Tensor, src:
         t.barrier()
 
 
-def all_gather(t: DirectTransport, info: CollectiveInfo, out: torch.Tensor,
+def all_gather(t: DirectTransport, info: Collective, out: torch.Tensor,
                inp: torch.Tensor) -> None:
     """``out`` = every rank's ``inp`` in rank order, each copied from its owner."""
     m = inp.numel()
@@ -165,7 +165,7 @@ def all_gather(t: DirectTransport, info: CollectiveInfo, out: torch.Tensor,
         t.barrier()
 
 
-def reduce_scatter(t: DirectTransport, info: CollectiveInfo, out: torch.Tensor,
+def reduce_scatter(t: DirectTransport, info: Collective, out: torch.Tensor,
                    inp: torch.Tensor, op: Op) -> None:
     """``out`` = chunk ``rank`` of the reduction, read directly from every rank's ``inp``."""
     w, r, m = t.world_size, t.rank, out.numel()
@@ -182,6 +182,6 @@ def reduce_scatter(t: DirectTransport, info: CollectiveInfo, out: torch.Tensor,
         t.barrier()
 
 
-def barrier(t: DirectTransport, info: CollectiveInfo) -> None:
+def barrier(t: DirectTransport, info: Collective) -> None:
     """One shared-memory barrier (with the descriptor check that names stragglers)."""
     t.exchange(info, None, zero_copy=False)

@@ -59,7 +59,7 @@ import torch
 from gradring.comm import ops, select
 from gradring.comm.algos import ring, tree
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Kind, Transport
+from gradring.comm.transport import Collective, CollectiveError, Kind, Transport
 from gradring.comm.transports.hosts import HostTransports
 from gradring.comm.transports.shm.space import ShmExhausted
 
@@ -82,7 +82,7 @@ def _inter_all_reduce(t: Transport, shard: torch.Tensor, op: Op) -> None:
     _INTER[algo](t, shard, op)
 
 
-def all_reduce(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor, op: Op) -> None:
+def all_reduce(h: HostTransports, info: Collective, flat: torch.Tensor, op: Op) -> None:
     """Hierarchical all-reduce of ``flat`` in place; see [Note: hierarchical all-reduce].
 
     ``h`` is a :class:`HostTransports`: ``local`` (direct transport over the
@@ -124,7 +124,7 @@ def _all_reduce_p2p(h: HostTransports, flat: torch.Tensor, op: Op) -> None:
     ring.all_gather_inplace(intra, flat, bounds)
 
 
-def _all_reduce_shared(h: HostTransports, info: CollectiveInfo, flat: torch.Tensor,
+def _all_reduce_shared(h: HostTransports, info: Collective, flat: torch.Tensor,
                        op: Op) -> None:
     """The intra-host phases over the host's shared memory; ``flat`` is untouched
     when ``ShmExhausted`` is raised (only the staging copy was written)."""

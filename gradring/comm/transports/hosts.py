@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo, DirectTransport, Transport
+from gradring.comm.transport import Collective, CollectiveError, DirectTransport, Transport
 from gradring.comm.transports.shm import rendezvous, space
 from gradring.comm.transports.topology import Topology, exchange
 
@@ -51,7 +51,7 @@ class SubsetTransport:
         self.rank = self.ranks.index(inner.rank)
         self.world_size = len(self.ranks)
 
-    def start(self, info: CollectiveInfo) -> None:
+    def start(self, info: Collective) -> None:
         self.inner.start(info)
 
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
@@ -97,7 +97,7 @@ class HostTransports:
         self.rank = flat.rank
         self.world_size = flat.world_size
 
-    def start(self, info: CollectiveInfo) -> None:
+    def start(self, info: Collective) -> None:
         self.flat.start(info)
         if self.local is not None:
             self.local.start(info)

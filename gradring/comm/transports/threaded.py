@@ -21,7 +21,7 @@ import torch
 
 from gradring.comm import ops
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
+from gradring.comm.transport import Collective, CollectiveError, Exchange
 
 
 class _Recv:
@@ -95,11 +95,11 @@ class ThreadedTransport:
         # Receives posted but not yet consumed, per source, in posting order.
         self._pending: dict[int, deque[_Recv]] = {p: deque() for p in range(world.world_size)}
         # The collective in flight, for error messages, and its deadline.
-        self._info: CollectiveInfo | None = None
+        self._info: Collective | None = None
         self._deadline = 0.0
 
     # -- lifecycle -------------------------------------------------------------
-    def start(self, info: CollectiveInfo) -> None:
+    def start(self, info: Collective) -> None:
         self._info = info
         self._deadline = time.monotonic() + self.world.timeout
 
@@ -157,7 +157,7 @@ class ThreadedTransport:
                                            dtype=torch.uint8)
         return self._staging[k][:nbytes].view(flat.dtype), False
 
-    def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
+    def exchange(self, info: Collective, exposed: torch.Tensor | None, *,
                  zero_copy: bool) -> Exchange:
         slot = self._exchanges % 2
         self._exchanges += 1
@@ -171,7 +171,7 @@ class ThreadedTransport:
                                  f"(seq, kind, bytes) {theirs} != {mine}")
         return Exchange([e[1] for e in entries], any(e[2] for e in entries))
 
-    def exchange_inline(self, info: CollectiveInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+    def exchange_inline(self, info: Collective, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of its ``flat``, in rank order (a staged exchange here)."""
         mine, _ = self.expose(flat, force_staging=True)
         ops.copy(mine, flat)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from gradring.comm import desync, ops
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo
+from gradring.comm.transport import Collective, CollectiveError
 
 #: Per group name, the tag of the next transport instance (same order on every rank).
 _tags: defaultdict[str, itertools.count] = defaultdict(itertools.count)
@@ -71,7 +71,7 @@ class TorchTransport:
         # Seconds a collective may take.
         self._timeout = timeout
         # The collective in flight and its deadline, for errors.
-        self._info: CollectiveInfo | None = None
+        self._info: Collective | None = None
         self._deadline = 0.0
         # This collective's fingerprint; sent ahead of the data with GRADRING_CHECK.
         self._fp = torch.zeros(desync.WORDS, dtype=torch.int64)
@@ -89,7 +89,7 @@ class TorchTransport:
         # Set after a failure: every later call fails.
         self._broken: str | None = None
 
-    def start(self, info: CollectiveInfo) -> None:
+    def start(self, info: Collective) -> None:
         if self._broken is not None:
             raise CollectiveError(f"gradring {info.describe()}: the torch transport is unusable "
                                   f"after an earlier failure ({self._broken})")

@@ -20,7 +20,7 @@ import os
 from typing import Any, NamedTuple
 
 from gradring.comm import exits
-from gradring.comm.transport import CollectiveInfo, Kind
+from gradring.comm.transport import Collective, Kind
 from gradring.comm.transports.shm.layout import STATUS as _STRUCT
 from gradring.comm.transports.shm.layout import STATUS_OFF as OFFSET
 from gradring.comm.transports.shm.layout import STATUS_STATE_WORD as _STATE_WORD
@@ -55,7 +55,7 @@ class Status(NamedTuple):
         return WHY.get(self.why, "failed")
 
 
-def publish(mm: Any, words: Any, info: CollectiveInfo, dtype_code: int,
+def publish(mm: Any, words: Any, info: Collective, dtype_code: int,
             shape_hash: int) -> None:
     """Start of a collective: announce it (state running). ``words``: 32-bit view of ``mm``."""
     words[_VERSION_WORD] += 1

@@ -38,7 +38,7 @@ import torch
 from gradring import config
 from gradring.comm import desync
 from gradring.comm.ops import Op
-from gradring.comm.transport import CollectiveError, CollectiveInfo, Exchange
+from gradring.comm.transport import Collective, CollectiveError, Exchange
 from gradring.comm.transports.shm import futex, segments, space, verdict
 from gradring.comm.transports.shm import status as shm_status
 from gradring.comm.transports.shm.layout import (
@@ -120,7 +120,7 @@ class ShmTransport:
         # Number of barriers this rank has arrived at (mirrors its barrier word).
         self._epoch = 0
         # Collective in flight (for errors) and when it must be done.
-        self._info: CollectiveInfo | None = None
+        self._info: Collective | None = None
         self._deadline = 0.0
         # Set after a failure: counters are out of step, every later call fails.
         self._broken: str | None = None
@@ -167,7 +167,7 @@ class ShmTransport:
         _live.add(self)
 
     # -- lifecycle and errors ----------------------------------------------------
-    def start(self, info: CollectiveInfo) -> None:
+    def start(self, info: Collective) -> None:
         if self._broken is not None:
             raise CollectiveError(
                 f"gradring {info.describe()}: the shared-memory transport is unusable "
@@ -562,7 +562,7 @@ class ShmTransport:
         self.arrive()
         self.wait_arrivals(what)
 
-    def exchange(self, info: CollectiveInfo, exposed: torch.Tensor | None, *,
+    def exchange(self, info: Collective, exposed: torch.Tensor | None, *,
                  zero_copy: bool) -> Exchange:
         mem = self.memory
         slot, no_room, segno, offset = mem.outgoing(exposed)
@@ -603,7 +603,7 @@ class ShmTransport:
         self._open = any(v is not None for v in views)
         return Exchange(views, any_zero_copy)
 
-    def exchange_inline(self, info: CollectiveInfo, flat: torch.Tensor) -> list[torch.Tensor]:
+    def exchange_inline(self, info: Collective, flat: torch.Tensor) -> list[torch.Tensor]:
         """``DirectTransport.exchange_inline``: every rank's copy of its ``flat`` (at most
         ``INLINE_BYTES``), in rank order, after one barrier.
 
