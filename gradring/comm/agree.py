@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from gradring import config
-from gradring.comm import exits, peers
-from gradring.comm.store import instance_prefix
+from gradring.comm import peers
+from gradring.comm.store import instance_prefix, wait_keys
 from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.topology import host_key
 from gradring.config import SettingsMismatch
@@ -116,33 +114,24 @@ def _wait_alive(store: Any, keys: list[str], timeout: float, group: str, rank: i
     ends the wait at once with a CollectiveError naming it and how it ended (see [Note:
     agreed settings]). Without such knowledge: one plain ``store.wait``."""
     others = [p for p in range(len(keys)) if p != rank]
-    if not any(p in peers.known(group) for p in others):
-        store.wait(keys, timedelta(seconds=timeout))
-        return
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while not store.check(keys):
-        missing = [p for p in others if not store.check([keys[p]])]
-        dead = peers.dead_among(group, missing)
-        if dead:
-            raise CollectiveError(
-                f"gradring group {group}: " + "; ".join(exits.exited(p, pid) for p, pid in dead)
-                + f", before its first gradring call on this group; rank {rank} waited there "
-                f"to agree on {', '.join(_VARS.values())}")
-        if time.monotonic() >= deadline:
-            raise TimeoutError("Wait timeout")
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, _POLL_MAX_S)
+    check = None
+    if any(p in peers.known(group) for p in others):
+        check = peers.failing_if_gone(
+            group, f"before its first gradring call on this group; rank {rank} waited "
+            f"there to agree on {', '.join(_VARS.values())}")
+    wait_keys(store, keys, timeout, check)
 
 
-def agree(store: Any, rank: int, world_size: int, timeout: float, group: str) -> None:
+def agree(store: Any, rank: int, world_size: int, timeout: float,
+          group: str) -> dict[int, tuple[int, str]]:
     """Publish this rank's agreed settings in ``store`` (private to the group), read
     every rank's, and raise :class:`SettingsMismatch` on every rank when they differ
     (see [Note: agreed settings]); collective: every rank of the group calls it once
     per group instance. A rank that does not publish within ``timeout`` seconds is a
-    :class:`~gradring.comm.transport.CollectiveError` naming it."""
+    :class:`~gradring.comm.transport.CollectiveError` naming it. Returns every
+    rank's ``(pid, host key)`` as published there."""
     if world_size <= 1:
-        return
+        return {}
     prefix = instance_prefix(store, "settings", world_size)
     store.set(f"{prefix}{rank}", json.dumps(dict(published(config.current()),
                                                  pid=os.getpid(), host=host_key())))
@@ -174,3 +163,6 @@ def agree(store: Any, rank: int, world_size: int, timeout: float, group: str) ->
         raise SettingsMismatch(f"gradring group {group}: " + "; ".join(found)
                                + "; set " + ("it" if len(found) == 1 else "them")
                                + " the same on every rank")
+    return {p: (v["pid"], v["host"]) for p, v in enumerate(values)
+            if isinstance(v, dict) and type(v.get("pid")) is int
+            and isinstance(v.get("host"), str)}

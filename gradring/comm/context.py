@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gradring import config
-from gradring.comm import agree, engine, root_cause, select
+from gradring.comm import agree, engine, peers, root_cause, select
 from gradring.comm.board import PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
@@ -73,7 +73,10 @@ class GroupContext:
         # Issue numbers, identical on all ranks when they issue the same sequence.
         self._seq = itertools.count(1)
         # The group's transports, connected on first use.
-        self.transports = GroupTransports(group, self.rank, self.world_size, self.timeout)
+        self.transports = GroupTransports(
+            group, self.rank, self.world_size, self.timeout,
+            peers.failing_if_gone(self.name, f"before the shared-memory rendezvous of this "
+                                             f"group; rank {self.rank} waited there"))
         # Fail-fast markers in the group's store, attached by the first watched collective.
         self.board = PeerBoard(group_store(group), self.rank, self.world_size)
         # Failure state (failed here; unusable after a watchdog verdict) and errors.
@@ -98,12 +101,14 @@ class GroupContext:
                 return
             self._agreed = True
             try:
-                agree.agree(group_store(self.group), self.rank, self.world_size,
-                            self.timeout, self.name)
+                ids = agree.agree(group_store(self.group), self.rank, self.world_size,
+                                  self.timeout, self.name)
             except Exception as exc:
                 self.failures.record(None, exc)
                 self.failures.broken = str(exc)
                 raise
+            if ids and not peers.known(self.name):
+                peers.learn(self.group, ids)  # the shm rendezvous watches them
 
     def peer_progress(self) -> dict[int, dict[str, Any]]:
         """What this rank sees of each peer's progress: the shm status block (the

@@ -31,7 +31,7 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -93,6 +93,19 @@ def dead_among(name: str, ranks: Sequence[int]) -> list[tuple[int, int]]:
     me = host_key()
     return [(r, ids[r][0]) for r in ranks
             if r in ids and ids[r][1] == me and not segments.pid_alive(ids[r][0])]
+
+
+def failing_if_gone(name: str, where: str) -> Callable[[Sequence[int]], None]:
+    """A ``check_missing`` for :func:`~gradring.comm.store.wait_keys`: raise a
+    CollectiveError naming those of the missing ranks known to be gone from this host,
+    and how they ended, ``where`` saying what the wait was for."""
+    def check(missing: Sequence[int]) -> None:
+        dead = dead_among(name, missing)
+        if dead:
+            raise CollectiveError(f"gradring group {name}: "
+                                  + "; ".join(exits.exited(p, pid) for p, pid in dead)
+                                  + f", {where}")
+    return check
 
 
 def _store_ids(group: Any, prefix: str, world_size: int) -> dict[int, tuple[int, str]] | None:

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -46,6 +47,29 @@ T = TypeVar("T")
 
 #: Seconds one diagnostic store call (board, heartbeat, error paths) may take.
 CALL_S = 2.0
+
+
+#: Longest pause between two polls of :func:`wait_keys`.
+POLL_MAX_S = 0.2
+
+
+def wait_keys(store: Any, keys: list[str], timeout: float,
+              check_missing: Callable[[list[int]], None] | None = None) -> None:
+    """Wait up to ``timeout`` s until every key of ``keys`` (one per rank, in rank order)
+    exists, else raise the store's ``TimeoutError``. While it waits,
+    ``check_missing(ranks whose key is missing)`` runs every few ms and may raise to end
+    the wait (a peer known to be gone). Without it: one plain ``store.wait``."""
+    if check_missing is None:
+        store.wait(keys, timedelta(seconds=timeout))
+        return
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while not store.check(keys):
+        check_missing([p for p, k in enumerate(keys) if not store.check([k])])
+        if time.monotonic() >= deadline:
+            raise TimeoutError("Wait timeout")
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, POLL_MAX_S)
 
 
 def address(store: Any) -> str:

@@ -276,10 +276,19 @@ def _report_error(rank: int, exc: BaseException) -> None:
 
 def scenario_kill_at_start(a: argparse.Namespace) -> None:
     """Rank 1 SIGKILLs itself inside the DDP constructor: at its first gradring call
-    (the first broadcast, where the settings agreement runs: ``a.cases == "broadcast"``)
+    (the first broadcast, where the settings agreement runs: ``a.cases == "broadcast"``),
+    after that agreement, as the shared-memory rendezvous starts (``"rendezvous"``),
     or in the parameter verification's gloo all-gather (``"verification"``)."""
     if a.rank == 1:
-        if a.cases == "broadcast":
+        if a.cases == "rendezvous":
+            from gradring.comm.transports.shm import rendezvous
+
+            def dying_connect(*args: object, **kw: object) -> object:
+                _kill_self(0)
+                raise AssertionError("unreachable")
+
+            rendezvous.connect = dying_connect
+        elif a.cases == "broadcast":
             real_broadcast = comm.broadcast
 
             def dying_broadcast(*args: object, **kw: object) -> object:
@@ -421,7 +430,7 @@ def test_killed_rank_is_named_with_its_signal(tmp_path) -> None:
     assert f"rank 1 (pid {pid}) has exited" in err and "killed by signal 9 (SIGKILL)" in err, err
 
 
-@pytest.mark.parametrize("where", ["broadcast", "verification"])
+@pytest.mark.parametrize("where", ["broadcast", "rendezvous", "verification"])
 def test_death_in_the_ddp_constructor_is_named_at_once(tmp_path, where) -> None:
     # Rank 1 dies in the constructor: at its first gradring call (where the settings
     # agreement waits in the store), or inside the parameter verification's gloo
@@ -439,6 +448,8 @@ def test_death_in_the_ddp_constructor_is_named_at_once(tmp_path, where) -> None:
     assert f"rank 1 (pid {pid}) has exited: killed by signal 9 (SIGKILL)" in err, err
     assert "did not make their first gradring call" not in err, err
     assert "CollectiveError" in final["classes"], final
+    if where == "rendezvous":  # the agreement passed; the rendezvous saw the death
+        assert "before the shared-memory rendezvous" in err, err
     if where == "verification":
         # Still the backend's error type, with gloo's own words first.
         assert "DistBackendError" in final["classes"], final

@@ -9,6 +9,7 @@ a collective uses is ``select.pick_transport``'s decision.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from gradring.comm.board import POLL_S
@@ -24,13 +25,17 @@ from gradring.comm.transports.torchdist import TorchTransport
 class GroupTransports:
     """Shared memory, multi-host and torch point-to-point transports of one group."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(self, group: Any, rank: int, world_size: int, timeout: float,
+                 check_missing: Callable[[list[int]], None] | None = None) -> None:
         # The torch process group the transports connect over.
         self.group = group
         self.rank = rank
         self.world_size = world_size
         # Deadline of every collective, in seconds (the waits enforce it).
         self.timeout = timeout
+        # Raises while a rendezvous waits if a rank it waits for is known to be gone
+        # (``store.wait_keys``).
+        self._check_missing = check_missing
         # Transports made so far ("shm" and "hosts" map to None when unavailable).
         self._made: dict[str, Transport | None] = {}
         # Why shm is unavailable (for the error when it is forced).
@@ -45,7 +50,8 @@ class GroupTransports:
         with self._lock:
             if "shm" not in self._made:
                 t, why = rendezvous.connect(group_store(self.group), self.rank,
-                                            self.world_size, self.timeout)
+                                            self.world_size, self.timeout,
+                                            self._check_missing)
                 self._made["shm"], self.shm_reason = t, why
             return self._made["shm"]  # type: ignore[return-value]
 

@@ -33,10 +33,11 @@ import json
 import os
 import secrets
 import sys
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
-from gradring.comm.store import instance_prefix
+from gradring.comm.store import instance_prefix, wait_keys
+from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import futex, segments, sigterm, space
 from gradring.comm.transports.shm.layout import (
     HEADER,
@@ -53,10 +54,25 @@ _transport_counter = itertools.count()
 _cleaned = False
 
 
-def _gather(store: Any, prefix: str, world_size: int, timeout: float) -> list[Any]:
-    """Every rank's value under ``prefix`` (None for one that is not JSON: forged)."""
+def _gather(store: Any, prefix: str, world_size: int, timeout: float,
+            check_missing: Callable[[list[int]], None] | None) -> list[Any]:
+    """Every rank's value under ``prefix`` (None for one that is not JSON: forged);
+    ``check_missing`` as for ``store.wait_keys``."""
     keys = [f"{prefix}{p}" for p in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout))
+    try:
+        wait_keys(store, keys, timeout, check_missing)
+    except CollectiveError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store's timeout (or a closed store)
+        try:
+            missing = [p for p, k in enumerate(keys) if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store itself is gone
+            missing = []
+        who = f"ranks {missing}" if missing else "some ranks"
+        raise CollectiveError(
+            f"gradring: {who} did not reach the shared-memory rendezvous within "
+            f"{timeout:g}s (gone, or stuck before their first collective on this group). "
+            f"Store: {exc}") from None
     out = []
     for k in keys:
         try:
@@ -96,18 +112,20 @@ def _unavailable(reason: str) -> tuple[None, str]:
     return None, reason
 
 
-def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
+def connect(store: Any, rank: int, world_size: int, timeout: float,
+            check_missing: Callable[[list[int]], None] | None = None) -> tuple[
         ShmTransport | None, str]:
     """Rendezvous through ``store`` (a store private to the group); collective.
 
     Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
     share a host (or a peer's announcement does not check out). At the first
     connect in a process, segments left by dead processes are removed (see
-    [Note: segment names and leaks]).
+    [Note: segment names and leaks]). ``check_missing(ranks)`` runs while it waits
+    for ranks that have not come yet, and may raise (one known to be gone).
     """
     key = instance_prefix(store, "shm", world_size)  # one generation per group instance
     store.set(f"{key}info/{rank}", json.dumps(dict(host_identity(), pid=os.getpid())))
-    infos = _gather(store, f"{key}info/", world_size, timeout)
+    infos = _gather(store, f"{key}info/", world_size, timeout, check_missing)
     ident = host_identity()
     others = [p for p, i in enumerate(infos)
               if not isinstance(i, dict) or {k: i.get(k) for k in ident} != ident]
@@ -129,7 +147,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         if isinstance(exc, segments.ShmFull):
             mine["needed"] = exc.needed
     store.set(f"{key}ctl/{rank}", json.dumps(mine))
-    ctls = _gather(store, f"{key}ctl/", world_size, timeout)
+    ctls = _gather(store, f"{key}ctl/", world_size, timeout, check_missing)
     failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls)
               if isinstance(c, dict) and "error" in c]
     if failed or ctl is None:
@@ -158,7 +176,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float) -> tuple[
         except (OSError, ValueError) as exc:
             problem = f"cannot map rank {p}'s control segment: {exc}"
     store.set(f"{key}ok/{rank}", json.dumps(problem))
-    verdicts = _gather(store, f"{key}ok/", world_size, timeout)
+    verdicts = _gather(store, f"{key}ok/", world_size, timeout, check_missing)
     ctl.unlink()  # every peer has mapped it (or given up): no name left to leak
     bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
     if bad:
