@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from gradring.tools.bench import allreduce
+from gradring.tools.bench.ranks import run_ranks
 
 CANDIDATES = ("oneshot", "twoshot", "tree", "ring")
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1 << 20)
@@ -74,7 +75,7 @@ def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: i
 def crossover(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
               timeout: float = 600) -> str:
     """Table of the candidates behind select.py's thresholds (median us per call)."""
-    res = allreduce.launch(_rank_main, nproc, (list(sizes), reps), timeout)
+    res = run_ranks(_rank_main, nproc, (list(sizes), reps), timeout=timeout)[0]
     lines = [f"# crossovers, world {nproc}: time per all_reduce (us), user tensors",
              f"# {'size':>9} " + " ".join(f"{n:>9}" for n in CANDIDATES)]
     for size in sizes:

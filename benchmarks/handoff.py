@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from gradring.comm.transports.shm import futex
 from gradring.tools.bench import allreduce
+from gradring.tools.bench.ranks import run_ranks
 
 
 def round_trips(rank: int, iters: int, block: bool) -> float:
@@ -130,7 +131,7 @@ def floor(nproc: int = 2, reps: int = 7, iters: int = 200,
     if nproc < 2:
         raise ValueError(f"the hand-off needs ranks 0 and 1: nproc must be at least 2, "
                          f"got {nproc}")
-    res = allreduce.launch(_rank_main, nproc, (reps, iters), timeout)
+    res = run_ranks(_rank_main, nproc, (reps, iters), timeout=timeout)[0]
     return {how: statistics.median(v) for how, v in res.items()}
 
 

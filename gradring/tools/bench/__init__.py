@@ -1,12 +1,12 @@
 """Benchmarks shipped with the package, run as ``gradring bench NAME [options]``.
 
-They measure gradring against torch on the user's machine. Each module has
-``main(argv, prog)`` and runs as ``python -m gradring.tools.bench.NAME`` too;
-``noise.py`` and ``load.py`` are shared by them. Benchmarks that need a source
-checkout (another commit, the test suite's harness) or study gradring's
-internals live in the checkout's ``benchmarks/`` only; they build on
-``ddp_step.measure``/``report`` and ``allreduce.launch``, and nothing here
-imports from there.
+They measure gradring against torch on the user's machine. Each benchmark
+module (those in BENCHMARKS) has ``main(argv, prog)`` and runs as ``python -m
+gradring.tools.bench.NAME`` too; ``noise.py``, ``load.py`` and ``ranks.py``
+are shared by them. Benchmarks that need a source checkout (another commit,
+the test suite's harness) or study gradring's internals live in the
+checkout's ``benchmarks/`` only; they build on ``ddp_step.measure``/``report``
+and ``ranks.run_ranks``, and nothing here imports from there.
 """
 
 from __future__ import annotations

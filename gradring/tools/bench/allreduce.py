@@ -27,7 +27,7 @@ cache lines between phases: the two-shot writes each sum into lines it has
 just read. Call :func:`run` and :func:`format_table` from code.
 
 A source checkout's ``benchmarks/`` holds developer studies built on this
-one's :func:`launch`: ``allreduce_crossover.py`` (the algorithms behind the
+one: ``allreduce_crossover.py`` (the algorithms behind the
 size thresholds) and ``handoff.py`` (a bare futex hand-off between ranks, the
 floor under a small all-reduce).
 """
@@ -35,15 +35,14 @@ floor under a small all-reduce).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
+
+from gradring.tools.bench.ranks import run_ranks
 
 VARIANTS = {
     "shm-empty": "gradring-shm (comm.empty)",
@@ -165,37 +164,14 @@ def _rank_main(rank: int, nproc: int, store_path: str, sizes: list[int], reps: i
     dist.destroy_process_group()
 
 
-def launch(target: Callable[..., None], nproc: int, args: tuple[Any, ...],
-           timeout: float) -> Any:
-    """Start ``nproc`` fresh rank processes running ``target(rank, nproc, store_path,
-    *args, queue)`` and return the first object one of them puts on ``queue`` (rank
-    0's result, by convention). ``store_path`` is a FileStore path for
-    ``init_process_group``; ``target`` must be picklable (a module-level function).
-    Raises ``queue.Empty`` when nothing arrives within ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="gradring-bench-") as tmp:
-        procs = [ctx.Process(target=target, daemon=True,
-                             args=(r, nproc, os.path.join(tmp, "store"), *args, queue))
-                 for r in range(nproc)]
-        for p in procs:
-            p.start()
-        try:
-            return queue.get(timeout=timeout)
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
-
-
 def run(nproc: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 7,
         variants: tuple[str, ...] = tuple(VARIANTS), timeout: float = 600) -> Result:
     """Run the benchmark in ``nproc`` fresh processes; return medians."""
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    times, rates = launch(_rank_main, nproc, (list(sizes), reps, list(variants)), timeout)
+    times, rates = run_ranks(_rank_main, nproc, (list(sizes), reps, list(variants)),
+                             timeout=timeout)[0]
     busfactor = 2 * (nproc - 1) / nproc
     rows = []
     for (size, variant), samples in sorted(times.items(), key=lambda kv: (

@@ -68,7 +68,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -76,7 +75,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 OVERLAP_ENV = "GRADRING_OVERLAP"  # see gradring/reducer/overlap_policy.py
@@ -546,6 +544,7 @@ def measure(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
     shuffled turns; ``probe`` runs after each model's rounds (see SetupFactory
     and ModelProbe). ``load`` CPU-spinning processes run beside the ranks."""
     from gradring.tools.bench.load import competing_load
+    from gradring.tools.bench.ranks import run_ranks
 
     models = list(models) if models is not None else list(MODELS)
     unknown = [m for m in models if m not in MODELS]
@@ -561,16 +560,8 @@ def measure(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     args = argparse.Namespace(models=models, steps=steps, rounds=rounds, overlap=overlap,
                               extra_setups=extra, probe=probe)
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp, competing_load(load):
-        procs = [ctx.Process(target=worker, args=(r, nproc, os.path.join(tmp, "store"), args, q))
-                 for r in range(nproc)]
-        for p in procs:
-            p.start()
-        per_rank = dict(q.get() for _ in procs)
-        for p in procs:
-            p.join()
+    with competing_load(load):
+        per_rank = dict(run_ranks(worker, nproc, (args,), results=nproc))
     return _slowest([per_rank[r] for r in range(nproc)])
 
 
