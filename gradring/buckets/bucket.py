@@ -86,9 +86,9 @@ class Bucket:
         # Within one backward a bucket goes FILLING -> READY -> LAUNCHED and back
         # to FILLING at reset(). Only its own methods change the fields below:
         # arrive() counts a gradient in, mark_ready(), launch() or
-        # leave_to_finalize(), start_inline() when the finalize reduces it,
+        # leave_to_finalize(), start_at_finalize() when the finalize reduces it,
         # complete() once its results are written, reset() for the next
-        # backward; write_back(), home() and loosen() record how this backward's
+        # backward; write_back(), home() and unpack() record how this backward's
         # slots went in. The others read them.
         # Gradients still missing in this backward, out of ``size``.
         self.size = len(params)
@@ -99,7 +99,7 @@ class Bucket:
         self.future: Any = None
         # Left to be reduced by the finalize on its own thread (see [Note: buckets
         # left to the finalize] in reducer/launcher.py).
-        self.inline = False
+        self.at_finalize = False
         # The part of the buffer this rank reduces itself (comm.own_range), set by
         # the reducer, and this backward's homed gradients: (offset, flat .grad)
         # pairs and their slots (see [Note: external parts] in comm/external.py).
@@ -131,7 +131,7 @@ class Bucket:
         # Whether the bucket's packed slots are one run of 1-D slots (a torch.cat).
         self.packed_flat = False
         # This backward's runs (by position in ``runs``) that went slot by slot.
-        self.loose: set[int] = set()
+        self.unpacked: set[int] = set()
 
     # ------------------------------------------------- one backward's transitions
     def arrive(self) -> bool:
@@ -153,11 +153,11 @@ class Bucket:
         """Counted as launched, but the finalize reduces it on its own thread
         (see [Note: buckets left to the finalize] in reducer/launcher.py)."""
         self.state = BucketState.LAUNCHED
-        self.inline = True
+        self.at_finalize = True
 
-    def start_inline(self) -> None:
+    def start_at_finalize(self) -> None:
         """The finalize (or a drain) now reduces the bucket left to it."""
-        self.inline = False
+        self.at_finalize = False
 
     def home(self, start: int, flat: torch.Tensor, slot: int) -> None:
         """Slot ``slot``'s gradient stays in ``.grad`` (``flat``, at element
@@ -169,9 +169,9 @@ class Bucket:
         """This backward's homed gradients, by offset, for the homed all-reduce."""
         return sorted(self.homes, key=_offset)
 
-    def loosen(self, run: int) -> None:
+    def unpack(self, run: int) -> None:
         """Packed run ``run`` went slot by slot in this backward (so will its write-back)."""
-        self.loose.add(run)
+        self.unpacked.add(run)
 
     def complete(self) -> None:
         """The results are written: drop this backward's references to old gradients."""
@@ -227,11 +227,11 @@ class Bucket:
         self.pending = self.size
         self.state = BucketState.FILLING
         self.future = None
-        self.inline = False
+        self.at_finalize = False
         self.homes.clear()
         self.homed_slots.clear()
         self.to_write.clear()
-        self.loose.clear()
+        self.unpacked.clear()
 
 
 # [Note: the gradient layout contract]

@@ -36,7 +36,7 @@ did to it, which is what torch's reducer sees (its hook runs after them).
 Whatever the batched calls cannot take (a missing gradient, a sparse one, a
 backward with ``create_graph=True``, parameters no rank used) goes run by
 run, and within a run that still fails, slot by slot through the reducer's
-ordinary path: the run is marked *loose* for this backward and its slots are
+ordinary path: the run is marked *unpacked* for this backward and its slots are
 written back one by one.
 """
 

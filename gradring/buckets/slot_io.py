@@ -32,7 +32,7 @@ def put_deferred(bucket: Bucket, scale: float) -> None:
         for r, run in enumerate(bucket.runs):
             # create_graph: slot by slot, so that .grad is written with autograd on.
             if grad_mode or not copy_in(buffer, views, run, scale):
-                bucket.loosen(r)
+                bucket.unpack(r)
                 for s in range(run.lo, run.hi):
                     put_copied(bucket, s, scale)
     finally:
@@ -144,13 +144,13 @@ def write_grads(bucket: Bucket, used: list[int] | None) -> None:
     for slot in bucket.to_write:
         if slot not in homed:  # else the collective wrote the result into .grad
             _write_slot(bucket, slot, used)
-    runs, loose, views = bucket.runs, bucket.loose, bucket.views
-    if runs and not loose and (used is None or all(
+    runs, unpacked, views = bucket.runs, bucket.unpacked, bucket.views
+    if runs and not unpacked and (used is None or all(
             used[i] for run in runs for i in run.indices)) and \
             copy_out_all(bucket.packed_params, bucket.packed_views):
         return
     for r, run in enumerate(runs):
-        if r in loose:
+        if r in unpacked:
             continue  # its slots went one by one, into to_write
         if (used is None or all(used[i] for i in run.indices)) and copy_out(views, run):
             continue

@@ -104,7 +104,7 @@ class Launcher:
             self._events.open(self._event_names[0])
         comm = self._comm
         if not async_op:
-            bucket.start_inline()
+            bucket.start_at_finalize()
         try:
             with profiled(f"gradring::bucket_all_reduce#{index}"):
                 if bucket.homes:
@@ -130,7 +130,7 @@ class Launcher:
     def result(self, bucket: Bucket, scale: float) -> torch.Tensor:
         """The finalize: the bucket's reduced values (reducing it here if it
         was left to the finalize); a failure names the bucket."""
-        if bucket.inline:
+        if bucket.at_finalize:
             with profiled(f"gradring::bucket_all_reduce#{bucket.index}"):
                 return self.reduce(bucket, scale, async_op=False)
         try:
@@ -145,7 +145,7 @@ class Launcher:
         to the finalize is still issued: the peers issue it too)."""
         for b in buckets:
             try:
-                if b.inline:
+                if b.at_finalize:
                     self.reduce(b, scale, async_op=False)
                 elif b.future is not None:
                     b.future.wait()

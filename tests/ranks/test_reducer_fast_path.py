@@ -125,7 +125,7 @@ def _packed_small(rank: int, world: int) -> dict:
     for _ in range(3):
         ddp.zero_grad(set_to_none=True)
         ddp(torch.randn(96)).backward()
-    out = {"small": 0, "packed": 0, "in_bucket": 0, "loose": 0, "homes_left": 0, "runs": 0}
+    out = {"small": 0, "packed": 0, "in_bucket": 0, "unpacked": 0, "homes_left": 0, "runs": 0}
     for b in ddp.reducer.buckets:
         lo, hi = b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes
         for s, n in enumerate(b.numels):
@@ -134,7 +134,7 @@ def _packed_small(rank: int, world: int) -> dict:
                 out["packed"] += b.kinds[s] is SlotKind.PACKED
                 grad = b.params[s].grad
                 out["in_bucket"] += grad is not None and lo <= grad.data_ptr() < hi
-        out["loose"] += len(b.loose)
+        out["unpacked"] += len(b.unpacked)
         out["runs"] += len(b.runs)
         out["homes_left"] += len(b.homes)
     torch.distributed.barrier()
@@ -148,7 +148,7 @@ def test_small_slots_are_packed_and_keep_their_own_grad(pools):
     # torch's DDP without gradient_as_bucket_view.
     for r in pools.run(2, _packed_small):
         assert r["small"] == 162 and r["packed"] == r["small"], r
-        assert r["in_bucket"] == 0 and r["loose"] == 0 and r["homes_left"] == 0, r
+        assert r["in_bucket"] == 0 and r["unpacked"] == 0 and r["homes_left"] == 0, r
         assert 0 < r["runs"] < 20, r  # runs of neighbours, not one call per slot
 
 
