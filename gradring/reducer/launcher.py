@@ -93,6 +93,10 @@ class Launcher:
                 bucket.launch(self.reduce(bucket, scale, async_op=True, is_last=k == last))
         return reduced
 
+    def use(self, comm: GroupComm) -> None:
+        """Issue later collectives through ``comm`` (the reducer's changed)."""
+        self._comm = comm
+
     def reduce(self, bucket: Bucket, scale: float, *, async_op: bool,
                is_last: bool = False) -> Any:
         """Issue the bucket's collective: a future (``async_op``), or the

@@ -100,8 +100,8 @@ class Reducer:
         self.names = list(names)
         # id(param) -> index, for the graph walk and index_of().
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        # Collectives over the DDP process group.
-        self.comm = comm
+        # Collectives over the DDP process group (``comm``; the launcher holds it too).
+        self._comm = comm
         # The caps the constructor arguments imply (see BucketCaps).
         self.caps = caps
         # The cap in force: bucket_cap_mb in bytes, or what "auto" chose at the rebuild.
@@ -220,6 +220,17 @@ class Reducer:
         self._claim()
 
     # ------------------------------------------------------------ configuration
+    @property
+    def comm(self) -> GroupComm:
+        """Collectives over the DDP process group."""
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm: GroupComm) -> None:
+        # The launcher issues the buckets' collectives: it must use the same one.
+        self._comm = comm
+        self._launcher.use(comm)
+
     @property
     def static_graph(self) -> bool:
         return self.mode is GraphMode.STATIC

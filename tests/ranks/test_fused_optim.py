@@ -117,7 +117,14 @@ class _GatedComm:
         self.timed_out = False
 
     def all_reduce(self, tensor: torch.Tensor, **kwargs: Any) -> torch.futures.Future:
-        fut = self._real.all_reduce(tensor, **kwargs)
+        return self._gated(tensor, self._real.all_reduce(tensor, **kwargs))
+
+    def all_reduce_homed(self, tensor: torch.Tensor, *args: Any,
+                         **kwargs: Any) -> torch.futures.Future:
+        # A bucket whose gradients stay in .grad takes this path: gated the same way.
+        return self._gated(tensor, self._real.all_reduce_homed(tensor, *args, **kwargs))
+
+    def _gated(self, tensor: torch.Tensor, fut: Any) -> Any:
         buckets = self._reducer.buckets
         if len(buckets) < 2 or tensor.data_ptr() != buckets[-1].buffer.data_ptr():
             return fut
