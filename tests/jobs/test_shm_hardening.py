@@ -284,6 +284,21 @@ def test_offset_past_the_segment_end_is_an_error_not_a_wrong_sum(tmp_path) -> No
     assert liar["error"] is not None, liar  # the closing agreement: it fails as well
 
 
+def test_failure_after_the_inline_barrier_is_the_failing_ranks_and_sticks(tmp_path) -> None:
+    # Nothing after the inline exchange's barrier can fail but a foreign exception in
+    # the local sum: the failing rank raises it, a peer that completed holds the right
+    # sum (every input was there), and the group's verdict then fails the next
+    # collective on every rank, naming rank 1 ([Note: inline exchange]).
+    res = job("inline_foreign_error", str(tmp_path), env={"GRADRING_TIMEOUT": "60"})
+    peer, failing = by_case(res)
+    assert failing["inline"]["error"] is not None, failing
+    assert "The size of tensor a (2) must match" in failing["inline"]["error"], failing
+    assert peer["inline"]["error"] is None and peer["inline"]["value"] == 3.0, peer
+    for side in (peer, failing):
+        err = side["next"]["error"]
+        assert err is not None and "CollectiveError" in err and "rank 1" in err, side
+
+
 # ------------------------------------------------------------------- 5: leaks
 def test_freeing_many_buckets_at_once_leaks_no_mappings(tmp_path) -> None:
     res = job("leak_buckets", str(tmp_path))

@@ -33,12 +33,14 @@ import time
 
 import pytest
 
+from gradring.comm.transports.shm.layout import control_size
 from tests.multihost.netns_harness import TwoHosts, describe, records, unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 CAP_S = 180.0  # per launch: generous, 4 ranks + 2 agents on a 2-core VM
-#: Two control segments of 2 ranks (2 x 2052 KiB) fit; a 64 KiB staging buffer does not.
-SMALL_SHM = "4160k"
+#: Two control segments of 2 ranks fit, with 32 KiB to spare: a 64 KiB staging buffer
+#: does not.
+SMALL_SHM = f"{2 * control_size(2) // 1024 + 32}k"
 LINGER_S = "4"
 
 _WHY = unavailable()

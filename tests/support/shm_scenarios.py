@@ -173,8 +173,10 @@ def _inject(rank: int, case: str):
 
 
 def foreign_error(rank: int, world: int, tmp: str) -> bool:
-    """Rank 1 raises something that is not a CollectiveError inside a collective."""
-    sizes = {"mmap_value_error": 1 << 20, "torch_shape_error": 1000, "file_exists": 1 << 20}
+    """Rank 1 raises something that is not a CollectiveError inside a collective (the
+    staged one-shot for the shape error: above the inline size, whose failures after
+    its barrier are ``inline_foreign_error``'s case)."""
+    sizes = {"mmap_value_error": 1 << 20, "torch_shape_error": 20_000, "file_exists": 1 << 20}
     for case, numel in sizes.items():
         comm.all_reduce(torch.ones(8))  # connect (fresh transport per case)
         undo = _inject(rank, case)
@@ -337,9 +339,33 @@ def bad_offset(rank: int, world: int, tmp: str) -> bool:
                 offset = self.staging_size(segno) - 4
             return slot, no_room, segno, offset
         SegmentBook.outgoing = lying  # type: ignore[method-assign]
-    x = torch.full((1000,), float(rank + 1))
+    x = torch.full((20_000,), float(rank + 1))  # staged: above the inline size
     out = _attempt(lambda: comm.all_reduce(x))
     say(rank=rank, case="bad_offset", value=float(x[0]), **out)
+    return True
+
+
+def inline_foreign_error(rank: int, world: int, tmp: str) -> bool:
+    """Rank 1 raises inside the sum of an inline all-reduce, after its one barrier
+    ([Note: inline exchange]): it gets the error, the others complete with the right
+    sum, and the group then refuses the next collective everywhere, naming rank 1."""
+    from gradring.comm import ops
+
+    comm.all_reduce(torch.ones(8))  # connect
+    undo = lambda: None  # noqa: E731
+    if rank == 1:
+        orig = ops.reduce_into
+
+        def bad_reduce(*args: object, **kw: object) -> None:
+            torch.ones(2) + torch.ones(3)  # the size of tensor a (2) must match ...
+        ops.reduce_into = bad_reduce  # type: ignore[assignment]
+        undo = lambda: setattr(ops, "reduce_into", orig)  # noqa: E731
+    x = torch.full((8,), float(rank + 1))
+    out = _attempt(lambda: comm.all_reduce(x))
+    undo()
+    say(rank=rank, case="inline", value=float(x[0]), **out)
+    out = _attempt(lambda: comm.all_reduce(torch.ones(8)))
+    say(rank=rank, case="next", **out)
     return True
 
 
