@@ -47,7 +47,7 @@ from typing import Any
 
 from gradring import config
 from gradring.comm import peers
-from gradring.comm.store import instance_prefix, wait_keys
+from gradring.comm.store import instance_prefix, wait_keys, who_is_missing
 from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.topology import host_key
 from gradring.config import SettingsMismatch
@@ -141,14 +141,10 @@ def agree(store: Any, rank: int, world_size: int, timeout: float,
     except CollectiveError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch's DistStoreError (or a closed store)
-        try:
-            missing = [p for p, k in enumerate(keys) if not store.check([k])]
-        except Exception:  # noqa: BLE001 - the store itself is gone
-            missing = []
-        who = f"ranks {missing}" if missing else "some ranks"
         raise CollectiveError(
-            f"gradring group {group}: {who} did not make their first gradring call on this "
-            f"group within {timeout:g}s; rank {rank} waited there to agree on "
+            f"gradring group {group}: {who_is_missing(store, keys)} did not make their "
+            f"first gradring call on this group within {timeout:g}s; rank {rank} waited "
+            f"there to agree on "
             f"{', '.join(_VARS.values())} (a rank that is gone or stuck before it, or that "
             f"issues a collective of another group or of torch first). Store: {exc}"
         ) from None

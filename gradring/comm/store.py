@@ -72,6 +72,17 @@ def wait_keys(store: Any, keys: list[str], timeout: float,
         pause = min(pause * 2, POLL_MAX_S)
 
 
+def who_is_missing(store: Any, keys: list[str]) -> str:
+    """``ranks [1, 3]``: the ranks whose key (one per rank, in rank order) is not in
+    ``store``, for the error of a wait that ended without them; ``some ranks`` when
+    the store itself no longer answers."""
+    try:
+        missing = [p for p, k in enumerate(keys) if not store.check([k])]
+    except Exception:  # noqa: BLE001 - the store itself is gone
+        missing = []
+    return f"ranks {missing}" if missing else "some ranks"
+
+
 def address(store: Any) -> str:
     """Where ``store`` lives, for messages: ``HOST:PORT`` of the TCPStore beneath any
     prefix stores, else the store's kind."""

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gradring.comm.store import instance_prefix, wait_keys
+from gradring.comm.store import instance_prefix, wait_keys, who_is_missing
 from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import futex, segments, sigterm, space
 from gradring.comm.transports.shm.layout import (
@@ -64,15 +64,10 @@ def _gather(store: Any, prefix: str, world_size: int, timeout: float,
     except CollectiveError:
         raise
     except Exception as exc:  # noqa: BLE001 - the store's timeout (or a closed store)
-        try:
-            missing = [p for p, k in enumerate(keys) if not store.check([k])]
-        except Exception:  # noqa: BLE001 - the store itself is gone
-            missing = []
-        who = f"ranks {missing}" if missing else "some ranks"
         raise CollectiveError(
-            f"gradring: {who} did not reach the shared-memory rendezvous within "
-            f"{timeout:g}s (gone, or stuck before their first collective on this group). "
-            f"Store: {exc}") from None
+            f"gradring: {who_is_missing(store, keys)} did not reach the shared-memory "
+            f"rendezvous within {timeout:g}s (gone, or stuck before their first "
+            f"collective on this group). Store: {exc}") from None
     out = []
     for k in keys:
         try:
