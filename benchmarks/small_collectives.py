@@ -25,21 +25,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run_ranks() -> Any:
+    """The package's rank launcher (``gradring/tools/bench/ranks.py``) of this tree,
+    loaded by path: a job of another tree (``--tree``) imports that tree's gradring,
+    which may predate it. It imports nothing of gradring."""
+    path = os.path.join(_HERE, "gradring", "tools", "bench", "ranks.py")
+    spec = importlib.util.spec_from_file_location("_small_collectives_ranks", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.run_ranks
 
 
 def _busy(us: float) -> None:
@@ -48,15 +56,16 @@ def _busy(us: float) -> None:
         pass
 
 
-def _rank_main(args: argparse.Namespace) -> None:
+def _rank_main(rank: int, nproc: int, store: str, opts: dict[str, Any], queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     from gradring import comm
 
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
+                            world_size=nproc)
+    args = argparse.Namespace(**opts)
     out: dict[str, list[float]] = {}
 
     def block(name: str, fn, calls: int) -> None:
@@ -88,8 +97,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             block("compute + gloo loss avg",
                   lambda: (_busy(args.compute_us), dist.all_reduce(scalar)), steps)
     if rank == 0:
-        with open(args.result, "w") as f:
-            json.dump(out, f)
+        queue.put(out)
     comm.shutdown()
     dist.destroy_process_group()
 
@@ -106,27 +114,24 @@ def _load(n: int) -> Iterator[None]:
             p.wait()
 
 
+def _measure(opts: dict[str, Any]) -> dict[str, list[float]]:
+    """One job: ``opts["nproc"]`` ranks, rank 0's per-round medians."""
+    return _run_ranks()(_rank_main, opts["nproc"], (opts,), timeout=600)[0]
+
+
 def _job(args: argparse.Namespace, tree: str | None) -> dict[str, list[float]]:
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "r.json")
-        procs = []
-        for r in range(args.nproc):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.nproc),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            if tree:
-                env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-            cmd = [sys.executable, os.path.abspath(__file__), "--rank-main", "--result", result,
-                   "--sizes", args.sizes, "--calls", str(args.calls), "--rounds",
-                   str(args.rounds), "--compute-us", str(args.compute_us)]
-            if args.loop:
-                cmd.append("--loop")
-            procs.append(subprocess.Popen(cmd, env=env, cwd=tree or None))
-        for p in procs:
-            if p.wait(timeout=600) != 0:
-                raise SystemExit(f"a rank exited with {p.returncode}")
-        with open(result) as f:
-            return json.load(f)
+    """One job of this tree, or of ``tree`` (a process that imports gradring from there)."""
+    opts = {k: getattr(args, k) for k in ("nproc", "sizes", "calls", "rounds", "loop",
+                                          "compute_us")}
+    if tree is None:
+        return _measure(opts)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--job", json.dumps(opts)],
+                       env=env, cwd=tree, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise SystemExit(f"a job of {tree} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _fmt(vals: list[float]) -> str:
@@ -161,17 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", default=None, help="import gradring from this checkout")
     p.add_argument("--against", default=None,
                    help="git revision to compare with: jobs of both trees alternate")
-    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.rank_main:
-        _rank_main(args)
+    if args.job is not None:  # one job of another tree, started by _job
+        print(json.dumps(_measure(json.loads(args.job))))
         return 0
     with _load(args.load):
         if args.against is None:
             _report(_job(args, args.tree))
             return 0
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        here = _HERE
         with tempfile.TemporaryDirectory() as tmp:
             wt = os.path.join(tmp, "parent")
             subprocess.run(["git", "-C", here, "worktree", "add", "--detach", "-q", wt,
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 mine: dict[str, list[float]] = {}
                 theirs: dict[str, list[float]] = {}
                 for _ in range(rounds):
-                    for acc, tree in ((mine, here), (theirs, wt)):
+                    for acc, tree in ((mine, None), (theirs, wt)):
                         for k, v in _job(args, tree).items():
                             acc.setdefault(k, []).extend(v)
                 _report(mine, "this tree: ")

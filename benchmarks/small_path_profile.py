@@ -25,23 +25,14 @@ Each timer adds about 0.2 us to its part. Run it on a quiet machine:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gradring.tools.bench.ranks import run_ranks
 
 
 def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,7 +47,8 @@ def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable
     return wrapper
 
 
-def _rank_main(args: argparse.Namespace) -> None:
+def _rank_main(rank: int, nproc: int, store: str, calls: int, nrounds: int,
+               queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -66,8 +58,8 @@ def _rank_main(args: argparse.Namespace) -> None:
     from gradring.comm import recorder, runner
     from gradring.comm.transports.shm import transport as shm_transport
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
+                            world_size=nproc)
     x = torch.ones(2)
     for _ in range(200):
         comm.all_reduce(x)
@@ -95,14 +87,14 @@ def _rank_main(args: argparse.Namespace) -> None:
         real_run = runner.run_small_all_reduce
         runner.run_small_all_reduce = _timed(acc, "_run", real_run)
     rounds: dict[str, list[float]] = defaultdict(list)
-    for _ in range(args.rounds):
+    for _ in range(nrounds):
         acc.clear()
         t0 = time.perf_counter_ns()
-        for _ in range(args.calls):
+        for _ in range(calls):
             comm.all_reduce(x)
-        total = (time.perf_counter_ns() - t0) / args.calls / 1000
+        total = (time.perf_counter_ns() - t0) / calls / 1000
         if rank == 0:
-            per = {k: v / args.calls / 1000 for k, v in acc.items()}
+            per = {k: v / calls / 1000 for k, v in acc.items()}
             # Parts that contain others: report what is theirs alone.
             exchange = per.pop("_exchange", 0.0)
             run = per.pop("_run", 0.0)
@@ -120,8 +112,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             for k, v in per.items():
                 rounds[k].append(v)
     if rank == 0:
-        with open(args.result, "w") as f:
-            json.dump(rounds, f)
+        queue.put(dict(rounds))
     comm.shutdown()
     dist.destroy_process_group()
 
@@ -131,25 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="calls per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds")
-    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.rank_main:
-        _rank_main(args)
-        return 0
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "r.json")
-        procs = [subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--rank-main", "--result", result,
-             "--calls", str(args.calls), "--rounds", str(args.rounds)],
-            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port), OMP_NUM_THREADS="1")) for r in range(2)]
-        for proc in procs:
-            if proc.wait(timeout=600) != 0:
-                raise SystemExit(f"a rank exited with {proc.returncode}")
-        with open(result) as f:
-            rounds = json.load(f)
+    rounds = run_ranks(_rank_main, 2, (args.calls, args.rounds), timeout=600)[0]
     print("8-byte all_reduce, world 2, rank 0: us per call, median over rounds [min-max]")
     for k, v in rounds.items():
         print(f"  {k:42s} {statistics.median(v):7.1f} [{min(v):.1f}-{max(v):.1f}]")
