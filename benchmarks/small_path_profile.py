@@ -47,8 +47,14 @@ def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable
     return wrapper
 
 
+def _busy(us: float) -> None:
+    end = time.perf_counter_ns() + int(us * 1000)
+    while time.perf_counter_ns() < end:
+        pass
+
+
 def _rank_main(rank: int, nproc: int, store: str, calls: int, nrounds: int,
-               queue: Any) -> None:
+               busy_us: float, queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -89,10 +95,19 @@ def _rank_main(rank: int, nproc: int, store: str, calls: int, nrounds: int,
     rounds: dict[str, list[float]] = defaultdict(list)
     for _ in range(nrounds):
         acc.clear()
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            comm.all_reduce(x)
-        total = (time.perf_counter_ns() - t0) / calls / 1000
+        elapsed = 0
+        if busy_us > 0:  # a training step's compute before each call
+            for _ in range(calls):
+                _busy(busy_us)
+                t0 = time.perf_counter_ns()
+                comm.all_reduce(x)
+                elapsed += time.perf_counter_ns() - t0
+        else:
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                comm.all_reduce(x)
+            elapsed = time.perf_counter_ns() - t0
+        total = elapsed / calls / 1000
         if rank == 0:
             per = {k: v / calls / 1000 for k, v in acc.items()}
             # Parts that contain others: report what is theirs alone.
@@ -122,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="calls per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds")
+    p.add_argument("--busy-us", type=float, default=0.0,
+                   help="busy work before each call (a training step's compute), not timed")
     args = p.parse_args(argv)
-    rounds = run_ranks(_rank_main, 2, (args.calls, args.rounds), timeout=600)[0]
+    rounds = run_ranks(_rank_main, 2, (args.calls, args.rounds, args.busy_us),
+                       timeout=900)[0]
     print("8-byte all_reduce, world 2, rank 0: us per call, median over rounds [min-max]")
     for k, v in rounds.items():
         print(f"  {k:42s} {statistics.median(v):7.1f} [{min(v):.1f}-{max(v):.1f}]")

@@ -33,6 +33,10 @@ from gradring.comm.transport import Kind
 
 ReduceOp = dist.ReduceOp
 _default_group = dist.distributed_c10d._get_default_group
+#: torch's record of its default group; the small path reads ``_default_pg`` from it
+#: (None before init_process_group) instead of calling ``_get_default_group``, three
+#: Python calls. Where a torch lacks it, the small path is just not taken for group=None.
+_WORLD = getattr(dist.distributed_c10d, "_world", None)
 
 
 def _is_native(*tensors: torch.Tensor) -> bool:
@@ -164,7 +168,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     ``on_done(future)`` runs when it completes.
     """
     if not async_op:  # [Note: the small synchronous path] in small_sync.py
-        ctx = GROUPS.get(group if group is not None else _default_group())
+        ctx = GROUPS.get(group if group is not None else getattr(_WORLD, "_default_pg", None))
         if ctx is not None and ctx.small is not None \
                 and ctx.small.all_reduce(tensor, op, label):  # type: ignore[attr-defined]
             if on_done is not None:

@@ -87,15 +87,16 @@ def _run(ctx: GroupContext, c: Collective) -> None:
     ctx.last_seq = c.seq
 
 
-def run_small_all_reduce(ctx: GroupContext, c: Collective, transport: Any, flat: torch.Tensor,
-                         op: Op) -> None:
-    """A small all-reduce of flat contiguous ``flat`` on ``transport`` (shm), run on
+def run_small_all_reduce(ctx: GroupContext, c: Collective, transport: Any,
+                         tensor: torch.Tensor, op: Op) -> None:
+    """A small all-reduce of contiguous ``tensor`` (any shape: no flat view is made,
+    which would cost more than its sum) on ``transport`` (shm), run on
     the caller's thread by ``small_sync.py``: what :func:`_run` does for it, without
     the choosing (``direct/inline`` is what ``select.choose`` picks for it)."""
     c.start("direct/inline over shm")
     try:
         transport.start(c)
-        direct.all_reduce_inline(transport, c, flat, op)
+        direct.all_reduce_inline(transport, c, tensor, op)
         transport.finish()
     except BaseException as exc:
         err = _failed(ctx, c, "shm", transport, exc)

@@ -78,7 +78,7 @@ class SmallSync:
         try:
             entry = RECORDER.issue(ctx.name, ctx.next_seq(), Kind.ALL_REDUCE, nbytes,
                                    tensor.dtype, tensor.shape, label=label)
-            runner.run_small_all_reduce(ctx, entry, transport, tensor.view(-1), mine)
+            runner.run_small_all_reduce(ctx, entry, transport, tensor, mine)
         finally:
             engine.leave()
         return True

@@ -125,9 +125,10 @@ class DirectTransport(Transport, Protocol):
         """
 
     def exchange_inline(self, info: Collective, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Copy ``flat`` (small) where peers read it; after one barrier, return every
-        rank's copy in rank order. The copies stay readable until this rank's next
-        exchange, and nothing that follows needs a closing barrier."""
+        """Copy ``flat`` (small, contiguous, of any shape) where peers read it; after
+        one barrier, return every rank's copy in rank order, shaped like ``flat``.
+        The copies stay readable until this rank's next exchange, and nothing that
+        follows needs a closing barrier."""
 
     def arrive(self) -> None:
         """Announce that this rank reached the next barrier, without waiting."""

@@ -5,6 +5,7 @@ bits, and that its errors name the peer."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -80,6 +81,19 @@ def _every_case(rank: int, world: int) -> dict[str, object]:
                     comm.all_reduce(queued, op=op, async_op=True).wait()
                     if not torch.equal(small, want) or not torch.equal(queued, want):
                         wrong.append(f"{dtype} {name} {count}")
+        # Any contiguous shape: the small path sums into the caller's tensor without a
+        # flat view of it (the inline slots are viewed in its shape).
+        for shape in ((), (3, 5), (2, 1, 4)):
+            for name in ("SUM", "AVG"):
+                salt += 1
+                count = math.prod(shape)
+                want = naive.oracle_all_reduce(
+                    [_data(r, count, torch.float32, salt) for r in range(world)], Op(name))
+                small = _data(rank, count, torch.float32, salt).view(shape)
+                _until_idle()
+                comm.all_reduce(small, op=OPS[name])
+                if small.shape != shape or not torch.equal(small.reshape(-1), want):
+                    wrong.append(f"shape {shape} {name}")
         small_calls = len(calls.threads)
         on_callers_thread = set(calls.threads) == {threading.current_thread().name}
         # Not taken: too big, not contiguous, an override.

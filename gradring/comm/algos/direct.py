@@ -125,7 +125,8 @@ def all_reduce_inline(t: DirectTransport, info: Collective, flat: torch.Tensor,
                       op: Op) -> None:
     """Small messages: the one-shot with every input carried by the exchange itself
     (``exchange_inline``), so one barrier and no closing agreement; the same sum in
-    the same rank order as :func:`all_reduce_oneshot`, so the same bits."""
+    the same rank order as :func:`all_reduce_oneshot`, so the same bits. ``flat`` may
+    be any contiguous tensor (the small synchronous path passes the caller's)."""
     ops.reduce_into(flat, t.exchange_inline(info, flat), op)
     ops.finish(flat, op, t.world_size)
 

@@ -173,10 +173,11 @@ class ThreadedTransport:
 
     def exchange_inline(self, info: Collective, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of its ``flat``, in rank order (a staged exchange here)."""
-        mine, _ = self.expose(flat, force_staging=True)
-        ops.copy(mine, flat)
+        flat1 = flat.view(-1)
+        mine, _ = self.expose(flat1, force_staging=True)
+        ops.copy(mine, flat1)
         views = self.exchange(info, mine, zero_copy=False).views
-        return [v for v in views if v is not None]
+        return [v.view(flat.shape) for v in views if v is not None]
 
     def arrive(self) -> None:
         self._epoch += 1

@@ -71,8 +71,10 @@ YIELD_S = config.current().shm_yield_us * 1e-6
 #: Sleep slices: how often a blocked wait checks peer liveness and the deadline.
 SLICE_S = 0.05
 #: A ``sched_yield`` that returns later than this gave the core to another process;
-#: then the yield window is skipped for ``_CONTENDED_S``.
+#: two such within ``_CONFIRM_S`` mark the core contended, and then the yield window
+#: is skipped for ``_CONTENDED_S``.
 _LOST_CORE_S = 100e-6
+_CONFIRM_S = 0.05
 _CONTENDED_S = 0.5
 #: Only the main thread's waits judge the core: the comm thread's yields hand the
 #: core to the process's own training thread, which is what they are for.
@@ -114,9 +116,9 @@ class ShmTransport:
                                  inline_offset(world_size, k) + INLINE_BYTES]
                          for k in (0, 1)] for c in self._ctls]
         # This rank's inline slots' addresses, and typed views of every rank's slots by
-        # (slot, bytes, dtype), made once: slicing a tensor costs more than the copy.
+        # (slot, shape, dtype), made once: slicing a tensor costs more than the copy.
         self._inline_addr = [ctl.address + inline_offset(world_size, k) for k in (0, 1)]
-        self._inline_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+        self._inline_views: dict[tuple[int, torch.Size, torch.dtype], list[torch.Tensor]] = {}
         # Process ids, to tell a dead peer from a slow one.
         self._pids = pids
         # Seconds a collective may wait for its peers.
@@ -166,6 +168,7 @@ class ShmTransport:
         # Until when (``time.perf_counter``) waits skip the yield window: a yield lost
         # the core to another process (see [Note: yield only while it is free]).
         self._contended_until = 0.0
+        self._lost_core_at = -1.0
         # A collective is between start() and a successful finish() (SIGTERM reports it).
         self._busy = False
         _live.add(self)
@@ -490,7 +493,9 @@ class ShmTransport:
                 os.sched_yield()
                 after = clock()
                 if after - now > _LOST_CORE_S and threading.current_thread() is _MAIN:
-                    self._contended_until = after + _CONTENDED_S
+                    if after - self._lost_core_at < _CONFIRM_S:
+                        self._contended_until = after + _CONTENDED_S
+                    self._lost_core_at = after
                     break
                 if until(words[word]):
                     return
@@ -634,13 +639,14 @@ class ShmTransport:
             raise ValueError(f"gradring {info.describe()}: {nbytes} bytes do not fit an "
                              f"inline slot ({INLINE_BYTES} bytes)")
         slot, _, _, _ = self.memory.outgoing(None)
-        key = (slot, nbytes, dtype)
+        shape = flat.shape
+        key = (slot, shape, dtype)
         views = self._inline_views.get(key)
         if views is None:
             if len(self._inline_views) > 64:
                 self._inline_views.clear()
             views = self._inline_views[key] = [
-                slots[slot][:nbytes].view(dtype) for slots in self._inline]
+                slots[slot][:nbytes].view(dtype).view(shape) for slots in self._inline]
         ctypes.memmove(self._inline_addr[slot], flat.data_ptr(), nbytes)
         desc_off = desc_offset(slot)
         dcode = _DTYPE_CODES.get(dtype, 0)
