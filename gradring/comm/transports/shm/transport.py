@@ -109,7 +109,7 @@ class ShmTransport:
         # Their 32-bit word views, indexed [rank][word] in the hot loops.
         self._words = [c.words for c in self._ctls]  # type: ignore[union-attr]
         self._own_words = ctl.words
-        self._barrier_addr = ctl.address + 4 * BARRIER_WORD
+        self._wake_barrier = futex.Waker(ctl.address + 4 * BARRIER_WORD)
         # Every rank's two inline data slots as byte tensors, [rank][slot]
         # (see ``exchange_inline``).
         self._inline = [[c.bytes[inline_offset(world_size, k):  # type: ignore[union-attr]
@@ -471,8 +471,11 @@ class ShmTransport:
         processes want the core, a yield hands it to them for their whole time
         slice, milliseconds, while sleeping in the kernel would have been woken
         (and preferred by the scheduler) the moment the peer arrived. So a yield
-        that returns late (``_LOST_CORE_S``) marks the core as contended, and
-        for ``_CONTENDED_S`` the waits spin a few polls and then sleep at once.
+        that returns late (``_LOST_CORE_S``) ends the window, and a second one
+        within ``_CONFIRM_S`` marks the core as contended: for ``_CONTENDED_S``
+        the waits spin a few polls and then sleep at once. One late yield is
+        not enough: a VM's hiccup of a few hundred µs, quiet otherwise, turned
+        whole blocks of 8-byte calls into sleeping waits (80 µs a call, not 17).
         With 4 processes spinning on 2 cores this took an 8-byte all-reduce from
         ~2x gloo's time to about gloo's, and a 1 MiB one from 1.8x to at or below
         (``python benchmarks/small_collectives.py --load 4``); on a free core
@@ -542,7 +545,7 @@ class ShmTransport:
             raise self._fail_sticky(first)
         # Woken after the lock is released: a woken peer that preempts this rank then
         # never finds the lock held.
-        futex.wake(self._barrier_addr)
+        self._wake_barrier()
 
     def _lock_timeout(self) -> CollectiveError:
         """The group's lock stayed taken to the deadline: fail, naming its holder and
