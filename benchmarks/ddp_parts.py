@@ -1,0 +1,135 @@
+"""Where a DDP step's overhead goes: the training thread's time in each part of
+gradring's DDP, and the comm thread's, per step.
+
+    python benchmarks/ddp_parts.py                      # resnet, world 2
+    python benchmarks/ddp_parts.py --models resnet mlp64 --steps 40
+
+World 2 on one host; rank 0's figures. After a warm-up the reducer's parts
+are wrapped with a timer (a few tenths of a µs each) and ``--steps`` steps
+are timed. The parts nest: ``the hooks`` contains the puts and the
+launches; ``finalize`` contains the waits for the buckets and the
+write-backs; ``pre-forward`` contains the buffer broadcast. A wait contains
+whatever the peer makes it wait for: a rank that reaches a collective first
+waits there for the other. ``collectives`` is the time spent running
+collectives, waits included, on the training thread (the buffer broadcast)
+and on the comm thread (the buckets); on a host with no free core the comm
+thread shares the training thread's core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from gradring.tools.bench.ranks import run_ranks
+
+#: (part, indent) in the order printed.
+PARTS = [
+    ("step (forward, backward, optimizer)", 0),
+    ("pre-forward", 1), ("buffer broadcast", 2),
+    ("the hooks (per gradient)", 1), ("puts: homed", 2), ("puts: copied", 2),
+    ("puts: view", 2), ("puts: packed, per bucket", 2), ("launching buckets", 2),
+    ("finalize", 1), ("waiting for the buckets", 2), ("writing .grad", 2),
+    ("collectives (training thread)", 0), ("collectives (comm thread)", 0),
+]
+
+
+def _timed(acc: dict[str, float], part: str, fn: Callable[..., Any],
+           main_only: bool = False) -> Callable[..., Any]:
+    clock = time.perf_counter
+    main = threading.main_thread()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if not main_only or threading.current_thread() is main:
+                acc[part] += clock() - t0
+            else:
+                acc["collectives (comm thread)"] += clock() - t0
+    return wrapper
+
+
+def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
+               queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["GRADRING_QUIET"] = "1"
+    dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
+                            world_size=nproc)
+    import gradring
+    from gradring.buckets import SlotKind, slot_io
+    from gradring.comm import runner
+    from gradring.reducer import bucket_set
+    from gradring.reducer import reducer as reducer_mod
+    from gradring.tools.bench import ddp_step
+
+    kind, batch = ddp_step.MODELS[model_name]
+    model, make = ddp_step.build(kind)
+    x = make(batch)
+    ddp = gradring.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        ddp(x).float().pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(6):  # warm-up and the rebuild
+        step()
+    acc: dict[str, float] = defaultdict(float)
+    red = ddp.reducer
+    red._mark_ready = _timed(acc, "the hooks (per gradient)", red._mark_ready)
+    red._finalize = _timed(acc, "finalize", red._finalize)
+    ddp._pre_forward = _timed(acc, "pre-forward", ddp._pre_forward)
+    ddp._sync_buffers = _timed(acc, "buffer broadcast", ddp._sync_buffers)
+    launcher = red._launcher
+    launcher.launch_ready = _timed(acc, "launching buckets", launcher.launch_ready)
+    launcher.result = _timed(acc, "waiting for the buckets", launcher.result)
+    puts = {SlotKind.HOMED: "puts: homed", SlotKind.COPIED: "puts: copied",
+            SlotKind.VIEW: "puts: view"}
+    for k, part in puts.items():
+        if bucket_set.PUT_AT_HOOK.get(k) is not None:
+            bucket_set.PUT_AT_HOOK[k] = _timed(acc, part, bucket_set.PUT_AT_HOOK[k])
+    red._set._build_routes()  # the routes hold the put functions
+    reducer_mod.put_deferred = _timed(acc, "puts: packed, per bucket", slot_io.put_deferred)
+    reducer_mod.write_grads = _timed(acc, "writing .grad", slot_io.write_grads)
+    runner.run = _timed(acc, "collectives (training thread)", runner.run, main_only=True)
+    dist.barrier()
+    acc.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    acc["step (forward, backward, optimizer)"] = time.perf_counter() - t0
+    if rank == 0:
+        queue.put({k: v / steps * 1e3 for k, v in acc.items()})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gradring.tools.bench import ddp_step
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["resnet"], choices=list(ddp_step.MODELS))
+    p.add_argument("--steps", type=int, default=40)
+    a = p.parse_args(argv)
+    for model in a.models:
+        res = run_ranks(_rank_main, 2, (model, a.steps), timeout=1800)[0]
+        print(f"{model}: ms per step, rank 0")
+        for part, indent in PARTS:
+            if part in res:
+                print(f"  {'  ' * indent}{part:{44 - 2 * indent}s} {res[part]:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
