@@ -20,6 +20,11 @@ size. For one candidate cap:
    predicted step = step without DDP + exposed + buckets x c, where c, the
    *per-bucket cost*, is what a collective costs the backward even when it
    overlaps (its fixed work runs on the cores the backward uses).
+4. Where no core is free for the collectives (``overlap=False``: on one host,
+   the shared-memory all-reduce is CPU work on the cores the backward uses),
+   nothing hides: every bucket's all-reduce adds its whole time to the
+   step, wherever it runs. Predicted exposed = the sum of the buckets'
+   times; step 2's timeline is kept only for ``done_ms``.
 
 ``choose`` then takes the smallest predicted step; among caps within
 ``TIE_TOLERANCE`` of it, the largest (fewer collectives: their fixed costs are
@@ -79,20 +84,28 @@ class Prediction(NamedTuple):
 
 
 def simulate(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms: float = 0.0,
-             first_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES) -> Prediction:
-    """Predict exposed communication and step time for one cap ([Note: the step model])."""
+             first_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+             overlap: bool = True) -> Prediction:
+    """Predict exposed communication and step time for one cap ([Note: the step model];
+    ``overlap=False``: no core is free for the collectives, its point 4)."""
     order = sorted(range(len(profile.sizes)), key=lambda i: (profile.ready_ms[i], i))
     groups = assign_buckets(profile.sizes, [first_cap_bytes, int(cap_mb * MIB)],
                             keys=profile.keys, order=order)
     launched = done = float("-inf")
     finishes = []
+    busy = 0.0
     for group in groups:
         ready = max(profile.ready_ms[i] for i in group)
         launched = max(launched, ready)
         start = max(launched, done)
-        done = start + curve.time_ms(sum(profile.sizes[i] for i in group))
+        took = curve.time_ms(sum(profile.sizes[i] for i in group))
+        done = start + took
+        busy += took
         finishes.append(done)
-    exposed = max(0.0, done - profile.backward_ms) if groups else 0.0
+    if not overlap:
+        exposed = busy
+    else:
+        exposed = max(0.0, done - profile.backward_ms) if groups else 0.0
     step = profile.step_ms + exposed + per_bucket_ms * len(groups)
     return Prediction(cap_mb, groups, exposed, step, finishes)
 

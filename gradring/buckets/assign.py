@@ -112,12 +112,14 @@ class BucketCaps:
             return [sys.maxsize]  # one bucket until the rebuild has seen a backward
         return [self.first, self.cap] if self.first < self.cap else [self.cap]
 
-    def rebuild(self, cap: int | None = None) -> list[int]:
-        """Caps of the rebuild; ``cap`` replaces the cap (bucket_cap_mb="auto")."""
+    def rebuild(self, cap: int | None = None, first: int | None = None) -> list[int]:
+        """Caps of the rebuild; ``cap`` and ``first`` replace the cap and the first
+        bucket's (bucket_cap_mb="auto"; ``first`` defaults to torch's 1 MiB)."""
         if self.per_bucket:
             return list(self.per_bucket)
         if cap is not None:
-            return [min(DEFAULT_FIRST_BUCKET_BYTES, cap), cap]
+            first = min(DEFAULT_FIRST_BUCKET_BYTES if first is None else first, cap)
+            return [first, cap] if first < cap else [cap]
         return [self.first, self.cap] if self.first < self.cap else [self.cap]
 
 

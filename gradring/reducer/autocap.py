@@ -35,6 +35,21 @@ default unless the pick measured faster beyond the rounds' spread. Where the
 two differ on one host, the tuner's report says so and why (the model
 predicted a gain that the measurement did not show).
 
+[Note: auto on a host with no free core]
+On one host, gradring's all-reduce is CPU work, and when the ranks' backwards
+already use every core it can only take a core from a backward: nothing
+hides, and every bucket's all-reduce adds its whole time to the step
+(``step_model.simulate(overlap=False)``). There the first bucket is not kept
+small either (torch's 1 MiB first bucket exists to start communication
+early, which buys nothing here), so fewer, larger buckets win. Measured on
+the 2-core VM at world 2 (``benchmarks/bucket_caps.py``): with the 1 MiB
+first bucket, "auto" picked 25 MiB and the ResNet-shaped model got two
+buckets, 4.2 ms of overhead against 3.4-3.7 ms for one bucket; the
+12 x Linear(1024) MLP got three buckets, 18.7 ms against 17.9 ms for two.
+``free_core`` decides which model applies: the CPU cores this process may
+run on against the ranks of the group (all on this host when it runs over
+shared memory) times torch's intra-op threads per rank.
+
 The profile is one iteration (the first, with its warm-up costs), so the pick
 is rougher than ``gradring tune``'s, which times several. Without a rebuild
 (``find_unused_parameters=True`` without ``static_graph``) there is nothing
@@ -46,6 +61,7 @@ and ``gradring explain`` time it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -112,6 +128,7 @@ class AutoCap(NamedTuple):
     curve: CommCurve
     backward_ms: float
     why: str = ""                    # the pick's reason ([Note: one rule for picking a cap])
+    first_bytes: int = DEFAULT_FIRST_BUCKET_BYTES  # the first bucket's cap after the rebuild
 
 
 def is_auto(value: Any) -> bool:
@@ -119,19 +136,44 @@ def is_auto(value: Any) -> bool:
 
 
 def decide(profile: Profile, curve: CommCurve,
-           caps_mb: Sequence[float] = DEFAULT_CAPS_MB) -> AutoCap:
+           caps_mb: Sequence[float] = DEFAULT_CAPS_MB, *, free_core: bool = True) -> AutoCap:
     """Simulate every cap and pick one by ``pick``. The per-bucket cost is the smallest
-    measured all-reduce, as in ``gradring tune``."""
+    measured all-reduce, as in ``gradring tune``. Without a free core see [Note: auto
+    on a host with no free core]: nothing overlaps, and the first bucket is not kept
+    small."""
     per_bucket = curve.times_ms[0]
     preds = [simulate(profile, curve, cap, per_bucket_ms=per_bucket,
-                      first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES) for cap in caps_mb]
+                      first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free_core
+                      else int(cap * MIB), overlap=free_core) for cap in caps_mb]
     chosen = pick(preds)
     best = chosen.prediction
+    cap_bytes = int(best.cap_mb * MIB)
+    first = min(DEFAULT_FIRST_BUCKET_BYTES, cap_bytes) if free_core else cap_bytes
+    where = ("" if free_core else "; no free core, so nothing overlaps and the first "
+             "bucket is not kept small")
     why = (f"bucket_cap_mb='auto' chose {chosen.why}; step model over the first backward's "
            f"gradient times and all-reduces timed at the rebuild, "
-           f"{per_bucket:.2f} ms charged per bucket")
-    return AutoCap(int(best.cap_mb * MIB), {p.cap_mb: p.step_ms for p in preds},
-                   {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms, why)
+           f"{per_bucket:.2f} ms charged per bucket{where}")
+    return AutoCap(cap_bytes, {p.cap_mb: p.step_ms for p in preds},
+                   {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms, why,
+                   first)
+
+
+def free_core(comm: Any, keys: Sequence[Any]) -> bool:
+    """Whether a core is left for the collectives beside the ranks' backwards (see
+    [Note: auto on a host with no free core]). True unless every gradient is on the
+    CPU and the group runs over shared memory (all its ranks on this host) with no
+    more cores than ranks times intra-op threads."""
+    devices = {key[1] for key in keys if isinstance(key, tuple) and len(key) == 2}
+    if any(getattr(d, "type", "cpu") != "cpu" for d in devices):
+        return True
+    if not comm.on_shared_memory():
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores > comm.world_size * torch.get_num_threads()
 
 
 def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
@@ -139,10 +181,10 @@ def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
     """Steps 2 and 3 of [Note: automatic bucket cap]; collective over ``comm``'s group."""
     curve = measure_allreduce(comm, curve_sizes(sum(sizes)), reps=5)
     profile = Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
-    mine = decide(profile, curve)
-    chosen = torch.tensor([mine.cap_bytes], dtype=torch.int64)
+    mine = decide(profile, curve, free_core=free_core(comm, keys))
+    chosen = torch.tensor([mine.cap_bytes, mine.first_bytes], dtype=torch.int64)
     comm.broadcast_coalesced([chosen])  # rank 0's pick for everyone
-    return mine._replace(cap_bytes=int(chosen.item()))
+    return mine._replace(cap_bytes=int(chosen[0]), first_bytes=int(chosen[1]))
 
 
 class Stamps:

@@ -97,7 +97,7 @@ class Rebuild:
         self.auto_cap = autocap.choose_cap(comm, names, sizes, keys, *self._stamps.parts())
         self._stamps = None
         cap = self.auto_cap.cap_bytes
-        return caps.rebuild(cap), cap
+        return caps.rebuild(cap, self.auto_cap.first_bytes), cap
 
     def done(self, groups: Sequence[Sequence[int]], sizes: Sequence[int]) -> None:
         """The rebuilt buckets are installed: report ``groups`` (the buckets

@@ -6,18 +6,22 @@
 - DDP with "auto" at world 2 and 3: gradients equal torch's DDP (the oracle),
   every rank picks the same cap, and the rebuilt buckets are exactly what
   assign_buckets makes of that cap and the recorded order;
+- without a free core for the collectives, nothing overlaps: the fewest buckets
+  win and the first bucket is not kept small; how a free core is counted;
 - bad values are refused, and find_unused_parameters without static_graph
   warns that it cannot decide.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import gradring
 from gradring import link_curve, step_model
-from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
+from gradring.buckets import MIB, assign_buckets
 from gradring.ddp import bucket_cap_bytes
 from gradring.reducer import autocap
 from tests.support import oracle
@@ -48,6 +52,46 @@ def test_fixed_cost_collective_picks_the_largest_cap() -> None:
     assert autocap.decide(prof, curve).cap_bytes == int(max(step_model.DEFAULT_CAPS_MB) * MIB)
 
 
+def test_without_a_free_core_nothing_hides_and_fewer_buckets_win() -> None:
+    """The case that splits the model when collectives overlap the backward keeps
+    it whole when they cannot: each bucket's all-reduce then adds its time to the
+    step, so the per-bucket costs decide, and the first bucket is not kept small."""
+    prof = _profile(24, 4 * MIB, backward_ms=100.0)
+    curve = step_model.CommCurve([4096, 96 * MIB], [2.0, 50.0])  # 2 ms fixed, then 0.5 ms/MiB
+    overlapping = autocap.decide(prof, curve)
+    serial = autocap.decide(prof, curve, free_core=False)
+    assert overlapping.first_bytes == MIB, overlapping  # torch's small first bucket
+    # Overlapping, small buckets hide behind the backward; serial, they only cost more.
+    assert overlapping.exposed_ms[2] < overlapping.exposed_ms[100]
+    assert serial.predictions[2] > serial.predictions[100]
+    assert serial.cap_bytes == 100 * MIB and serial.first_bytes == 100 * MIB, serial
+    assert "no free core" in serial.why
+    # Nothing hides: exposed is the sum of the buckets' all-reduce times.
+    pred = step_model.simulate(prof, curve, 25, first_cap_bytes=25 * MIB, overlap=False)
+    assert pred.exposed_ms == pytest.approx(
+        sum(curve.time_ms(sum(prof.sizes[i] for i in g)) for g in pred.buckets))
+
+
+class _Comm:
+    def __init__(self, world_size: int, shm: bool) -> None:
+        self.world_size, self._shm = world_size, shm
+
+    def on_shared_memory(self) -> bool:
+        return self._shm
+
+
+def test_free_core_counts_cores_against_ranks_and_threads(monkeypatch) -> None:
+    cpu = [(torch.float32, torch.device("cpu"))]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not autocap.free_core(_Comm(2, True), cpu)   # 2 ranks x 1 thread on 2 cores
+    assert autocap.free_core(_Comm(1, True), cpu)
+    assert autocap.free_core(_Comm(2, False), cpu)      # across hosts: not our cores
+    assert autocap.free_core(_Comm(2, True), [(torch.float32, torch.device("meta"))])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not autocap.free_core(_Comm(1, True), cpu)
+
+
 def test_curve_sizes_reach_the_model() -> None:
     sizes = link_curve.curve_sizes(48 * MIB)
     assert len(sizes) <= 6 and sizes[0] == 4096 and sizes[-1] == 48 * MIB
@@ -68,8 +112,9 @@ def _auto_vs_torch(rank: int, world: int) -> dict:
             order = ddp.reducer.arrival_order()
     data = ddp._get_ddp_logging_data()
     r = ddp.reducer
-    expect = assign_buckets(r._sizes, [DEFAULT_FIRST_BUCKET_BYTES, r.bucket_cap_bytes],
-                            keys=r._keys, order=order)
+    first = min(r.auto_cap.first_bytes, r.bucket_cap_bytes)
+    caps = [first, r.bucket_cap_bytes] if first < r.bucket_cap_bytes else [r.bucket_cap_bytes]
+    expect = assign_buckets(r._sizes, caps, keys=r._keys, order=order)
     res.update(cap=data["bucket_cap_bytes"], attr=ddp.bucket_bytes_cap,
                rebuilt=r.rebuilt_param_indices, expect=expect,
                logged=data["rebuilt_per_bucket_param_indices"],
