@@ -6,7 +6,9 @@ fixed cost is small?
 
 Each rank builds one model per set-up, seeded alike: the model alone (the
 *pair* step: the same step without DDP), torch's DDP at its defaults, and
-gradring's DDP at each ``--caps`` value (``auto`` is ``bucket_cap_mb="auto"``).
+gradring's DDP at each ``--caps`` value (``auto`` is ``bucket_cap_mb="auto"``,
+``default`` leaves it unset: 25 MiB with torch's 1 MiB first bucket; an
+explicit cap is also the first bucket's, as in torch).
 Every step, the set-ups take one step each in a shuffled order (the same on
 every rank), each started together on all ranks after a barrier and timed as
 the slower rank's. A set-up's overhead is its step minus the pair step of the
@@ -32,7 +34,7 @@ from gradring.tools.bench.ranks import run_ranks
 def _setups(caps: list[str], twice: bool) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("pair", None), ("torch", None)]
     for c in caps:
-        cap: Any = c if c == "auto" else float(c)
+        cap: Any = c if c == "auto" else None if c == "default" else float(c)
         out.append((f"gradring cap {c}", cap))
         if twice:
             out.append((f"gradring cap {c} (again)", cap))
@@ -120,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["resnet", "mlp64"],
                    choices=list(ddp_step.MODELS))
-    p.add_argument("--caps", nargs="+", default=["0.25", "1", "5", "25", "100", "auto"],
-                   help="bucket_cap_mb values (MiB, or auto)")
+    p.add_argument("--caps", nargs="+",
+                   default=["default", "0.25", "1", "5", "25", "100", "auto"],
+                   help="bucket_cap_mb values (MiB, auto, or default: not given)")
     p.add_argument("--steps", type=int, default=40, help="turns (one step of each set-up)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--twice", action="store_true", help="build every gradring set-up twice")
