@@ -46,7 +46,7 @@ the 2-core VM at world 2 (``benchmarks/bucket_caps.py``): with the 1 MiB
 first bucket, "auto" picked 25 MiB and the ResNet-shaped model got two
 buckets, 4.2 ms of overhead against 3.4-3.7 ms for one bucket; the
 12 x Linear(1024) MLP got three buckets, 18.7 ms against 17.9 ms for two.
-``free_core`` decides which model applies: the CPU cores this process may
+``has_free_core`` decides which model applies: the CPU cores this process may
 run on against the ranks of the group (all on this host when it runs over
 shared memory) times torch's intra-op threads per rank.
 
@@ -159,7 +159,7 @@ def decide(profile: Profile, curve: CommCurve,
                    first)
 
 
-def free_core(comm: Any, keys: Sequence[Any]) -> bool:
+def has_free_core(comm: Any, keys: Sequence[Any]) -> bool:
     """Whether a core is left for the collectives beside the ranks' backwards (see
     [Note: auto on a host with no free core]). True unless every gradient is on the
     CPU and the group runs over shared memory (all its ranks on this host) with no
@@ -181,7 +181,7 @@ def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
     """Steps 2 and 3 of [Note: automatic bucket cap]; collective over ``comm``'s group."""
     curve = measure_allreduce(comm, curve_sizes(sum(sizes)), reps=5)
     profile = Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
-    mine = decide(profile, curve, free_core=free_core(comm, keys))
+    mine = decide(profile, curve, free_core=has_free_core(comm, keys))
     chosen = torch.tensor([mine.cap_bytes, mine.first_bytes], dtype=torch.int64)
     comm.broadcast_coalesced([chosen])  # rank 0's pick for everyone
     return mine._replace(cap_bytes=int(chosen[0]), first_bytes=int(chosen[1]))
