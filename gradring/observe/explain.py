@@ -521,19 +521,27 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
     preds = {cap: simulate(profile, curve, cap, per_bucket_ms=c) for cap in caps}
     cur = preds[cur_mb]
     # the one rule of bucket_cap_mb="auto" and gradring tune ([Note: one rule for
-    # picking a cap] in reducer/autocap.py)
-    best = pick([q for cap, q in preds.items() if cap in DEFAULT_CAPS_MB]).prediction
+    # picking a cap] in reducer/autocap.py), with auto's model of the host: where no
+    # core was free, nothing overlaps and no first bucket is kept small ([Note: auto
+    # on a host with no free core])
+    picking = preds
+    if not facts.get("free_core", True):
+        picking = {cap: simulate(profile, curve, cap, per_bucket_ms=c,
+                                 first_cap_bytes=int(cap * MIB), overlap=False)
+                   for cap in caps}
+    now = picking[cur_mb]
+    best = pick([q for cap, q in picking.items() if cap in DEFAULT_CAPS_MB]).prediction
     source = "all-reduce times measured on this link" if measured else \
         "this run's own bucket timings"
     out = []
     ratio = max(best.cap_mb / cur_mb, cur_mb / best.cap_mb)
-    if ratio >= CAP_FACTOR and best.buckets != cur.buckets:
+    if ratio >= CAP_FACTOR and best.buckets != now.buckets:
         out.append(Finding(
             "bucket_cap", f"bucket_cap_mb={cur_mb:.3g} is far from the step model's pick",
-            f"construct DDP with bucket_cap_mb={best.cap_mb:g}", cur.step_ms - best.step_ms,
+            f"construct DDP with bucket_cap_mb={best.cap_mb:g}", now.step_ms - best.step_ms,
             f"step model ({source}; {c:.2f} ms per bucket, the {c_source}): "
-            f"{len(cur.buckets)} buckets, "
-            f"predicted step {cur.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
+            f"{len(now.buckets)} buckets, "
+            f"predicted step {now.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
             f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms (the cap "
             "bucket_cap_mb='auto' and gradring tune pick by the same rule)"))
     last_bytes = facts["bucket_bytes"][-1]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from gradring.reducer.autocap import has_free_core
+
 if TYPE_CHECKING:
     from gradring.step_model import CommCurve
 
@@ -68,6 +70,9 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "overlap_why": str(getattr(r, "overlap_why", "")),
         # bucket_cap_mb="auto": why it chose the cap ([Note: one rule for picking a cap])
         "auto_cap_why": str(getattr(getattr(r, "auto_cap", None), "why", "") or ""),
+        # Whether a core was free for the collectives ([Note: auto on a host with no
+        # free core] in reducer/autocap.py): explain then picks a cap as auto would.
+        "free_core": has_free_core(comm, [(p.dtype, p.device) for p in r.params]),
     }
 
 
