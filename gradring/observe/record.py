@@ -72,7 +72,7 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "auto_cap_why": str(getattr(getattr(r, "auto_cap", None), "why", "") or ""),
         # Whether a core was free for the collectives ([Note: auto on a host with no
         # free core] in reducer/autocap.py): explain then picks a cap as auto would.
-        "free_core": has_free_core(comm, [(p.dtype, p.device) for p in r.params]),
+        "free_core": has_free_core(comm, [p.device for p in r.params]),
     }
 
 

@@ -159,13 +159,13 @@ def decide(profile: Profile, curve: CommCurve,
                    first)
 
 
-def has_free_core(comm: Any, keys: Sequence[Any]) -> bool:
+def has_free_core(comm: Any, devices: Sequence[Any]) -> bool:
     """Whether a core is left for the collectives beside the ranks' backwards (see
     [Note: auto on a host with no free core]). True unless every gradient is on the
-    CPU and the group runs over shared memory (all its ranks on this host) with no
-    more cores than ranks times intra-op threads."""
-    devices = {key[1] for key in keys if isinstance(key, tuple) and len(key) == 2}
-    if any(getattr(d, "type", "cpu") != "cpu" for d in devices):
+    CPU (``devices``: the gradients' devices, or their names) and the group runs over
+    shared memory (all its ranks on this host) with no more cores than ranks times
+    intra-op threads."""
+    if any(str(d).split(":")[0] != "cpu" for d in devices):
         return True
     if not comm.on_shared_memory():
         return True
@@ -181,7 +181,8 @@ def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
     """Steps 2 and 3 of [Note: automatic bucket cap]; collective over ``comm``'s group."""
     curve = measure_allreduce(comm, curve_sizes(sum(sizes)), reps=5)
     profile = Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
-    mine = decide(profile, curve, free_core=has_free_core(comm, keys))
+    devices = [key[1] if isinstance(key, tuple) else key for key in keys]
+    mine = decide(profile, curve, free_core=has_free_core(comm, devices))
     chosen = torch.tensor([mine.cap_bytes, mine.first_bytes], dtype=torch.int64)
     comm.broadcast_coalesced([chosen])  # rank 0's pick for everyone
     return mine._replace(cap_bytes=int(chosen[0]), first_bytes=int(chosen[1]))

@@ -28,7 +28,11 @@ ratio. The tuner does exactly that, then simulates the reducer:
    host a collective's fixed work is Python on the comm thread of the same
    process (the GIL) and runs on the cores the backward uses, so it is not
    hidden. ``--per-bucket-ms 0`` models a transport whose fixed costs
-   overlap perfectly.
+   overlap perfectly. Where no core is free for the collectives, the model
+   is ``bucket_cap_mb="auto"``'s for such a host ([Note: auto on a host with
+   no free core] in ``reducer/autocap.py``): nothing overlaps, and the first
+   bucket is as large as the others, as it is for the explicit caps step 5
+   trains with.
 4. The cap is picked by ``autocap.pick``, the rule ``bucket_cap_mb="auto"``
    follows too ([Note: one rule for picking a cap] in ``reducer/autocap.py``):
    the default unless another cap's predicted step is shorter by more than 2%;
@@ -65,9 +69,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from gradring.link_curve import measure_allreduce
-from gradring.reducer.autocap import pick
+from gradring.reducer.autocap import has_free_core, pick
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,
@@ -213,7 +217,16 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     curve = CommCurve(sizes, [max(col) for col in zip(*(t for _, t in everyone))])
     caps = sorted(set(caps_mb) | {float(DEFAULT_BUCKET_CAP_MB)})
     c0 = curve.times_ms[0] if per_bucket_ms is None else per_bucket_ms
-    predictions = [simulate(profile, curve, c, per_bucket_ms=c0) for c in caps]
+    # auto's model of the host ([Note: auto on a host with no free core]); the DDP runs
+    # below pass explicit caps, and an explicit cap is also the first bucket's.
+    free = has_free_core(GroupComm(dist.group.WORLD),
+                         [key.split("/")[-1] for key in profile.keys])
+
+    def predict(c: float, prof: Profile) -> Prediction:
+        return simulate(prof, curve, c, per_bucket_ms=c0, overlap=free,
+                        first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free else int(c * MIB))
+
+    predictions = [predict(c, profile) for c in caps]
     # identical on every rank: same inputs, same arithmetic; the rule of
     # bucket_cap_mb="auto" ([Note: one rule for picking a cap] in reducer/autocap.py)
     chosen = pick(predictions).prediction
@@ -223,7 +236,7 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     if rank != 0:
         return None
     profile = profile._replace(step_ms=plain_ms)
-    predictions = [simulate(profile, curve, c, per_bucket_ms=c0) for c in caps]
+    predictions = [predict(c, profile) for c in caps]
     by_cap = {p.cap_mb: p for p in predictions}
     return TuneResult(profile, curve, predictions, by_cap[chosen.cap_mb],
                       by_cap[default.cap_mb], measured, c0, pick(predictions).why)

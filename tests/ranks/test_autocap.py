@@ -81,13 +81,14 @@ class _Comm:
 
 
 def test_free_core_counts_cores_against_ranks_and_threads(monkeypatch) -> None:
-    cpu = [(torch.float32, torch.device("cpu"))]
+    cpu = [torch.device("cpu"), "cpu"]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert not autocap.has_free_core(_Comm(2, True), cpu)   # 2 ranks x 1 thread on 2 cores
     assert autocap.has_free_core(_Comm(1, True), cpu)
     assert autocap.has_free_core(_Comm(2, False), cpu)      # across hosts: not our cores
-    assert autocap.has_free_core(_Comm(2, True), [(torch.float32, torch.device("meta"))])
+    assert autocap.has_free_core(_Comm(2, True), [torch.device("meta")])
+    assert autocap.has_free_core(_Comm(2, True), ["cpu", "cuda:0"])  # NCCL's work
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not autocap.has_free_core(_Comm(1, True), cpu)
 
