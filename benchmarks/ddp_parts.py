@@ -58,7 +58,7 @@ def _timed(acc: dict[str, float], part: str, fn: Callable[..., Any],
 
 
 def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
-               queue: Any) -> None:
+               cap: float | None, queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -76,7 +76,7 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     kind, batch = ddp_step.MODELS[model_name]
     model, make = ddp_step.build(kind)
     x = make(batch)
-    ddp = gradring.DistributedDataParallel(model)
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -121,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["resnet"], choices=list(ddp_step.MODELS))
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--cap", type=float, default=None, help="bucket_cap_mb (default: unset)")
     a = p.parse_args(argv)
     for model in a.models:
-        res = run_ranks(_rank_main, 2, (model, a.steps), timeout=1800)[0]
-        print(f"{model}: ms per step, rank 0")
+        res = run_ranks(_rank_main, 2, (model, a.steps, a.cap), timeout=1800)[0]
+        print(f"{model}: ms per step, rank 0, bucket_cap_mb={a.cap}")
         for part, indent in PARTS:
             if part in res:
                 print(f"  {'  ' * indent}{part:{44 - 2 * indent}s} {res[part]:8.3f}")
