@@ -8,7 +8,11 @@ Each rank builds one model per set-up, seeded alike: the model alone (the
 *pair* step: the same step without DDP), torch's DDP at its defaults, and
 gradring's DDP at each ``--caps`` value (``auto`` is ``bucket_cap_mb="auto"``,
 ``default`` leaves it unset: 25 MiB with torch's 1 MiB first bucket; an
-explicit cap is also the first bucket's, as in torch).
+explicit cap is also the first bucket's, as in torch). A value ending in
+``@end`` (``default@end``, ``25@end``) builds that set-up with
+``GRADRING_OVERLAP=0``: its buckets are reduced when the backward ends, on
+the training thread, instead of as they become ready. ``--load N`` runs N
+processes spinning on the CPU beside the ranks.
 Every step, the set-ups take one step each in a shuffled order (the same on
 every rank), each started together on all ranks after a barrier and timed as
 the slower rank's. A set-up's overhead is its step minus the pair step of the
@@ -21,20 +25,44 @@ little: ``--twice`` builds every gradring set-up twice to show how much.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
+from gradring.tools.bench.load import competing_load
 from gradring.tools.bench.ranks import run_ranks
+
+#: A cap ending in this reduces its buckets when the backward ends (GRADRING_OVERLAP=0).
+_AT_END = "@end"
+
+
+@contextlib.contextmanager
+def _overlap_off(on: bool) -> Iterator[None]:
+    """GRADRING_OVERLAP=0 while a set-up is built and rebuilt (the reducer reads it then)."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("GRADRING_OVERLAP")
+    os.environ["GRADRING_OVERLAP"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GRADRING_OVERLAP", None)
+        else:
+            os.environ["GRADRING_OVERLAP"] = old
 
 
 def _setups(caps: list[str], twice: bool) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("pair", None), ("torch", None)]
     for c in caps:
-        cap: Any = c if c == "auto" else None if c == "default" else float(c)
+        value = c.removesuffix(_AT_END)
+        cap: Any = value if value == "auto" else None if value == "default" else float(value)
         out.append((f"gradring cap {c}", cap))
         if twice:
             out.append((f"gradring cap {c} (again)", cap))
@@ -62,7 +90,8 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         elif name == "torch":
             m = torch.nn.parallel.DistributedDataParallel(model)
         else:
-            m = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
+            with _overlap_off(name.endswith(_AT_END)):
+                m = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
         built[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-4), make(batch))
 
     def step(m: Any, opt: Any, x: Any) -> None:
@@ -70,9 +99,10 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         m(x).float().pow(2).mean().backward()
         opt.step()
 
-    for m, opt, x in built.values():  # warm-up, and the rebuild (auto decides there)
-        for _ in range(4):
-            step(m, opt, x)
+    for name, (m, opt, x) in built.items():  # warm-up, and the rebuild (auto decides there)
+        with _overlap_off(name.endswith(_AT_END)):
+            for _ in range(4):
+                step(m, opt, x)
     times: dict[str, list[float]] = {name: [] for name in built}
     rng = random.Random(0)  # the same order on every rank
     slowest = torch.zeros(1, dtype=torch.float64)
@@ -91,7 +121,9 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         caps = {name: getattr(m, "bucket_bytes_cap", 0) for name, (m, _, _) in built.items()}
         buckets = {name: len(m.reducer.buckets) for name, (m, _, _) in built.items()
                    if name.startswith("gradring")}
-        queue.put({"times": times, "caps": caps, "buckets": buckets})
+        at_end = [name for name, (m, _, _) in built.items()
+                  if name.startswith("gradring") and not m.reducer.overlap]
+        queue.put({"times": times, "caps": caps, "buckets": buckets, "at_end": at_end})
     dist.destroy_process_group()
 
 
@@ -111,7 +143,8 @@ def report(model: str, res: dict[str, Any]) -> str:
         extra = ""
         if name in res["buckets"]:
             extra = (f"  {res['buckets'][name]} bucket(s), cap {res['caps'][name] / 2**20:g} MiB"
-                     f", {med / torch_ovh:.2f}x torch's")
+                     f", {med / torch_ovh:.2f}x torch's"
+                     + (", reduced when the backward ends" if name in res["at_end"] else ""))
         lines.append(f"  {name:28s} {med:7.2f} [{min(quarters):.2f}-{max(quarters):.2f}]{extra}")
     return "\n".join(lines)
 
@@ -128,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="turns (one step of each set-up)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--twice", action="store_true", help="build every gradring set-up twice")
+    p.add_argument("--load", type=int, default=0, help="spinning processes beside the ranks")
     a = p.parse_args(argv)
     setups = _setups(a.caps, a.twice)
-    for model in a.models:
-        res = run_ranks(_rank_main, a.nproc, (model, a.steps, setups), timeout=1800)[0]
-        print(report(model, res), flush=True)
+    with competing_load(a.load):
+        for model in a.models:
+            res = run_ranks(_rank_main, a.nproc, (model, a.steps, setups), timeout=1800)[0]
+            print(report(model, res), flush=True)
     return 0
 
 
