@@ -12,11 +12,13 @@ only runs well-formed collectives on them.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import io
 import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from contextlib import redirect_stdout
@@ -154,8 +156,13 @@ def scenario_kill_then_end(a: argparse.Namespace) -> None:
     rank 0 then waits for the launcher's SIGTERM, rank 2 exits normally after its
     error (see rank_main)."""
     _train(a.rank, 40, 3, _kill_self if a.rank == a.victim else lambda s: None)
-    if a.rank == 0:
-        time.sleep(120)  # the test sends SIGTERM, as torchrun does
+    if a.rank == 0:  # the test sends SIGTERM, as torchrun does
+        # Short sleeps: a process-directed signal that the kernel hands to another
+        # thread does not interrupt the main thread's sleep, and Python runs handlers
+        # on the main thread only; a real training loop returns to Python often.
+        give_up = time.monotonic() + 120
+        while time.monotonic() < give_up:
+            time.sleep(0.05)
 
 
 def scenario_stall(a: argparse.Namespace) -> None:
@@ -359,6 +366,7 @@ def _job_main(argv: list[str]) -> None:
     p.add_argument("--cases", default="")
     a = p.parse_args(argv)
     _STORE["path"] = a.store
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck rank's stacks
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank,
                             world_size=a.world, timeout=timedelta(seconds=60))
@@ -496,6 +504,19 @@ def test_every_survivor_names_the_dead_rank_first(tmp_path) -> None:
             assert "all_reduce #" in err, (point, rank, err)
 
 
+def _communicate_or_dump(p, timeout: float) -> tuple[str, str]:
+    """``p.communicate()``; a rank still running after ``timeout`` fails the test with
+    every thread's stack (its faulthandler answers SIGUSR1)."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"pid {p.pid} still ran {timeout} s later; its stacks:\n{err}")
+
+
 @pytest.mark.parametrize("term_at", ["at_once", "after_error"])
 def test_nothing_of_a_killed_job_stays_in_dev_shm(tmp_path, term_at) -> None:
     # Rank 1 is killed with kill -9; rank 0 gets SIGTERM (at once, as torchrun does, or
@@ -513,7 +534,7 @@ def test_nothing_of_a_killed_job_stays_in_dev_shm(tmp_path, term_at) -> None:
             assert line, "rank 0 ended without reporting its error"
             seen += line
         procs[0].send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [_communicate_or_dump(p, 120) for p in procs]
         outs[0] = (seen + outs[0][0], outs[0][1])
     finally:
         for p in procs:
