@@ -11,7 +11,11 @@ gradring's DDP at each ``--caps`` value (``auto`` is ``bucket_cap_mb="auto"``,
 explicit cap is also the first bucket's, as in torch). A value ending in
 ``@end`` (``default@end``, ``25@end``) builds that set-up with
 ``GRADRING_OVERLAP=0``: its buckets are reduced when the backward ends, on
-the training thread, instead of as they become ready. ``--load N`` runs N
+the training thread, instead of as they become ready. A value ending in
+``@si<us>`` (``default@si500``) takes its steps with Python's GIL switch
+interval (``sys.setswitchinterval``) at that many µs instead of the 5 ms
+default: how long a thread that wants the GIL waits before it asks the
+holder to let go. ``--load N`` runs N
 processes spinning on the CPU beside the ranks.
 Every step, the set-ups take one step each in a shuffled order (the same on
 every rank), each started together on all ranks after a barrier and timed as
@@ -39,6 +43,14 @@ from gradring.tools.bench.ranks import run_ranks
 
 #: A cap ending in this reduces its buckets when the backward ends (GRADRING_OVERLAP=0).
 _AT_END = "@end"
+#: A cap ending in this and a number of µs steps with that GIL switch interval.
+_SWITCH = "@si"
+
+
+def _switch_s(name: str) -> float | None:
+    """The GIL switch interval (seconds) set-up ``name`` steps with; None: Python's."""
+    _, found, us = name.rpartition(_SWITCH)
+    return float(us) * 1e-6 if found else None
 
 
 @contextlib.contextmanager
@@ -61,7 +73,7 @@ def _overlap_off(on: bool) -> Iterator[None]:
 def _setups(caps: list[str], twice: bool) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("pair", None), ("torch", None)]
     for c in caps:
-        value = c.removesuffix(_AT_END)
+        value = c.split("@", 1)[0]
         cap: Any = value if value == "auto" else None if value == "default" else float(value)
         out.append((f"gradring cap {c}", cap))
         if twice:
@@ -90,7 +102,7 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         elif name == "torch":
             m = torch.nn.parallel.DistributedDataParallel(model)
         else:
-            with _overlap_off(name.endswith(_AT_END)):
+            with _overlap_off(_AT_END in name):
                 m = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
         built[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-4), make(batch))
 
@@ -100,9 +112,11 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         opt.step()
 
     for name, (m, opt, x) in built.items():  # warm-up, and the rebuild (auto decides there)
-        with _overlap_off(name.endswith(_AT_END)):
+        with _overlap_off(_AT_END in name):
             for _ in range(4):
                 step(m, opt, x)
+    switch = {name: _switch_s(name) for name in built}
+    python_s = sys.getswitchinterval()
     times: dict[str, list[float]] = {name: [] for name in built}
     rng = random.Random(0)  # the same order on every rank
     slowest = torch.zeros(1, dtype=torch.float64)
@@ -111,10 +125,12 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         rng.shuffle(order)
         for name in order:
             m, opt, x = built[name]
+            sys.setswitchinterval(switch[name] or python_s)
             dist.barrier()
             t0 = time.perf_counter()
             step(m, opt, x)
             slowest[0] = time.perf_counter() - t0
+            sys.setswitchinterval(python_s)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times[name].append(slowest.item() * 1e3)
     if rank == 0:

@@ -13,7 +13,10 @@ whatever the peer makes it wait for: a rank that reaches a collective first
 waits there for the other. ``collectives`` is the time spent running
 collectives, waits included, on the training thread (the buffer broadcast)
 and on the comm thread (the buckets); on a host with no free core the comm
-thread shares the training thread's core.
+thread shares the training thread's core. The ``CPU`` lines are CPU time
+(``time.thread_time``): the training thread's over the whole step, and the
+comm thread's inside collectives; wall time minus CPU time is time spent
+waiting or descheduled.
 """
 
 from __future__ import annotations
@@ -37,16 +40,17 @@ PARTS = [
     ("puts: view", 2), ("puts: packed, per bucket", 2), ("launching buckets", 2),
     ("finalize", 1), ("waiting for the buckets", 2), ("writing .grad", 2),
     ("collectives (training thread)", 0), ("collectives (comm thread)", 0),
+    ("CPU: training thread, whole step", 0), ("CPU: comm thread, in collectives", 0),
 ]
 
 
 def _timed(acc: dict[str, float], part: str, fn: Callable[..., Any],
            main_only: bool = False) -> Callable[..., Any]:
-    clock = time.perf_counter
+    clock, cpu = time.perf_counter, time.thread_time
     main = threading.main_thread()
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
+        t0, c0 = clock(), cpu()
         try:
             return fn(*args, **kwargs)
         finally:
@@ -54,6 +58,7 @@ def _timed(acc: dict[str, float], part: str, fn: Callable[..., Any],
                 acc[part] += clock() - t0
             else:
                 acc["collectives (comm thread)"] += clock() - t0
+                acc["CPU: comm thread, in collectives"] += cpu() - c0
     return wrapper
 
 
@@ -106,10 +111,11 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     runner.run = _timed(acc, "collectives (training thread)", runner.run, main_only=True)
     dist.barrier()
     acc.clear()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         step()
     acc["step (forward, backward, optimizer)"] = time.perf_counter() - t0
+    acc["CPU: training thread, whole step"] = time.thread_time() - c0
     if rank == 0:
         queue.put({k: v / steps * 1e3 for k, v in acc.items()})
     dist.destroy_process_group()
