@@ -16,7 +16,8 @@ and on the comm thread (the buckets); on a host with no free core the comm
 thread shares the training thread's core. The ``CPU`` lines are CPU time
 (``time.thread_time``): the training thread's over the whole step, and the
 comm thread's inside collectives; wall time minus CPU time is time spent
-waiting or descheduled.
+waiting or descheduled. ``the same step without DDP`` is a second copy of
+the model, stepped alone as many times right after (wall and CPU).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ PARTS = [
     ("finalize", 1), ("waiting for the buckets", 2), ("writing .grad", 2),
     ("collectives (training thread)", 0), ("collectives (comm thread)", 0),
     ("CPU: training thread, whole step", 0), ("CPU: comm thread, in collectives", 0),
+    ("the same step without DDP", 0), ("CPU: the same step without DDP", 0),
 ]
 
 
@@ -116,6 +118,22 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         step()
     acc["step (forward, backward, optimizer)"] = time.perf_counter() - t0
     acc["CPU: training thread, whole step"] = time.thread_time() - c0
+    bare, _ = ddp_step.build(kind)
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-4)
+
+    def bare_step() -> None:
+        bare_opt.zero_grad(set_to_none=True)
+        bare(x).float().pow(2).mean().backward()
+        bare_opt.step()
+
+    for _ in range(6):
+        bare_step()
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        bare_step()
+    acc["the same step without DDP"] = time.perf_counter() - t0
+    acc["CPU: the same step without DDP"] = time.thread_time() - c0
     if rank == 0:
         queue.put({k: v / steps * 1e3 for k, v in acc.items()})
     dist.destroy_process_group()
