@@ -23,6 +23,7 @@ the model, stepped alone as many times right after (wall and CPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -64,6 +65,14 @@ def _timed(acc: dict[str, float], part: str, fn: Callable[..., Any],
     return wrapper
 
 
+def _run(step: Callable[[], None], steps: int) -> tuple[float, float]:
+    """Take ``steps`` steps: (wall seconds, this thread's CPU seconds)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
 def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
                cap: float | None, queue: Any) -> None:
     import torch
@@ -73,23 +82,14 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     os.environ["GRADRING_QUIET"] = "1"
     dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
                             world_size=nproc)
-    import gradring
     from gradring.buckets import SlotKind, slot_io
     from gradring.comm import runner
     from gradring.reducer import bucket_set
     from gradring.reducer import reducer as reducer_mod
     from gradring.tools.bench import ddp_step
 
-    kind, batch = ddp_step.MODELS[model_name]
-    model, make = ddp_step.build(kind)
-    x = make(batch)
-    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        ddp(x).float().pow(2).mean().backward()
-        opt.step()
+    ddp, opt, x = ddp_step.gradring_ddp(model_name, bucket_cap_mb=cap)
+    step = functools.partial(ddp_step.train_step, ddp, opt, x)
 
     for _ in range(6):  # warm-up and the rebuild
         step()
@@ -113,27 +113,15 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     runner.run = _timed(acc, "collectives (training thread)", runner.run, main_only=True)
     dist.barrier()
     acc.clear()
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(steps):
-        step()
-    acc["step (forward, backward, optimizer)"] = time.perf_counter() - t0
-    acc["CPU: training thread, whole step"] = time.thread_time() - c0
-    bare, _ = ddp_step.build(kind)
-    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-4)
-
-    def bare_step() -> None:
-        bare_opt.zero_grad(set_to_none=True)
-        bare(x).float().pow(2).mean().backward()
-        bare_opt.step()
-
-    for _ in range(6):
-        bare_step()
+    (acc["step (forward, backward, optimizer)"],
+     acc["CPU: training thread, whole step"]) = _run(step, steps)
+    bare, _ = ddp_step.build(ddp_step.MODELS[model_name][0])
+    bare_step = functools.partial(ddp_step.train_step, bare,
+                                  torch.optim.SGD(bare.parameters(), lr=1e-4), x)
+    _run(bare_step, 6)
     dist.barrier()
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(steps):
-        bare_step()
-    acc["the same step without DDP"] = time.perf_counter() - t0
-    acc["CPU: the same step without DDP"] = time.thread_time() - c0
+    acc["the same step without DDP"], acc["CPU: the same step without DDP"] = \
+        _run(bare_step, steps)
     if rank == 0:
         queue.put({k: v / steps * 1e3 for k, v in acc.items()})
     dist.destroy_process_group()

@@ -58,23 +58,12 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     os.environ["GRADRING_OVERLAP"] = "0"
     dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
                             world_size=nproc)
-    import gradring
     from gradring import comm
     from gradring.tools.bench import ddp_step
 
-    kind, batch = ddp_step.MODELS[model_name]
-    model, make = ddp_step.build(kind)
-    x = make(batch)
-    ddp = gradring.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        ddp(x).float().pow(2).mean().backward()
-        opt.step()
-
+    ddp, opt, x = ddp_step.gradring_ddp(model_name)
     for _ in range(6):  # warm-up and the rebuild
-        step()
+        ddp_step.train_step(ddp, opt, x)
     buckets = ddp.reducer.buckets
     calls: list[tuple[float, float]] = []
     launcher = ddp.reducer._launcher
@@ -90,7 +79,7 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     launcher.reduce = timed
     dist.barrier()
     for _ in range(steps):
-        step()
+        ddp_step.train_step(ddp, opt, x)
     launcher.reduce = reduce
     per_step = len(calls) // steps
     if per_step != len(buckets):

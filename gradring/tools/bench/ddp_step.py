@@ -198,12 +198,31 @@ def time_steps(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, fl
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
-              ) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One training step of a bench model: forward, a squared-mean loss, backward,
+    SGD."""
     opt.zero_grad(set_to_none=True)
     model(x).float().pow(2).mean().backward()
     opt.step()
+
+
+def gradring_ddp(model_name: str, **ddp_kwargs: Any
+                 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """Bench model ``model_name`` under gradring's DDP (``ddp_kwargs`` as for its
+    constructor), its optimizer and its batch; for a rank whose process group is
+    up."""
+    import gradring
+
+    kind, batch = MODELS[model_name]
+    model, make = build(kind)
+    ddp = gradring.DistributedDataParallel(model, **ddp_kwargs)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4), make(batch)
+
+
+def _one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
+              ) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    train_step(model, opt, x)
     return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
 
 
