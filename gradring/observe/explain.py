@@ -70,7 +70,7 @@ from gradring.observe.overlap import (
 )
 from gradring.observe.record import rank_record
 from gradring.observe.trace import Event
-from gradring.reducer.autocap import pick
+from gradring.reducer.autocap import pick, predict
 from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, simulate
 
 #: The rows of a step ([Note: the step breakdown]); they add up to ``step``.
@@ -524,11 +524,9 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
     # picking a cap] in reducer/autocap.py), with auto's model of the host: where no
     # core was free, nothing overlaps and no first bucket is kept small ([Note: auto
     # on a host with no free core])
-    picking = preds
-    if not facts.get("free_core", True):
-        picking = {cap: simulate(profile, curve, cap, per_bucket_ms=c,
-                                 first_cap_bytes=int(cap * MIB), overlap=False)
-                   for cap in caps}
+    free = facts.get("free_core", True)
+    picking = preds if free else {
+        cap: predict(profile, curve, cap, per_bucket_ms=c, free_core=False) for cap in caps}
     now = picking[cur_mb]
     best = pick([q for cap, q in picking.items() if cap in DEFAULT_CAPS_MB]).prediction
     source = "all-reduce times measured on this link" if measured else \

@@ -135,6 +135,17 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
+def predict(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms: float,
+            free_core: bool) -> Prediction:
+    """``simulate`` with the model of the host that auto, ``gradring tune`` and
+    ``gradring explain`` share: with a free core the buckets overlap the backward
+    behind torch's 1 MiB first bucket; without one ([Note: auto on a host with no
+    free core]) nothing overlaps and the first bucket is as large as the others."""
+    return simulate(profile, curve, cap_mb, per_bucket_ms=per_bucket_ms,
+                    first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free_core
+                    else int(cap_mb * MIB), overlap=free_core)
+
+
 def decide(profile: Profile, curve: CommCurve,
            caps_mb: Sequence[float] = DEFAULT_CAPS_MB, *, free_core: bool = True) -> AutoCap:
     """Simulate every cap and pick one by ``pick``. The per-bucket cost is the smallest
@@ -142,9 +153,8 @@ def decide(profile: Profile, curve: CommCurve,
     on a host with no free core]: nothing overlaps, and the first bucket is not kept
     small."""
     per_bucket = curve.times_ms[0]
-    preds = [simulate(profile, curve, cap, per_bucket_ms=per_bucket,
-                      first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free_core
-                      else int(cap * MIB), overlap=free_core) for cap in caps_mb]
+    preds = [predict(profile, curve, cap, per_bucket_ms=per_bucket, free_core=free_core)
+             for cap in caps_mb]
     chosen = pick(preds)
     best = chosen.prediction
     cap_bytes = int(best.cap_mb * MIB)

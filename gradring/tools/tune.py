@@ -69,15 +69,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
 from gradring.link_curve import measure_allreduce
-from gradring.reducer.autocap import has_free_core, pick
+from gradring.reducer.autocap import has_free_core, pick, predict
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,
     Prediction,
     Profile,
-    simulate,
     sweep_sizes,
 )
 from gradring.tools.workloads import BUILTIN, Workload, forward_loss, from_parts, load_workload
@@ -222,11 +221,7 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     free = has_free_core(GroupComm(dist.group.WORLD),
                          [key.split("/")[-1] for key in profile.keys])
 
-    def predict(c: float, prof: Profile) -> Prediction:
-        return simulate(prof, curve, c, per_bucket_ms=c0, overlap=free,
-                        first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free else int(c * MIB))
-
-    predictions = [predict(c, profile) for c in caps]
+    predictions = [predict(profile, curve, c, per_bucket_ms=c0, free_core=free) for c in caps]
     # identical on every rank: same inputs, same arithmetic; the rule of
     # bucket_cap_mb="auto" ([Note: one rule for picking a cap] in reducer/autocap.py)
     chosen = pick(predictions).prediction
@@ -236,7 +231,7 @@ def tune_rank(rank: int, world: int, workload: str | Callable[[], Workload],
     if rank != 0:
         return None
     profile = profile._replace(step_ms=plain_ms)
-    predictions = [predict(c, profile) for c in caps]
+    predictions = [predict(profile, curve, c, per_bucket_ms=c0, free_core=free) for c in caps]
     by_cap = {p.cap_mb: p for p in predictions}
     return TuneResult(profile, curve, predictions, by_cap[chosen.cap_mb],
                       by_cap[default.cap_mb], measured, c0, pick(predictions).why)
