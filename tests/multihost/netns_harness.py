@@ -94,8 +94,16 @@ class Run:
     seconds: float
 
     def lines(self, tag: str) -> list[str]:
-        """Lines of the output that start with ``tag`` (tag removed)."""
-        return [ln[len(tag):].strip() for ln in self.output.splitlines() if ln.startswith(tag)]
+        """What follows ``tag`` on each line of the output that has it. A record is one
+        write(2) ending its line, but another process of the host (a rank's stderr,
+        torchrun) may have left an unterminated line before it, so the tag need not
+        start its line."""
+        out = []
+        for ln in self.output.splitlines():
+            at = ln.find(tag + " ")
+            if at >= 0:
+                out.append(ln[at + len(tag):].strip())
+        return out
 
 
 class TwoHosts:
