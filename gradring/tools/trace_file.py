@@ -195,10 +195,15 @@ def _open_regular(path: str, what: str) -> tuple[int, int]:
 
 
 def _too_big(path: str, what: str, limit: int, size: int | None, *, gz: bool) -> TraceFileError:
-    said = (f"it decompresses to more than {human_bytes(limit)}" if gz else
-            f"it is {human_bytes(size or 0)}")
-    return TraceFileError(path, f"{said}, above the limit of {human_bytes(limit)} per file; "
-                                f"{_raise_hint(None if gz else size, limit)}", what)
+    shown_limit = human_bytes(limit)
+    if gz:
+        said = f"it decompresses to more than the limit of {shown_limit} per file"
+    else:
+        shown_size = human_bytes(size or 0)
+        if shown_size == shown_limit:  # the rounding would hide the difference
+            shown_size, shown_limit = f"{size} bytes", f"{limit} bytes"
+        said = f"it is {shown_size}, above the limit of {shown_limit} per file"
+    return TraceFileError(path, f"{said}; {_raise_hint(None if gz else size, limit)}", what)
 
 
 def _read_plain(f: io.BufferedReader, first: bytes, limit: int, path: str,
