@@ -13,6 +13,8 @@ import json
 import os
 import pickle
 import stat
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -311,3 +313,27 @@ def test_no_file_was_left_behind_by_the_refusals(tmp_path) -> None:
     with pytest.raises(TraceFileError):
         read_json(str(big), max_bytes=10)
     assert big.read_bytes() == TEXT
+
+
+def test_deep_nesting_is_refused_under_a_raised_recursion_limit(tmp_path) -> None:
+    """With the interpreter's limit raised to 10**6, Python's JSON parser would run off
+    the C stack (SIGSEGV on 100,000 nested ``[``); the reader refuses it all the same
+    and gives the caller's limit back. Run in a child, which a crash cannot take down
+    with the test run; the module is loaded by itself (no torch import)."""
+    deep = _write(tmp_path / "deep.json", b"[" * 200_000 + b"]" * 200_000)
+    module = Path(__file__).parents[2] / "gradring" / "tools" / "trace_file.py"
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('trace_file', {str(module)!r})\n"
+        "tf = importlib.util.module_from_spec(spec); spec.loader.exec_module(tf)\n"
+        "sys.setrecursionlimit(10**6)\n"
+        "try:\n"
+        f"    tf.read_json({str(deep)!r})\n"
+        "except tf.TraceFileError as exc:\n"
+        "    print(exc)\n"
+        "print(sys.getrecursionlimit())\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    said, limit = res.stdout.splitlines()
+    assert "nest too deeply" in said and str(deep) in said and limit == str(10**6)
