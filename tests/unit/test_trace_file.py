@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import pickle
+import re
 import stat
 import subprocess
 import sys
@@ -337,3 +338,35 @@ def test_deep_nesting_is_refused_under_a_raised_recursion_limit(tmp_path) -> Non
     assert res.returncode == 0, (res.returncode, res.stderr)
     said, limit = res.stdout.splitlines()
     assert "nest too deeply" in said and str(deep) in said and limit == str(10**6)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    (b"PK\x03\x04" + b"\0" * 60, "a zip archive (torch.save writes these)"),
+    (b"\x28\xb5\x2f\xfd" + b"\0" * 60, "zstd-compressed"),
+    (b"BZh91AY&SY" + b"\x01" * 60, "bzip2-compressed"),
+    (b"\xfd7zXZ\x00" + b"\0" * 60, "xz-compressed"),
+    (gzip.compress(TEXT) + b"junk", "data after the end of its gzip stream"),
+    (gzip.compress(TEXT)[:-8] + b"\0" * 8, "corrupt gzip file"),
+    (b"{} {}", "more than one JSON document"),
+    (b"   \n\t ", "only whitespace"),
+    (gzip.compress(pickle.dumps(DOC)), "is a pickle"),
+], ids=["zip", "zstd", "bzip2", "xz", "gzip+junk", "gzip crc", "two docs", "blank",
+        "gzipped pickle"])
+def test_other_formats_are_named(data, words, tmp_path) -> None:
+    path = _write(tmp_path / "t.json", data)
+    with pytest.raises(TraceFileError, match=re.escape(words)) as exc:
+        read_json(str(path))
+    assert str(path) in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_flight_reads_one_dump_file_as_its_folder(tmp_path, capsys) -> None:
+    entry = {"group": "0", "seq": 1, "kind": "all_reduce", "nbytes": 16, "dtype": "float32",
+             "shape": [4], "label": None, "algo": "x", "issued": 1.0, "started": 1.0,
+             "ended": 2.0, "state": "completed", "error": ""}
+    dump = {"rank": 0, "pid": 7, "host": "h", "time": 3.0, "reasons": ["exit"],
+            "entries": [entry]}
+    _write(tmp_path / "fr" / "rank0.json", json.dumps(dump).encode())
+    assert cli.main(["flight", str(tmp_path / "fr" / "rank0.json")]) == 0
+    by_file = capsys.readouterr().out
+    assert cli.main(["flight", str(tmp_path / "fr")]) == 0
+    assert capsys.readouterr().out == by_file and "1 dump(s): rank 0" in by_file
