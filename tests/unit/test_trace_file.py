@@ -370,3 +370,15 @@ def test_flight_reads_one_dump_file_as_its_folder(tmp_path, capsys) -> None:
     by_file = capsys.readouterr().out
     assert cli.main(["flight", str(tmp_path / "fr")]) == 0
     assert capsys.readouterr().out == by_file and "1 dump(s): rank 0" in by_file
+
+
+def test_a_file_of_several_gigabytes_is_refused_by_its_size(tmp_path, capsys) -> None:
+    """A sparse 3 GiB file (no disk used) is refused by the default limit before a
+    byte is read; the line names a value of the flag that would admit it."""
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)
+    assert cli.main(["explain", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "it is 3 GiB, above the limit of 2 GiB per file" in err, err
+    assert "--max-trace-bytes 4G" in err, err
