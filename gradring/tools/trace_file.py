@@ -215,24 +215,27 @@ def _too_big(path: str, what: str, limit: int, size: int | None, *, gz: bool) ->
     return TraceFileError(path, f"{said}; {_raise_hint(None if gz else size, limit)}", what)
 
 
-def _read_plain(f: io.BufferedReader, first: bytes, limit: int, path: str,
-                what: str) -> bytearray:
-    data = bytearray(first)
+def _read_plain(f: io.BufferedReader, size: int, limit: int, path: str, what: str) -> bytes:
+    """All of ``f``: ``size`` bytes (its size when opened) in one read, then, should
+    it have grown meanwhile, more in slices up to ``limit``."""
+    chunks: list[bytes] = []
+    total, want = 0, size + 1  # one byte more: tells whether it grew
     while True:
-        chunk = f.read(min(64 << 20, limit + 1 - len(data)))
+        chunk = f.read(min(want, limit + 1 - total))
         if not chunk:
-            return data
-        data += chunk
-        if len(data) > limit:  # it grew while read
-            raise _too_big(path, what, limit, len(data), gz=False)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:  # it grew while read
+            raise _too_big(path, what, limit, total, gz=False)
+        want = 64 << 20
 
 
-def _read_gzip(f: io.BufferedReader, first: bytes, limit: int, path: str,
-               what: str) -> bytearray:
+def _read_gzip(f: io.BufferedReader, limit: int, path: str, what: str) -> bytearray:
     """Decompress the gzip stream(s) from ``f``, at most ``limit`` bytes of output."""
     out = bytearray()
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    pending = first
+    pending = b""
     try:
         while True:
             if d.eof:  # one gzip member ended: another may follow (gzip allows that)
@@ -332,11 +335,10 @@ def read_json(path: str, *, max_bytes: int | None = None, what: str = "trace") -
         if size > limit:  # a gzip file this big holds more JSON still
             raise _too_big(path, what, limit, size, gz=False)
         try:
-            first = f.read(min(_CHUNK, limit + 1))
-            if first.startswith(_GZIP_MAGIC):
-                data = _read_gzip(f, first, limit, path, what)
+            if f.peek(2)[:2] == _GZIP_MAGIC:  # peek: the bytes stay to be read
+                data = _read_gzip(f, limit, path, what)
             else:
-                data = _read_plain(f, first, limit, path, what)
+                data = _read_plain(f, size, limit, path, what)
         except OSError as exc:
             raise TraceFileError(path, _os_reason(path, exc), what) from None
     if data[:1] == b"\x80":  # never hand a pickle to a parser, even to fail
