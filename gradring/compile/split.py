@@ -12,7 +12,7 @@ their hooks while earlier pieces still compute.
 
 Dynamo calls the splitter itself: while a compiled frame runs inside a DDP
 forward (torch's class attribute ``_active_ddp_module`` is set, see
-``TorchSurface._inside_ddp_forward``), ``convert_frame`` builds a
+torch's ``DistributedDataParallel._inside_ddp_forward``), ``convert_frame`` builds a
 ``DDPOptimizer`` from ``torch._dynamo.backends.distributed`` and compiles the
 frame through its ``compile_fn``. ``DDPOptimizer`` only knows one byte cap
 and a fixed 1 MiB first bucket; gradring's buckets have their own rules (an
@@ -60,13 +60,10 @@ in true backward order for the rebuild to record. Right after the rebuild,
 and the next call compiles once more at the rebuilt buckets: the one
 recompile. ``splits(ddp)`` lists every split made.
 
-Where every bucket is reduced at the end of the backward, the rebuild
-installs them joined into one, and the graph compiles as one piece: nothing
-could launch sooner. If torch's buckets come back later (a comm hook or a
-fused optimizer registered after the first steps), their buckets launch as
-the backward goes, so ``after_rebuild`` drops the one-piece code too: each
-split remembers the bucket of every parameter it followed, and one that no
-longer matches the installed buckets compiles once more.
+Each split made after the rebuild remembers the bucket of every parameter
+it followed; should the installed buckets change again, ``after_rebuild``
+drops the code of every split that no longer matches them, and it compiles
+once more.
 
 [Note: the arrival order under compile]
 A piece can only end between nodes, and one node's backward hands out all of
@@ -421,10 +418,9 @@ def _layout(reducer: Reducer) -> tuple[int, ...]:
 def after_rebuild(ddp: Any) -> int:
     """The installed buckets just changed: drop the code compiled with pieces
     that follow other buckets, so the next call compiles once more, split at
-    the new ones. That is the provisional pieces at the rebuild, and the
-    pieces of joined buckets once torch's come back (see [Note: one collective
-    at the end] in ``buckets/assign.py``). Returns how many code objects were
-    dropped."""
+    the new ones: the provisional pieces at the rebuild, and any pieces made
+    for buckets that are no longer the installed ones. Returns how many code
+    objects were dropped."""
     dropped = 0
     now: tuple[int, ...] | None = None
     for split in _SPLITS.get(ddp, ()):
