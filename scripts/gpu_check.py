@@ -7,7 +7,11 @@
     PYTHONPATH=. python scripts/gpu_check.py --only 'w2/*'   # a selection (shell patterns)
 
 One line per check, ``PASS``, ``FAIL`` or ``SKIP`` with the reason, then a
-``SUMMARY`` line last; the exit status is 0 only if nothing failed. Every
+``SUMMARY`` line last; the exit status is 0 only if nothing failed. Without a
+GPU (or with ``--cpu``) the plain command runs every check that can run on
+CPU tensors, at the ``small`` sizes with inductor, prints ``SKIP`` for the
+CUDA-only ones and a ``GPU half skipped`` line before the summary, and exits
+0 when those CPU checks pass: ``.ci/run`` runs it so. Every
 comparison runs torch's DDP and gradring's on identically seeded copies of one
 model with the same batches, interleaved step by step in the same processes,
 and compares gradients and parameters with ``torch.equal`` (bit for bit)
@@ -988,6 +992,17 @@ def summary_line(outcomes: Sequence[Outcome], seconds: float, device: str) -> st
             f"(torch {torch.__version__}, {device}){tail}")
 
 
+def gpu_half_line(checks: Sequence[Check], has_cuda: bool) -> str:
+    """A run on CPU tensors: the GPU half that was skipped, and what the exit
+    status covers."""
+    skipped = [c.name for c in checks if c.cuda_only]
+    why = "--cpu given" if has_cuda else "no GPU here"
+    names = f" ({', '.join(skipped)})" if skipped else ""
+    return (f"GPU half skipped ({why}): {len(skipped)} CUDA-only checks not run{names}; the "
+            "other checks ran on CPU tensors, and the exit status (0 only if none failed) "
+            "covers them")
+
+
 def exit_code(outcomes: Sequence[Outcome]) -> int:
     return 1 if any(o.status == FAIL for o in outcomes) else 0
 
@@ -1086,6 +1101,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in mine:
             if c.name in skipped:
                 emit(Outcome(c.name, SKIP, why))
+    if device == "cpu":
+        print(gpu_half_line(checks, has_cuda), flush=True)
     print(summary_line(outcomes, time.monotonic() - t0, where), flush=True)
     return exit_code(outcomes)
 

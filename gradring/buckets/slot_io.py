@@ -2,7 +2,7 @@
 
 One function per slot kind (see [Note: slot kinds] in ``bucket.py``): the
 per-hook puts of VIEW, HOMED and COPIED slots, the deferred put of a ready
-bucket's VIEW and PACKED slots (see [Note: packed slots] in ``packing.py``),
+bucket's PACKED slots (see [Note: packed slots] in ``packing.py``),
 and the write-back at the end of the backward. Plain functions of a bucket
 and a slot: the parameter is the bucket's, the scale the caller's; what a
 put leaves to be done later it records through the bucket's own methods.

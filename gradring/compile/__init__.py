@@ -2,7 +2,8 @@
 
 ``split.py``: compiled graphs split at gradring's buckets ([Note: compile and
 the buckets]); ``never_traced.py``: what Dynamo never traces ([Note: never
-traced]). The public names of both are re-exported here, so ``gradring.compile.X`` keeps working.
+traced]). The public names of both are re-exported here, so
+``gradring.compile.splits`` (and the others) keep working.
 """
 
 from gradring.compile.never_traced import NEVER_TRACED, never_traced

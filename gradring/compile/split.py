@@ -12,7 +12,7 @@ their hooks while earlier pieces still compute.
 
 Dynamo calls the splitter itself: while a compiled frame runs inside a DDP
 forward (torch's class attribute ``_active_ddp_module`` is set, see
-``TorchSurface._inside_ddp_forward``), ``convert_frame`` builds a
+torch's ``DistributedDataParallel._inside_ddp_forward``), ``convert_frame`` builds a
 ``DDPOptimizer`` from ``torch._dynamo.backends.distributed`` and compiles the
 frame through its ``compile_fn``. ``DDPOptimizer`` only knows one byte cap
 and a fixed 1 MiB first bucket; gradring's buckets have their own rules (an
@@ -24,8 +24,32 @@ torch's ``DDPOptimizer`` unchanged. The splitting, metadata propagation and
 per-piece compilation after the partition are torch's own helpers.
 
 Where a piece ends: walking the graph from its end (the order backward runs
-in), right after the node that completes a bucket, i.e. brings the last of
-its parameters; a cut anywhere else adds a graph and launches nothing sooner.
+in), right after a node that completes a bucket, i.e. brings the last of
+its parameters, where the cut keeps the buckets in order ([Note: where a
+piece may end]); a cut anywhere else adds a graph and launches nothing
+sooner.
+
+[Note: where a piece may end]
+The reducer launches its buckets in index order, so a bucket whose piece
+finishes before a lower bucket is complete waits for it, and the cut that
+finished it early gains nothing. A cut is therefore made only where the
+buckets completed so far (by this graph's nodes) are this graph's lowest
+ones. The walk's order is not always the order of the rebuild: two branches
+of the graph that meet (a token and a position embedding, summed) have no
+order of their own, and the first backward, which the rebuild records, may
+have run them either way. GPT-2's shape at ``bucket_cap_mb=0.25`` showed it:
+bucket 7 held the token table and the first LayerNorm, bucket 8 the position
+table; the walk meets the position table first, and a cut there completed
+bucket 8 one piece before bucket 7. Such buckets now complete in one piece.
+A bucket completes at the last node of the walk that reads one of its
+parameters (a parameter read twice has its gradient after its first use in
+forward). And a piece that feeds nothing into the piece after it in forward
+joins that piece: the engine could run their backwards in either order, so
+only pieces that hand each other their gradients keep the order counted on
+here. Inside a piece the order does not matter: its parameters' gradients
+all arrive when its backward returns. With caps smaller than one parameter
+(one bucket each), a linear node completes two buckets, its bias and its
+weight, in one piece.
 
 Which buckets: after the rebuild (and always with find_unused_parameters),
 the reducer's installed ones. Dynamo compiles at the first forward, before
@@ -36,13 +60,10 @@ in true backward order for the rebuild to record. Right after the rebuild,
 and the next call compiles once more at the rebuilt buckets: the one
 recompile. ``splits(ddp)`` lists every split made.
 
-Where every bucket is reduced at the end of the backward, the rebuild
-installs them joined into one, and the graph compiles as one piece: nothing
-could launch sooner. If torch's buckets come back later (a comm hook or a
-fused optimizer registered after the first steps), their buckets launch as
-the backward goes, so ``after_rebuild`` drops the one-piece code too: each
-split remembers the bucket of every parameter it followed, and one that no
-longer matches the installed buckets compiles once more.
+Each split made after the rebuild remembers the bucket of every parameter
+it followed; should the installed buckets change again, ``after_rebuild``
+drops the code of every split that no longer matches them, and it compiles
+once more.
 
 [Note: the arrival order under compile]
 A piece can only end between nodes, and one node's backward hands out all of
@@ -219,54 +240,52 @@ class BucketSplit:
         """Assign every node a piece; pieces are numbered in forward order."""
         reducer = self.ddp.reducer
         node_params = _node_params(gm)
+        # The nodes in the order backward runs them, each with the indices of
+        # the reducer's parameters it reads.
+        walk = [(node, list(dict.fromkeys(
+                    i for i in map(reducer.index_of, node_params[node]) if i is not None)))
+                for node in reversed(gm.graph.nodes) if node.op not in ("placeholder", "output")]
         order: list[list[int]] = []
+        brings_new: list[bool] = []  # per step: whether a parameter is read first there
         seen: set[int] = set()
-        for node in reversed(gm.graph.nodes):
-            new = []
-            for p in node_params.get(node, ()):
-                i = reducer.index_of(p)
-                if i is not None and i not in seen:
-                    seen.add(i)
-                    new.append(i)
+        for _, mine in walk:
+            new = [i for i in mine if i not in seen]
+            seen.update(new)
+            brings_new.append(bool(new))
             if new:
                 order.append(new)
         bucket_of, predicted = self.bucket_of(order)
-        counted: set[int] = set()
-        # Walk backward through the graph (the order backward runs in). A piece
-        # ends after the node that completes a bucket (the last of its
-        # parameters in this walk): when that piece's backward returns, the
-        # bucket launches. The next piece starts at the next node with
-        # parameters, once the current piece has an output another piece reads.
-        remaining: dict[int, int] = {}
-        for i in seen:
-            remaining[bucket_of[i]] = remaining.get(bucket_of[i], 0) + 1
+        # Walk backward through the graph. A piece ends before the next node
+        # with new parameters once it completed a bucket and has an output
+        # another piece reads; after the rebuild, only where the buckets
+        # completed so far are this graph's first ones in the reducer's order
+        # (see [Note: where a piece may end]). Before the rebuild every node
+        # with new parameters starts a piece of its own.
+        if predicted:
+            completes, in_order = brings_new, [True] * len(walk)
+        else:
+            completes, in_order = _completions([mine for _, mine in walk], bucket_of)
         pieces: list[list[fx.Node]] = [[]]
         buckets: list[set[int]] = [set()]
         members: set[fx.Node] = set()
-        completed = False
-        for node in reversed(gm.graph.nodes):
-            if node.op in ("placeholder", "output"):
-                continue
-            mine = [i for i in map(reducer.index_of, node_params[node]) if i is not None]
-            if mine and completed and _has_external_user(pieces[-1], members):
+        done, may_end = False, False
+        for step, (node, mine) in enumerate(walk):
+            if brings_new[step] and done and may_end and _has_external_user(pieces[-1], members):
                 pieces.append([])
                 buckets.append(set())
                 members = set()
-                completed = False
+                done = False
             pieces[-1].append(node)
             members.add(node)
-            for i in dict.fromkeys(mine):
-                if i in counted:
-                    continue
-                counted.add(i)
-                b = bucket_of[i]
-                buckets[-1].add(b)
-                remaining[b] -= 1
-                completed = completed or remaining[b] == 0
+            buckets[-1].update(bucket_of[i] for i in mine)
+            done = done or completes[step]
+            may_end = in_order[step]
         if len(pieces) > 1 and not buckets[-1]:
             # A preamble before the first parameter: it joins the piece after it.
             pieces[-2].extend(pieces.pop())
             buckets.pop()
+        if not predicted:
+            pieces, buckets = _chained(pieces, buckets)
         pieces.reverse()
         buckets.reverse()
         where = {node: k for k, nodes in enumerate(pieces) for node in nodes}
@@ -334,6 +353,48 @@ def _smallest_parameters_first(split_gm: fx.GraphModule) -> None:
         piece.recompile()
 
 
+def _completions(walk: list[list[int]], bucket_of: dict[int, int]
+                 ) -> tuple[list[bool], list[bool]]:
+    """Per step of a backward walk (the parameter indices each node reads):
+    whether a bucket completes there, and whether the buckets completed so far
+    are then the graph's first ones in the reducer's order.
+
+    A parameter read by several nodes has its gradient only after the last of
+    them in the walk (its first use in forward), so a bucket completes at
+    the last step that reads one of its parameters."""
+    last: dict[int, int] = {}
+    for step, mine in enumerate(walk):
+        for i in mine:
+            last[bucket_of[i]] = step
+    first_ones = sorted(last)
+    completes = [False] * len(walk)
+    for step in last.values():
+        completes[step] = True
+    in_order, done, highest = [], 0, -1
+    for step in range(len(walk)):
+        finished = [b for b, at in last.items() if at == step]
+        done += len(finished)
+        highest = max([highest, *finished])
+        in_order.append(done == 0 or first_ones[done - 1] == highest)
+    return completes, in_order
+
+
+def _chained(pieces: list[list[fx.Node]], buckets: list[set[int]]
+             ) -> tuple[list[list[fx.Node]], list[set[int]]]:
+    """The pieces (in backward order) with each one that feeds nothing into
+    the piece before it joined to that piece (see [Note: where a piece may end])."""
+    out_pieces, out_buckets = [pieces[0]], [buckets[0]]
+    for nodes, used in zip(pieces[1:], buckets[1:]):
+        later = set(out_pieces[-1])
+        if any(user in later for node in nodes for user in node.users):
+            out_pieces.append(nodes)
+            out_buckets.append(used)
+        else:
+            out_pieces[-1] = out_pieces[-1] + nodes
+            out_buckets[-1] = out_buckets[-1] | used
+    return out_pieces, out_buckets
+
+
 def _has_external_user(nodes: list[fx.Node], members: set[fx.Node]) -> bool:
     """Whether some node of a piece is read outside it (so the piece has an output)."""
     return any(user not in members for node in nodes for user in node.users)
@@ -357,10 +418,9 @@ def _layout(reducer: Reducer) -> tuple[int, ...]:
 def after_rebuild(ddp: Any) -> int:
     """The installed buckets just changed: drop the code compiled with pieces
     that follow other buckets, so the next call compiles once more, split at
-    the new ones. That is the provisional pieces at the rebuild, and the
-    pieces of joined buckets once torch's come back (see [Note: one collective
-    at the end] in ``buckets/assign.py``). Returns how many code objects were
-    dropped."""
+    the new ones: the provisional pieces at the rebuild, and any pieces made
+    for buckets that are no longer the installed ones. Returns how many code
+    objects were dropped."""
     dropped = 0
     now: tuple[int, ...] | None = None
     for split in _SPLITS.get(ddp, ()):

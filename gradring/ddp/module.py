@@ -22,7 +22,7 @@ surface. A torch-named method whose concept lives elsewhere is a one-line
 delegation to the collaborator that owns it: the buffers to ``BufferSync``
 (``buffers.py``), Join to ``join.py``, the comm hook / fused optimizer /
 in-backward optimizers to ``ConsumerSlot`` (``consumers.py``). The averaging
-is done by gradring's own Reducer (``gradring/reducer.py``); this class
+is done by gradring's own Reducer (``gradring/reducer/reducer.py``); this class
 decides *when* the reducer is told what, mirroring torch's DDP so a user
 switches by one import.
 """

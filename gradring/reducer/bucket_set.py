@@ -36,7 +36,7 @@ class BucketSet:
         self._comm = comm
         # gradient_as_bucket_view: .grad is the slot.
         self._view_mode = view_mode
-        # Sizes in bytes and (dtype, device) keys per parameter (joining reads them).
+        # Sizes in bytes per parameter.
         self._sizes = [p.numel() * p.element_size() for p in self._params]
         # The installed buckets, in launch order.
         self.buckets: list[Bucket] = []

@@ -369,8 +369,8 @@ class Reducer:
         return True
 
     def _finalize_may_reduce(self) -> bool:
-        """Whether the finalize may reduce buckets itself (see [Note: the last
-        bucket] in launcher.py): not with a comm hook, a fused optimizer
+        """Whether the finalize may reduce buckets itself (see [Note: buckets
+        left to the finalize] in launcher.py): not with a comm hook, a fused optimizer
         (post_reduce) or find_unused's map."""
         return self.comm_hook is None and self.post_reduce is None \
             and self.mode is not GraphMode.FIND_UNUSED

@@ -15,7 +15,7 @@ ranks per host (W = H·L, ranks of a host contiguous):
 - gradring's double binary tree (not pipelined): ``2·⌊log2 W⌋·(α + S/B)``: each
   of ⌊log2 W⌋ levels up and down moves two half-buffers over one link (at
   W = 2 one half each way: ``2α + S/B``, the ring's time).
-- hierarchical (``comm/hierarchical.py``): intra-host reduce-scatter and
+- hierarchical (``comm/algos/hierarchical.py``): intra-host reduce-scatter and
   all-gather over shared memory, ``α_i + (L-1)/L · S/B_i`` each, around an
   inter-host all-reduce of S/L among H ranks; the L such all-reduces of a host
   share its link, so each sees B/L: ring ``2(H-1)·α + 2(H-1)/H · S/B``.

@@ -1,10 +1,12 @@
 """scripts/gpu_check.py run as a user runs it, in fresh processes.
 
 Without a GPU the script runs its CPU part (world 1 and 2 over gloo on CPU
-tensors, the compile check) and prints SKIP for what needs CUDA. A
-difference it is made to see (``--inject-fault``) must come out as FAIL with
-a non-zero exit. The full GPU run is marked ``cuda``: run it on a machine
-with one, ``pytest -m cuda tests/jobs/test_gpu_check.py``.
+tensors, the compile check), prints SKIP for what needs CUDA and a line
+saying the GPU half was skipped, and exits 0. A difference it is made to see
+(``--inject-fault``) must come out as FAIL with a non-zero exit. .ci/run runs
+the plain command (the CPU part at its default sizes) as a step of its own.
+The full GPU run is marked ``cuda``: run it on a machine with one,
+``pytest -m cuda tests/jobs/test_gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def test_cpu_part_passes_and_skips_what_needs_cuda():
         want = f"SKIP {name}: needs CUDA" if cuda_only else f"PASS {name}: "
         assert any(line.startswith(want) for line in out), (name, proc.stdout)
     ran = sum(not c for _, c in checks)
+    assert out[-2].startswith("GPU half skipped (") and \
+        f": {len(checks) - ran} CUDA-only checks not run (" in out[-2], out[-2]
     assert out[-1].startswith(f"SUMMARY: {ran} passed, 0 failed, {len(checks) - ran} skipped"), \
         out[-1]
     assert any(line.startswith("PASS w2/plain: gradients and parameters bit-equal") for line in out)
@@ -58,6 +62,7 @@ def test_a_difference_is_reported_as_fail():
     fails = [line for line in out if line.startswith("FAIL w2/plain: ")]
     assert len(fails) == 1, proc.stdout
     assert "step 0, gradients: 1 of " in fails[0] and "elements differ" in fails[0], fails[0]
+    assert out[-2].startswith("GPU half skipped ("), out[-2]
     assert out[-1].startswith("SUMMARY: 0 passed, 1 failed, 0 skipped"), out[-1]
     assert out[-1].endswith("failed: w2/plain"), out[-1]
 

@@ -1,4 +1,4 @@
-"""Failure handling (SPEC S14): dead peers, stalls, silent early exits, desyncs, bad input.
+"""Failure handling: dead peers, stalls, silent early exits, desyncs, bad input.
 
 Fault-injection tests start their own small jobs (this file doubles as the job
 script: ``python tests/jobs/test_reliability.py --scenario NAME --rank R ...``), kill
