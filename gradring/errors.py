@@ -167,6 +167,18 @@ def backward_twice() -> str:
     )
 
 
+def meta_parameters(module_name: str) -> str:
+    return (f"DistributedDataParallel got a {module_name} whose parameters are on the meta "
+            "device (shapes only, no values to average). Materialise it first: "
+            "module.to_empty(device=...), initialise its parameters (e.g. reset_parameters() "
+            "or load a state_dict), then wrap it in DistributedDataParallel.")
+
+
+def delay_all_reduce_half_given() -> str:
+    return ("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
+            "same time.")
+
+
 def no_trainable_params() -> str:
     return (
         "DistributedDataParallel is not needed when a module doesn't have any parameter "
