@@ -109,6 +109,9 @@ class Reducer:
         # How parameters' participation is learnt (see GraphMode); the one
         # place static_graph is stored.
         self.mode = mode
+        # Whether the user asked for find_unused_parameters (static_graph, set
+        # later, overrides the mode; errors' advice still knows it was asked).
+        self.find_unused_asked = mode is GraphMode.FIND_UNUSED
         # gradient_as_bucket_view: .grad is the bucket slot.
         self.grad_as_view = gradient_as_bucket_view
         # skip_all_reduce_unused_params: see [Note: skipped buckets].
@@ -523,11 +526,15 @@ class Reducer:
             remaining[i] = left
             if left > 0:
                 return
-            if left < 0 and not reducer._static.was_counted(i):
-                # As in torch, the reduction stays owed: the next forward raises
-                # "Expected to have finished reduction", naming what never arrived.
+            if left < 0:
+                # More gradients than in iteration 1 (none there, or a second
+                # backward over part of the graph): torch's error. As in torch, the
+                # reduction stays owed: the next forward raises "Expected to have
+                # finished reduction", naming what never arrived.
                 reducer.state = _REDUCING
-                raise reducer._fail(errors.static_graph_newly_used(i, reducer.names[i]))
+                raise reducer._fail(errors.static_graph_newly_used(
+                    i, reducer.names[i], first_count=reducer._static.first_count(i),
+                    find_unused=reducer.find_unused_asked))
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
             reducer.trace.mark("backward_start")
@@ -561,7 +568,9 @@ class Reducer:
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
-            raise self._fail(errors.marked_twice(i, self.names[i]))
+            raise self._fail(errors.marked_twice(i, self.names[i],
+                                                 static_graph=self.mode is _STATIC,
+                                                 find_unused=self.find_unused_asked))
         ready[i] = True
         self.state = _REDUCING
         bucket, s, put = self._set.routes[i]
@@ -704,6 +713,7 @@ class Reducer:
         self._end_iteration(finalized=False)
         raise self._fail(
             errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
+                                        find_unused=self.find_unused_asked,
                                         world_size=self.comm.world_size, rank=self.comm.rank,
                                         debug=_debug_on())
         )
