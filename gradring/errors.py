@@ -271,7 +271,16 @@ def nothing_unused() -> str:
             "any unused parameters in the forward pass. This flag results in an extra "
             "traversal of the autograd graph every iteration, which can adversely affect "
             "performance. If your model indeed never has any unused parameters in the forward "
-            "pass, consider turning this flag off.")
+            "pass, consider turning this flag off. Note that this warning may be a false "
+            "positive if your model has flow control causing later iterations to have unused "
+            "parameters.")
+
+
+def static_graph_with_find_unused() -> str:
+    return ("You passed find_unused_parameters=true to DistributedDataParallel, "
+            "`_set_static_graph` will detect unused parameters automatically, so you do not "
+            "need to set find_unused_parameters=true, just be sure these unused parameters "
+            "will not change during training loop while calling `_set_static_graph`.")
 
 
 def static_graph_twice() -> str:

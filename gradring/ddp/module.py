@@ -43,7 +43,7 @@ from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import compile as compile_split
 from gradring import errors, pytree
-from gradring.announce import announce_first_forward
+from gradring.announce import announce_first_forward, notice
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB, BucketCaps
 from gradring.comm import peers
 from gradring.ddp import join, logging_data, reducer_params
@@ -265,7 +265,7 @@ class DistributedDataParallel(TorchDDP):
         # gradring's reducer: buckets, gradient hooks, the all-reduces.
         self.reducer = self._build_reducer(static_graph=static_graph)
         if self._auto_cap and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
-            warnings.warn(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB), stacklevel=2)
+            notice(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB))  # gradring's own
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
         # The comm hook, fused optimizer or in-backward optimizers (one of them).
@@ -273,7 +273,7 @@ class DistributedDataParallel(TorchDDP):
         # The precision switches ([Note: mixed precision] in mixed_precision.py), or None.
         self._mixed = self._setup_mixed_precision()
         if static_graph:
-            self._set_static_graph()
+            self._declare_static_graph(stacklevel=3)
 
     def _build_reducer(self, *, static_graph: bool) -> Reducer:
         find_unused = self.find_unused_parameters and not static_graph
@@ -371,13 +371,20 @@ class DistributedDataParallel(TorchDDP):
 
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (docs/design.md)."""
+        self._declare_static_graph(stacklevel=3)
+
+    def _declare_static_graph(self, *, stacklevel: int) -> None:
+        """_set_static_graph, with its warnings (torch's) pointed ``stacklevel``
+        frames up: at the user's call, or at the constructor's caller."""
         if self.static_graph:
-            warnings.warn(errors.static_graph_twice(), stacklevel=2)
+            warnings.warn(errors.static_graph_twice(), stacklevel=stacklevel)
             return
         try:
             self.reducer.set_static_graph()
         except RuntimeError as exc:
             self._log_and_throw(RuntimeError, str(exc))
+        if self.find_unused_parameters:
+            warnings.warn(errors.static_graph_with_find_unused(), stacklevel=stacklevel)
 
     # ----------------------------------------------------------------- forward
     # Under torch.compile Dynamo never traces this frame (frames it calls still

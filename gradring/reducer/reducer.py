@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from gradring import config, errors
+from gradring.announce import notice, stderr_warning_once
 from gradring.buckets import Bucket, BucketCaps, assign_buckets, bucket_key
 from gradring.buckets.slot_io import put_deferred, write_grads
 from gradring.fast_paths import FastPaths
@@ -470,7 +470,8 @@ class Reducer:
             self._prev_unused = self._unused
             if not self._unused and not self._warned_nothing_unused:
                 self._warned_nothing_unused = True
-                warnings.warn(errors.nothing_unused(), stacklevel=3)
+                # torch's C++ reducer says it on stderr, once per process.
+                stderr_warning_once("nothing_unused", errors.nothing_unused())
             if self.skip_unused_buckets:
                 skipped = self._unused_buckets()
         self._launcher.begin(skipped=skipped,
@@ -510,11 +511,12 @@ class Reducer:
                 reducer._local_used[i] = 1
             if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
-                # torch, say so once (docs/ddp-differences.md).
+                # torch, say so once (docs/ddp-differences.md), as gradring's
+                # own notice (no warning filter makes it an exception).
                 reducer.state = _IDLE
                 if not reducer._warned_second_backward:
                     reducer._warned_second_backward = True
-                    warnings.warn(errors.backward_twice(), RuntimeWarning, stacklevel=2)
+                    notice(errors.backward_twice())
             return  # no_sync, or a backward not preceded by a DDP forward
         mode = reducer.mode
         if mode is _STATIC:

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[tuple, dict]] = {
     "static_graph_too_late": ((), {}),
     "nothing_unused": ((), {}),
     "static_graph_twice": ((), {}),
+    "static_graph_with_find_unused": ((), {}),
     "unsupported_argument": (("batched_grad_copy",), {}),
     "check_reduction_deprecated": ((), {}),
     "too_many_device_ids": ((), {}),
@@ -75,6 +76,7 @@ SAMPLES: dict[str, tuple[tuple, dict]] = {
 ONLY_UNDER = {
     "static_graph_newly_used": lambda s: s["static_graph"],
     "static_graph_twice": lambda s: s["static_graph"],
+    "static_graph_with_find_unused": lambda s: s["static_graph"] and s["find_unused_parameters"],
     "nothing_unused": lambda s: s["find_unused_parameters"] and not s["static_graph"],
     "auto_cap_without_rebuild": lambda s: s["find_unused_parameters"] and not s["static_graph"],
 }
@@ -84,7 +86,7 @@ CASES = [(name, setting) for name in sorted(SAMPLES) for setting in SETTINGS
 
 #: torch's own descriptive sentences, kept word for word, which state what the
 #: user specified rather than advise it.
-_DESCRIPTIVE = ("was specified in DDP constructor",)
+_DESCRIPTIVE = ("was specified in DDP constructor", "You passed find_unused_parameters")
 
 
 def _builders() -> dict[str, object]:
