@@ -36,8 +36,9 @@ def _wrap(cls: type, model: nn.Module, setting: str) -> nn.Module:
         "static_graph": {"static_graph": True},
         "view": {"gradient_as_bucket_view": True},
     }.get(setting, {})
+    # Small buckets: several of them, so their order is compared too.
     ddp = cls(model, delay_all_reduce_named_params=delayed,
-              param_to_hook_all_reduce=model[0].weight, **kwargs)
+              param_to_hook_all_reduce=model[0].weight, bucket_cap_mb=0.0006, **kwargs)
     if setting == "comm_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     return ddp
@@ -88,6 +89,14 @@ def _train_side_by_side(rank: int, world: int, setting: str) -> list[str]:
         for opt in opts:
             opt.step()
         wrong += _differences(ours.module, theirs.module, f"step {step} parameters")
+    # The buckets hold the same parameters, in the same order, as torch's
+    # (torch leaves the rebuilt keys out where it never rebuilds, gradring
+    # has them empty: docs/ddp-differences.md).
+    logs = [m._get_ddp_logging_data() for m in (ours, theirs)]
+    for key in ("num_parameter_tensors", "bucket_sizes", "rebuilt_bucket_sizes",
+                "rebuilt_per_bucket_param_indices"):
+        if logs[0].get(key) != logs[1].get(key, ""):
+            wrong.append(f"logging data {key}: {logs[0].get(key)!r} vs {logs[1].get(key)!r}")
     # The delayed gradients are averages: the same on every rank.
     grads = [p.grad.clone() for p in ours.module[4].parameters()]
     everyone = [None] * world
