@@ -28,10 +28,10 @@ def _ids(step: int, rank: int) -> torch.Tensor:
     return ids[torch.randperm(len(ids), generator=g)]
 
 
-def _train(rank: int, world: int, micro: bool) -> list[str]:
+def _train(rank: int, world: int, rows: int, micro: bool) -> list[str]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    base = nn.Embedding(1000, 16, sparse=True)
+    base = nn.Embedding(rows, 16, sparse=True)
     models = [cls(copy.deepcopy(base)) for cls in (gradring.DistributedDataParallel,
                                                    nn.parallel.DistributedDataParallel)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
@@ -65,7 +65,10 @@ def _train(rank: int, world: int, micro: bool) -> list[str]:
     return wrong
 
 
+# 1000 rows: the table; 50 and 40000 take the other two put paths
+# (a packed slot, and one put at its own hook; see tests/ranks/test_sparse_grads.py).
+@pytest.mark.parametrize("rows", [1000, 50, 40000])
 @pytest.mark.parametrize("micro", [False, True], ids=["synced", "no_sync_first"])
-def test_repeated_ids_match_torch_bit_for_bit(pools, micro) -> None:
-    for wrong in pools.run(2, _train, micro, timeout=200):
+def test_repeated_ids_match_torch_bit_for_bit(pools, rows, micro) -> None:
+    for wrong in pools.run(2, _train, rows, micro, timeout=200):
         assert not wrong, wrong
