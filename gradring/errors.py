@@ -64,7 +64,7 @@ def param_order_mismatch(index: int, ours: str, theirs: str, rank: int, *,
 
 def unfinished_reduction(
     per_rank_missing: dict[int, list[int]], names: Sequence[str], *, static_graph: bool,
-    world_size: int = 0, debug: bool = False, rank: int = 0,
+    world_size: int = 0, debug: bool = False, rank: int = 0, find_unused: bool = False,
 ) -> str:
     """The error of a forward whose prior backward left a reduction unfinished.
 
@@ -81,6 +81,15 @@ def unfinished_reduction(
             "This error indicates that your training graph has changed in this iteration, "
             "e.g., one parameter is used in first iteration, but then got unused in the "
             "second iteration. this is not compatible with static_graph set to True. "
+        )
+    elif find_unused:
+        # torch's sentence would advise find_unused_parameters=True, already set.
+        head += (
+            "This error indicates that your module has parameters that were not used in "
+            "producing loss, and that unused parameter detection (find_unused_parameters, "
+            "which is on) did not find them: make sure all `forward` function outputs "
+            "participate in calculating loss, and that every tensor that leads to a "
+            "parameter is in the return value of `forward`. "
         )
     else:
         head += (
@@ -119,39 +128,71 @@ def unfinished_reduction(
     distinct = {tuple(v) for v in per_rank_missing.values()}
     if len(distinct) > 1:
         lines.append("The ranks above disagree on which parameters were used.")
-    lines.append(_unused_advice(static_graph))
+    lines.append(_unused_advice(static_graph, find_unused))
     return "\n".join(lines)
 
 
-def _unused_advice(static_graph: bool) -> str:
-    """The last line of the unfinished-reduction error: what to change."""
+def _unused_advice(static_graph: bool, find_unused: bool = False) -> str:
+    """The last line of the unfinished-reduction error: what to change, among
+    the settings the user does not have yet."""
     if static_graph:
+        switch = ("static_graph=False" if find_unused else
+                  "static_graph=False and find_unused_parameters=True")
         return ("To fix: use the same parameters in every iteration, or construct DDP with "
-                "static_graph=False and find_unused_parameters=True.")
+                f"{switch}.")
+    if find_unused:
+        return ("To fix: return from `forward` every output the loss is computed from, and "
+                "run the backward from all of them (or from none of a branch); if the ranks "
+                "disagree, build the model and its forward's branches the same way on every "
+                "rank.")
     return ("To fix: pass find_unused_parameters=True to the DDP constructor, or make every "
             "parameter take part in the loss; if the ranks disagree, build the model and its "
             "forward's branches the same way on every rank.")
 
 
-def marked_twice(index: int, name: str) -> str:
+def marked_twice(index: int, name: str, *, static_graph: bool = False,
+                 find_unused: bool = False) -> str:
+    """A parameter's gradient arrived twice in one backward; the likely causes
+    (and their fixes) are those of the settings in force."""
+    causes = ["the parameter is used outside the module's `forward` (its gradient was "
+              "produced twice)"]
+    checkpoint = ("reentrant backward passes reuse it, e.g. `torch.utils.checkpoint` with "
+                  "use_reentrant=True around a module that runs more than once (use "
+                  "use_reentrant=False")
+    if not static_graph:
+        checkpoint += ", or static_graph=True if the graph does not change between iterations"
+    causes.append(checkpoint + ")")
+    if find_unused and not static_graph:
+        causes.append("the same module is wrapped by several DDP instances or called several "
+                      "times in one forward while find_unused_parameters is on")
+    else:
+        causes.append("the same module is wrapped by several DDP instances")
+    listed = "; ".join(f"{k}) {c}" for k, c in enumerate(causes, 1))
     return (
         "Expected to mark a variable ready only once. "
         f"Parameter {index} ('{name}') had its gradient reduced twice in this backward. "
-        "Likely causes: 1) the parameter is used outside the module's `forward` (its "
-        "gradient was produced twice); 2) reentrant backward passes reuse it, e.g. "
-        "`torch.utils.checkpoint` with use_reentrant=True around a module that runs more "
-        "than once (use use_reentrant=False, or static_graph=True if the graph does not "
-        "change between iterations); 3) the same module is wrapped by several DDP "
-        "instances or called several times in one forward while find_unused_parameters=True."
+        f"Likely causes: {listed}."
     )
 
 
-def static_graph_newly_used(index: int, name: str) -> str:
+def static_graph_newly_used(index: int, name: str, *, first_count: int = 0,
+                            find_unused: bool = False) -> str:
+    """static_graph: a parameter's gradient arrived more often in this backward
+    than in the first iteration (``first_count`` times; 0: it was unused there)."""
+    if first_count == 0:
+        what = "received a gradient but was unused in the first iteration"
+    else:
+        what = (f"received more gradients in this iteration than the {first_count} of the "
+                "first iteration (e.g. a second backward over part of the graph)")
+    switch = "static_graph=False" if find_unused else \
+        "static_graph=False (with find_unused_parameters=True if some iterations leave " \
+        "parameters unused)"
     return (
         "Your training graph has changed in this iteration, e.g., one parameter is unused "
         "in first iteration, but then got used in the second iteration. this is not "
         f"compatible with static_graph set to True. (gradring: parameter {index} "
-        f"'{name}' received a gradient but was unused in the first iteration.)"
+        f"'{name}' {what}.) To fix: run the same graph in every iteration, or construct DDP "
+        f"with {switch}."
     )
 
 
@@ -165,6 +206,18 @@ def backward_twice() -> str:
         "locally on purpose, run the extra forward and backward inside no_sync(). "
         "(Reported once per DDP instance.)"
     )
+
+
+def meta_parameters(module_name: str) -> str:
+    return (f"DistributedDataParallel got a {module_name} whose parameters are on the meta "
+            "device (shapes only, no values to average). Materialise it first: "
+            "module.to_empty(device=...), initialise its parameters (e.g. reset_parameters() "
+            "or load a state_dict), then wrap it in DistributedDataParallel.")
+
+
+def delay_all_reduce_half_given() -> str:
+    return ("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
+            "same time.")
 
 
 def no_trainable_params() -> str:
@@ -218,7 +271,16 @@ def nothing_unused() -> str:
             "any unused parameters in the forward pass. This flag results in an extra "
             "traversal of the autograd graph every iteration, which can adversely affect "
             "performance. If your model indeed never has any unused parameters in the forward "
-            "pass, consider turning this flag off.")
+            "pass, consider turning this flag off. Note that this warning may be a false "
+            "positive if your model has flow control causing later iterations to have unused "
+            "parameters.")
+
+
+def static_graph_with_find_unused() -> str:
+    return ("You passed find_unused_parameters=true to DistributedDataParallel, "
+            "`_set_static_graph` will detect unused parameters automatically, so you do not "
+            "need to set find_unused_parameters=true, just be sure these unused parameters "
+            "will not change during training loop while calling `_set_static_graph`.")
 
 
 def static_graph_twice() -> str:
@@ -247,7 +309,7 @@ def device_ids_on_cpu(device_ids: object, output_device: object, devices: object
 
 def auto_cap_without_rebuild(default_mb: float) -> str:
     return ("bucket_cap_mb='auto' picks the cap at the bucket rebuild, which "
-            "find_unused_parameters=True skips (unless static_graph is set); "
+            "find_unused_parameters skips (unless static_graph is set); "
             f"using {default_mb} MiB")
 
 

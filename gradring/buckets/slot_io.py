@@ -107,8 +107,12 @@ def put_homed(bucket: Bucket, s: int, scale: float) -> None:
 # nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give sparse
 # COO gradients. Torch's DDP reduces each as a sparse tensor in a bucket of
 # its own. Here every parameter already has a dense slot, so a sparse
-# gradient is made dense into its slot (scaled like any other) and summed
-# with its bucket; at the end of the backward .grad becomes a coalesced
+# gradient is coalesced, made dense into its slot (scaled like any other)
+# and summed with its bucket: torch's order of operations (its gloo sparse
+# all-reduce coalesces each rank's gradient, repeated rows summed in
+# coalesce's order, then adds the ranks'), so at world 2 the values are
+# torch's bit for bit even where ids repeat many times in a batch
+# (tests/ranks/test_sparse_repeated_ids.py); at the end of the backward .grad becomes a coalesced
 # sparse tensor again, with the gradient's sparse dimensions and the rows
 # whose sum is not zero. Every rank takes part in the same bucket
 # collective whatever layout its gradient has, so nothing can pair up
@@ -123,8 +127,8 @@ def put_copied(bucket: Bucket, s: int, scale: float) -> None:
         put_nothing(bucket, s)
     elif grad.layout is not torch.strided:
         # A sparse gradient (nn.Embedding(sparse=True)) is summed densely
-        # in its slot; see [Note: sparse gradients].
-        view.copy_(grad.to_dense())
+        # in its slot, coalesced first; see [Note: sparse gradients].
+        view.copy_(grad.coalesce().to_dense())
         if scale != 1.0:
             view.mul_(scale_tensor(scale, view.dtype))
     elif scale != 1.0:

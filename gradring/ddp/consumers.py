@@ -21,13 +21,13 @@ reducer runs what it was given without checking the rule again.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from gradring import errors
+from gradring.announce import notice
 from gradring.fused_optim import FusedOptimizer, attach_fused_optimizer
 from gradring.reducer import CommHook, Reducer
 
@@ -114,7 +114,7 @@ class ConsumerSlot:
                 or dist.get_backend(process_group) != "gloo":
             return
         self._warned_unordered_hook = True
-        warnings.warn(errors.torch_power_sgd_on_gloo(hook.__name__), stacklevel=3)
+        notice(errors.torch_power_sgd_on_gloo(hook.__name__))  # gradring's own advice
 
 
 def _unordered_torch_hook(hook: Any) -> bool:

@@ -43,12 +43,13 @@ from torch.nn.parallel import distributed as _torch_distributed
 
 from gradring import compile as compile_split
 from gradring import errors, pytree
-from gradring.announce import announce_first_forward
+from gradring.announce import announce_first_forward, notice
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB, BucketCaps
 from gradring.comm import peers
 from gradring.ddp import join, logging_data, reducer_params
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
 from gradring.ddp.consumers import ConsumerSlot
+from gradring.ddp.delayed_all_reduce import DelayedAllReduce, check_given_together
 from gradring.ddp.mixed_precision import MixedPrecision
 from gradring.ddp.output_boundary import wrap_outputs
 from gradring.fused_optim import FusedOptimizer
@@ -152,8 +153,6 @@ class DistributedDataParallel(TorchDDP):
         nn.Module.__init__(self)
         join.Joinable.__init__(self)
         unsupported = {
-            "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
-            "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
             "batched_grad_copy": bool(batched_grad_copy),
         }
         for name, given in unsupported.items():
@@ -161,6 +160,9 @@ class DistributedDataParallel(TorchDDP):
                 raise NotImplementedError(errors.unsupported_argument(name))
         # The error DDP last raised, for _get_ddp_logging_data (as torch's logger keeps it).
         self._error: str | None = None
+        half_given = check_given_together(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        if half_given is not None:
+            self._log_and_throw(ValueError, half_given)
         # The sampled runtime statistics and the comm hook's name, for the logging data.
         self._runtime_stats = logging_data.RuntimeStats()
         self._comm_hook_name: str | None = None
@@ -184,18 +186,30 @@ class DistributedDataParallel(TorchDDP):
         # Names (module-relative) of parameters and buffers DDP leaves alone.
         self.parameters_to_ignore: set[str] = set(
             getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # The parameters averaged by one all-reduce from param_to_hook_all_reduce's
+        # hook, outside the buckets ([Note: the delayed all-reduce]).
+        self._delay_all_reduce_params: list[torch.Tensor] = []
+        for name, param in delay_all_reduce_named_params or ():
+            self.parameters_to_ignore.add(name)
+            self._delay_all_reduce_params.append(param)
+        self._delayed: DelayedAllReduce | None = None
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
-        if not named:
+        # Every trainable parameter delayed: no reducer work at all (as torch).
+        self._delay_all_reduce_all_params = not named and bool(self._delay_all_reduce_params)
+        if not named and not self._delay_all_reduce_params:
             self._log_and_throw(RuntimeError, errors.no_trainable_params())
-        devices = {str(p.device) for _, p in named}
+        devices = {str(p.device) for _, p in named or
+                   [("", p) for p in self._delay_all_reduce_params]}
         if len(devices) > 1:
             self._log_and_throw(ValueError, errors.mixed_devices([str(p.device)
                                                                   for _, p in named]))
+        if devices == {"meta"}:
+            self._log_and_throw(RuntimeError, errors.meta_parameters(type(module).__name__))
         # The wrapped module; state_dict keys get the usual "module." prefix.
         self.module = module
         # The single device every parameter lives on, and its type (torch's names).
-        self.device = named[0][1].device
+        self.device = (named[0][1] if named else self._delay_all_reduce_params[0]).device
         self.device_type = self.device.type
         if device_ids is not None and self.device.type == "cpu":
             self._log_and_throw(ValueError,
@@ -232,6 +246,15 @@ class DistributedDataParallel(TorchDDP):
         self._param_names = [n for n, _ in named]
         self._module_parameters = [p for _, p in named]
         self._buffer_sync.refresh(module)
+        # Whether the first forward's one-time setup (_lazy_init) ran.
+        self._lazy_init_ran = False
+        if self._delay_all_reduce_params:
+            self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce,
+                                                 device_ids)
+            if self._delay_all_reduce_all_params:
+                # Nothing for the buckets: no reducer, no other sync (as torch means
+                # it to; docs/ddp-differences.md).
+                return
         if init_sync:
             self._verify_same_model(self._module_parameters)
             self._sync_params_and_buffers(0, buffers=init_sync_buffers)
@@ -242,17 +265,15 @@ class DistributedDataParallel(TorchDDP):
         # gradring's reducer: buckets, gradient hooks, the all-reduces.
         self.reducer = self._build_reducer(static_graph=static_graph)
         if self._auto_cap and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
-            warnings.warn(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB), stacklevel=2)
+            notice(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB))  # gradring's own
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
         # The comm hook, fused optimizer or in-backward optimizers (one of them).
         self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
         # The precision switches ([Note: mixed precision] in mixed_precision.py), or None.
         self._mixed = self._setup_mixed_precision()
-        # Whether the first forward's one-time setup (_lazy_init) ran.
-        self._lazy_init_ran = False
         if static_graph:
-            self._set_static_graph()
+            self._declare_static_graph(stacklevel=3)
 
     def _build_reducer(self, *, static_graph: bool) -> Reducer:
         find_unused = self.find_unused_parameters and not static_graph
@@ -350,13 +371,20 @@ class DistributedDataParallel(TorchDDP):
 
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (docs/design.md)."""
+        self._declare_static_graph(stacklevel=3)
+
+    def _declare_static_graph(self, *, stacklevel: int) -> None:
+        """_set_static_graph, with its warnings (torch's) pointed ``stacklevel``
+        frames up: at the user's call, or at the constructor's caller."""
         if self.static_graph:
-            warnings.warn(errors.static_graph_twice(), stacklevel=2)
+            warnings.warn(errors.static_graph_twice(), stacklevel=stacklevel)
             return
         try:
             self.reducer.set_static_graph()
         except RuntimeError as exc:
             self._log_and_throw(RuntimeError, str(exc))
+        if self.find_unused_parameters:
+            warnings.warn(errors.static_graph_with_find_unused(), stacklevel=stacklevel)
 
     # ----------------------------------------------------------------- forward
     # Under torch.compile Dynamo never traces this frame (frames it calls still
@@ -365,6 +393,12 @@ class DistributedDataParallel(TorchDDP):
     # compile and the buckets] in compile.py).
     @compile_split.never_traced(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._delay_all_reduce_all_params:
+            # Every trainable parameter is delayed: the module runs as it is (as torch).
+            self._lazy_init_ran = True
+            out = self.module(*inputs, **kwargs)
+            self._clear_grad_buffer()
+            return out
         compile_split.install()
         trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
         with profiled("gradring::forward"):
@@ -416,12 +450,14 @@ class DistributedDataParallel(TorchDDP):
         if self._buffer_sync.after_forward(self.require_forward_param_sync):
             self._sync_buffers(active=True)
         self.require_forward_param_sync = sync
-        if not sync:
-            return output
-        find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
-        self.reducer.prepare_for_backward(list(pytree.tensors(output)) if find_unused else None)
-        if find_unused or self.reducer.in_static_first_iteration:
-            output = wrap_outputs(output, self.reducer, clone=self._ddp_sink_clone)
+        if sync:
+            find_unused = self.reducer.mode is GraphMode.FIND_UNUSED
+            self.reducer.prepare_for_backward(list(pytree.tensors(output)) if find_unused
+                                              else None)
+            if find_unused or self.reducer.in_static_first_iteration:
+                output = wrap_outputs(output, self.reducer, clone=self._ddp_sink_clone)
+        # After every forward, as torch: the delayed parameters' .grad in the buffer.
+        self._clear_grad_buffer()
         return output
 
     def _guarded(self, fn: Any, *args: Any) -> Any:
@@ -441,7 +477,7 @@ class DistributedDataParallel(TorchDDP):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after leaving reduces the sum."""
-        if self._consumers.fused_optim is not None:
+        if not self._delay_all_reduce_all_params and self._consumers.fused_optim is not None:
             raise RuntimeError(errors.no_sync_with_fused_optim())
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
@@ -667,6 +703,31 @@ class DistributedDataParallel(TorchDDP):
             if name not in self.parameters_to_ignore:
                 yield param
 
+    # ------------------------------------------------------ delayed all-reduce
+    def _register_delay_all_reduce_hook(self, bucket_cap_mb: Any, param_to_hook_all_reduce: Any,
+                                        device_ids: Any) -> None:
+        """Set up the delayed parameters' gradient buffer, broadcast them from
+        rank 0 and hook their all-reduce onto ``param_to_hook_all_reduce``
+        ([Note: the delayed all-reduce]); ``bucket_cap_mb`` is not needed."""
+        del bucket_cap_mb
+        device = torch.device("cpu") if device_ids is None else self.device
+        delayed = DelayedAllReduce(self._delay_all_reduce_params, self._comm, device)
+        delayed.broadcast_params()
+        delayed.hook_onto(param_to_hook_all_reduce)
+        self._delayed = delayed
+
+    def _delayed_all_reduce_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        """The hook on ``param_to_hook_all_reduce``: average the delayed gradients."""
+        if self._delayed is not None:
+            self._delayed.launch()
+        return grad
+
+    def _clear_grad_buffer(self) -> None:
+        """A delayed parameter whose ``.grad`` is None gets its view of the
+        buffer (zeroed) as ``.grad``, so the backward accumulates there."""
+        if self._delayed is not None:
+            self._delayed.clear_grads()
+
     # ---------------------------------------------------------------- reducer
     def _remove_autograd_hooks(self) -> None:
         """Remove the reducer's gradient hooks (a new DDP on the same module then works)."""
@@ -790,7 +851,8 @@ class DistributedDataParallel(TorchDDP):
         state = self.__dict__.copy()
         # What holds the group or the reducer is built anew; hooks and fused
         # optimizers, like torch's, are not pickled.
-        for key in ("process_group", "_comm", "reducer", "_consumers", "_torch_logger"):
+        for key in ("process_group", "_comm", "reducer", "_consumers", "_torch_logger",
+                    "_delayed"):
             state.pop(key, None)
         # What the reducer knew and a new one needs.
         state["_static_at_init"] = self.static_graph
@@ -809,6 +871,7 @@ class DistributedDataParallel(TorchDDP):
         self.reducer = self._build_reducer(static_graph=static)
         self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
         self._torch_logger = logging_data.TorchLogger()
+        self._delayed = None  # as torch's: the delayed all-reduce's hook is not pickled
         if static:
             self.reducer.set_static_graph()
 
@@ -864,13 +927,10 @@ class DistributedDataParallel(TorchDDP):
 
     # ------------------------------------ torch-internal: no gradring counterpart
     _register_accum_grad_hook = _not_supported("_register_accum_grad_hook")
-    _delayed_all_reduce_hook = _not_supported("_delayed_all_reduce_hook")
-    _register_delay_all_reduce_hook = _not_supported("_register_delay_all_reduce_hook")
     _fire_reducer_autograd_hook = _not_supported("_fire_reducer_autograd_hook")
     _root_copy_hook = _not_supported("_root_copy_hook")
     _module_wait_for_copy_hook = _not_supported("_module_wait_for_copy_hook")
     _ddp_init_helper = _not_supported("_ddp_init_helper")
-    _clear_grad_buffer = _not_supported("_clear_grad_buffer")
     _match_unused_params_allreduce = _not_supported("_match_unused_params_allreduce")
     _set_sparse_metadata = _not_supported("_set_sparse_metadata")
     _update_process_group = _not_supported("_update_process_group")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from gradring import config, errors
+from gradring.announce import notice, stderr_warning_once
 from gradring.buckets import Bucket, BucketCaps, assign_buckets, bucket_key
 from gradring.buckets.slot_io import put_deferred, write_grads
 from gradring.fast_paths import FastPaths
@@ -109,6 +109,9 @@ class Reducer:
         # How parameters' participation is learnt (see GraphMode); the one
         # place static_graph is stored.
         self.mode = mode
+        # Whether the user asked for find_unused_parameters (static_graph, set
+        # later, overrides the mode; errors' advice still knows it was asked).
+        self.find_unused_asked = mode is GraphMode.FIND_UNUSED
         # gradient_as_bucket_view: .grad is the bucket slot.
         self.grad_as_view = gradient_as_bucket_view
         # skip_all_reduce_unused_params: see [Note: skipped buckets].
@@ -467,7 +470,8 @@ class Reducer:
             self._prev_unused = self._unused
             if not self._unused and not self._warned_nothing_unused:
                 self._warned_nothing_unused = True
-                warnings.warn(errors.nothing_unused(), stacklevel=3)
+                # torch's C++ reducer says it on stderr, once per process.
+                stderr_warning_once("nothing_unused", errors.nothing_unused())
             if self.skip_unused_buckets:
                 skipped = self._unused_buckets()
         self._launcher.begin(skipped=skipped,
@@ -507,11 +511,12 @@ class Reducer:
                 reducer._local_used[i] = 1
             if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
-                # torch, say so once (docs/ddp-differences.md).
+                # torch, say so once (docs/ddp-differences.md), as gradring's
+                # own notice (no warning filter makes it an exception).
                 reducer.state = _IDLE
                 if not reducer._warned_second_backward:
                     reducer._warned_second_backward = True
-                    warnings.warn(errors.backward_twice(), RuntimeWarning, stacklevel=2)
+                    notice(errors.backward_twice())
             return  # no_sync, or a backward not preceded by a DDP forward
         mode = reducer.mode
         if mode is _STATIC:
@@ -523,11 +528,15 @@ class Reducer:
             remaining[i] = left
             if left > 0:
                 return
-            if left < 0 and not reducer._static.was_counted(i):
-                # As in torch, the reduction stays owed: the next forward raises
-                # "Expected to have finished reduction", naming what never arrived.
+            if left < 0:
+                # More gradients than in iteration 1 (none there, or a second
+                # backward over part of the graph): torch's error. As in torch, the
+                # reduction stays owed: the next forward raises "Expected to have
+                # finished reduction", naming what never arrived.
                 reducer.state = _REDUCING
-                raise reducer._fail(errors.static_graph_newly_used(i, reducer.names[i]))
+                raise reducer._fail(errors.static_graph_newly_used(
+                    i, reducer.names[i], first_count=reducer._static.first_count(i),
+                    find_unused=reducer.find_unused_asked))
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
             reducer.trace.mark("backward_start")
@@ -561,7 +570,9 @@ class Reducer:
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
-            raise self._fail(errors.marked_twice(i, self.names[i]))
+            raise self._fail(errors.marked_twice(i, self.names[i],
+                                                 static_graph=self.mode is _STATIC,
+                                                 find_unused=self.find_unused_asked))
         ready[i] = True
         self.state = _REDUCING
         bucket, s, put = self._set.routes[i]
@@ -704,6 +715,7 @@ class Reducer:
         self._end_iteration(finalized=False)
         raise self._fail(
             errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
+                                        find_unused=self.find_unused_asked,
                                         world_size=self.comm.world_size, rank=self.comm.rank,
                                         debug=_debug_on())
         )

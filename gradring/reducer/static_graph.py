@@ -48,6 +48,10 @@ class StaticGraph:
         """Whether parameter ``i``'s hook fired in iteration 1."""
         return self._counts[i] > 0
 
+    def first_count(self, i: int) -> int:
+        """How many times parameter ``i``'s hook fired in iteration 1."""
+        return self._counts[i]
+
     def unused(self) -> list[int]:
         """Parameters whose hooks did not fire in iteration 1 (this rank)."""
         return self._unused

@@ -40,7 +40,10 @@ def test_no_grad_and_eval_forward(pools):
 
 def _backward_twice(rank, world_size):
     """torch's DDP averages the first backward and only accumulates the second
-    one locally; gradring does the same and says so in a warning."""
+    one locally; gradring does the same and says so, once, as its own notice
+    (the gradring logger), naming the user's line."""
+    from tests.support.notices import notices
+
     out = {}
     for name, cls in (("ours", gradring.DistributedDataParallel),
                       ("theirs", torch.nn.parallel.DistributedDataParallel)):
@@ -49,11 +52,11 @@ def _backward_twice(rank, world_size):
         x = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         loss = ddp(x).sum()
         loss.backward(retain_graph=True)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(), notices() as seen:
+            warnings.simplefilter("error")  # not a Python warning: cannot become an error
             loss.backward()
         out[name] = ([p.grad.clone() for p in ddp.parameters()],
-                     [str(w.message) for w in seen if "second time" in str(w.message)])
+                     [m for m in seen if "second time" in m])
     return {"same": all(torch.equal(a, b) for a, b in zip(out["ours"][0], out["theirs"][0])),
             "warned": out["ours"][1]}
 
@@ -62,6 +65,7 @@ def test_backward_twice_accumulates_locally_with_a_warning(pools):
     for r in pools.run(2, _backward_twice):
         assert r["same"], r
         assert len(r["warned"]) == 1 and "NOT averaged" in r["warned"][0], r
+        assert "test_ddp_forward_backward_patterns.py:" in r["warned"][0], r  # the user's line
 
 
 def _two_losses(rank, world_size, how, kwargs):

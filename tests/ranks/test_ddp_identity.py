@@ -37,9 +37,9 @@ def _torch_callables() -> dict[str, object]:
 # Surface table: (name, how gradring covers it). "impl" means implemented with
 # torch's meaning; "raises" means NotImplementedError naming the method.
 RAISES = {
-    "_register_accum_grad_hook", "_delayed_all_reduce_hook", "_register_delay_all_reduce_hook",
+    "_register_accum_grad_hook",
     "_fire_reducer_autograd_hook", "_root_copy_hook", "_module_wait_for_copy_hook",
-    "_ddp_init_helper", "_clear_grad_buffer", "_match_unused_params_allreduce",
+    "_ddp_init_helper", "_match_unused_params_allreduce",
     "_set_sparse_metadata", "_update_process_group",
 }
 
