@@ -141,6 +141,13 @@ class Explanation:
     straggler: dict[str, Any] | None
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
+    source: str = "gradring"                  # "torch.profiler" | "gradring"
+    ddp: str = "gradring"                     # "torch" | "gradring": whichever ran
+    device: str = "cpu"                       # "cpu" | "cuda"
+    gpu: dict[int, dict[str, float]] | None = None   # rank -> device breakdown (GPU traces)
+    buckets: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    straggler_note: str = ""                  # why no rank is named, in words
+    summary: str = ""                         # which steps the figures are over, in words
 
     @property
     def text(self) -> str:
@@ -157,7 +164,10 @@ class Explanation:
         return {"ranks": self.ranks, "steps": self.steps,
                 "parts": {str(r): v for r, v in self.parts.items()},
                 "straggler": self.straggler,
-                "findings": [f._asdict() for f in self.findings], "notes": self.notes}
+                "findings": [f._asdict() for f in self.findings], "notes": self.notes,
+                "source": self.source, "ddp": self.ddp, "device": self.device,
+                **({"gpu": {str(r): v for r, v in self.gpu.items()}} if self.gpu else {}),
+                "buckets": {str(r): v for r, v in self.buckets.items()}}
 
 
 # ------------------------------------------------------------------ per-rank steps
@@ -332,7 +342,12 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> E
                      "judged")
     if facts.get("auto_cap_why"):
         notes.append(str(facts["auto_cap_why"]))
-    return Explanation(sorted(parts), len(chosen[first]), parts, straggler, findings, notes)
+    return Explanation(sorted(parts), len(chosen[first]), parts, straggler, findings, notes,
+                       device="cuda" if str(facts.get("device", "cpu")).startswith("cuda")
+                       else "cpu",
+                       buckets={r["rank"]: _bucket_rows(events[r["rank"]], last_n, r["facts"])
+                                for r in records},
+                       straggler_note=straggler_note(parts, chosen))
 
 
 def _worth(saving: float, step: float) -> bool:
@@ -367,6 +382,39 @@ def _straggler(parts: dict[int, dict[str, float]],
             "compute_ms": parts[slow]["compute"], "fastest_ms": parts[fast]["compute"],
             "part": part, "part_excess_ms": parts[slow][part] - parts[fast][part],
             "waits": {r: p["wait"] for r, p in parts.items() if r != slow}}
+
+
+def straggler_note(parts: dict[int, dict[str, float]],
+                   steps: dict[int, list[RankStep]]) -> str:
+    """Why no rank is named a straggler, from the same figures ``_straggler`` judged."""
+    if len(parts) < 2:
+        return "one rank only"
+    slow = max(parts, key=lambda r: parts[r]["compute"])
+    fast = min(parts, key=lambda r: parts[r]["compute"])
+    a, b = parts[fast]["compute"], parts[slow]["compute"]
+    need = max(STRAGGLER_MS, STRAGGLER_FRACTION * a)
+    text = (f"compute {a:.2f} ms/step on rank {fast} to {b:.2f} on rank {slow}, "
+            f"{b - a:.2f} ms apart")
+    if b - a < need:
+        return text + f", under the {need:.2f} ms a straggler needs " \
+            f"({STRAGGLER_MS:g} ms and {STRAGGLER_FRACTION:.0%})"
+    fast_by_it = {s.iteration: s for s in steps[fast]}
+    pairs = [(x, fast_by_it[x.iteration]) for x in steps[slow] if x.iteration in fast_by_it]
+    slower = sum(_compute(x) > _compute(y) for x, y in pairs)
+    return text + f", but rank {slow} was the slower in only {slower} of {len(pairs)} steps " \
+        f"(a straggler is slower in {STRAGGLER_CONSISTENCY:.0%} of them)"
+
+
+def _bucket_rows(events: Sequence[Event], last_n: int, facts: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    """``--json``'s ``buckets`` of one rank: index, bytes, launch_ms (after the backward's
+    start) and exposed_ms, means over the summarised steps."""
+    table = summarize(steady_steps(events, last_n), (), 0)["buckets"]
+    sizes = facts.get("bucket_bytes") or []
+    return [{"index": b["bucket"],
+             "bytes": sizes[b["bucket"]] if b["bucket"] < len(sizes) else None,
+             "launch_ms": b["ready_ms"] + b["ready_to_launch_ms"], "exposed_ms": b["exposed_ms"]}
+            for b in table]
 
 
 def _bucket_stats(events: Sequence[Event], last_n: int) -> list[dict[str, float]]:
@@ -580,8 +628,8 @@ def format_explanation(x: Explanation) -> str:
     counts = [int(x.parts[r]["steps"]) for r in ranks]
     over = f"{counts[0]} step(s)" if len(set(counts)) == 1 else \
         "/".join(map(str, counts)) + " step(s) on rank " + "/".join(map(str, ranks))
-    lines = [f"gradring explain: {len(ranks)} rank(s), means over {over} (the steps "
-             "overlap_stats() summarises)",
+    head = x.summary or (f"means over {over} (the steps overlap_stats() summarises)")
+    lines = [f"gradring explain: {len(ranks)} rank(s), {head}",
              f"{'ms per step':<17}" + "".join(f"{'rank ' + str(r):>16}" for r in ranks)]
     shown: dict[int, dict[str, float]] = {}
     for r in ranks:
@@ -590,14 +638,18 @@ def format_explanation(x: Explanation) -> str:
         # comm and backward) keep their own rounding; the other rows are rounded to
         # add up to them as printed
         row = {k: float(f"{part[k]:.2f}") for k in PINNED_ROWS}
-        rest = [k for k in STEP_ROWS if k not in PINNED_ROWS]
+        rest = [k for k in STEP_ROWS if k not in PINNED_ROWS] + \
+            (["idle"] if "idle" in part else [])
         row.update(zip(rest, apportion(row["step"] - sum(row[k] for k in PINNED_ROWS
                                                          if k != "step"),
                                        [part[k] for k in rest])))
         row.update(zip(EXPOSED_ROWS, apportion(row["exposed_comm"],
                                                [part[k] for k in EXPOSED_ROWS])))
         shown[r] = row
-    for key, label in TABLE_ROWS:
+    rows = TABLE_ROWS + ((("idle", "idle (GPU)"),) if any("idle" in x.parts[r] for r in ranks)
+                         else ())
+    rows = tuple(sorted(rows, key=lambda kv: kv[0] == "step"))
+    for key, label in rows:
         line = f"{label:<17}"
         for r in ranks:
             v, s = shown[r][key], x.parts[r]["step"]
@@ -610,8 +662,9 @@ def format_explanation(x: Explanation) -> str:
                  "sync and the graph walk; other: loss, zero_grad, data)")
     s = x.straggler
     if s is None:
-        lines.append(f"stragglers: none (compute within {STRAGGLER_FRACTION:.0%} across ranks)"
-                     if len(ranks) > 1 else "stragglers: one rank only")
+        lines.append(f"stragglers: none ({x.straggler_note})" if x.straggler_note and
+                     len(ranks) > 1 else "stragglers: one rank only" if len(ranks) < 2 else
+                     "stragglers: none")
     else:
         waits = ", ".join(f"rank {r} waits {w:.2f} ms" for r, w in s["waits"].items())
         lines.append(f"stragglers: rank {s['rank']} is slower by {s['excess_ms']:.2f} ms/step "
@@ -649,6 +702,25 @@ def explain_ddp(ddp: Any, *, last_n: int = STEADY_LAST_N, measure: bool = True) 
     curve = measure_link(ddp) if measure else None
     records = ddp.comm.all_gather_object(rank_record(ddp, curve))
     return analyse(records, last_n=last_n)
+
+
+def records_of(docs: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's record in parsed trace files ((path, doc) each); [] when none holds
+    gradring's record (torch.profiler traces are read by tools/read_profiler.py)."""
+    records: dict[int, dict[str, Any]] = {}
+    for p, doc in docs:
+        if isinstance(doc, dict) and "entries" in doc and "traceEvents" not in doc:
+            raise ValueError(f"{p} is a flight-recorder dump, which holds collectives but no "
+                             "step timings: read it with `gradring flight`; for explain, save "
+                             "traces with gradring.observe.overlap.export_chrome_trace or "
+                             "torch.profiler")
+        other = doc.get("otherData", {}) if isinstance(doc, dict) else {}
+        got = other.get("gradring_explain") if isinstance(other, dict) else None
+        if got is None:
+            continue
+        for rec in got if isinstance(got, list) else [got]:
+            records[rec["rank"]] = rec
+    return [records[r] for r in sorted(records)]
 
 
 def load(path: str, *, max_bytes: int | None = None) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,22 +44,43 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def explain_path(path: str, *, last_n: int = 0, max_bytes: int | None = None) -> Any:
+    """The ``Explanation`` of the trace(s) at ``path``: gradring's own record (written by
+    ``export_chrome_trace``) or torch.profiler traces of torch's or gradring's DDP.
+    Raises ``TraceFileError`` for a file that cannot be read and ``ValueError`` (one line)
+    for a trace explain cannot explain."""
+    from gradring.observe.explain import analyse, records_of
+    from gradring.tools.analysis import explain_model
+    from gradring.tools.read_profiler import is_profiler_trace, read_profiler
+    from gradring.tools.trace_file import read_json, trace_files
+
+    docs = [(p, read_json(p, max_bytes=max_bytes)) for p in trace_files(path)]
+    records = records_of(docs)
+    if records:
+        return analyse(records, last_n=last_n)
+    profiled = [(p, d) for p, d in docs if is_profiler_trace(d)]
+    if not profiled:
+        raise ValueError(f"{path}: neither a torch.profiler trace (traceEvents with "
+                         "ProfilerStep spans) nor gradring's step record (written by "
+                         "gradring.observe.overlap.export_chrome_trace)")
+    return explain_model(read_profiler(profiled))
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.last < 0:
         print("gradring explain: --last must be 0 (every step) or more", file=sys.stderr)
         return 2
-    from gradring.observe.explain import analyse, load
     from gradring.tools.trace_file import TraceFileError
 
     try:
-        x = analyse(load(a.trace, max_bytes=a.max_trace_bytes), last_n=a.last)
+        x = explain_path(a.trace, last_n=a.last, max_bytes=a.max_trace_bytes)
     except TraceFileError as exc:
         print(f"gradring explain: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError, KeyError) as exc:
-        print(f"gradring explain: {exc}", file=sys.stderr)
-        return 1
+        print(f"gradring explain: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps(x.as_json(), indent=1, default=str))
     else:

@@ -304,9 +304,10 @@ def test_explain_cli_rejects_files_it_cannot_read(tmp_path, capsys) -> None:
 
     dump = tmp_path / "rank0.json"
     dump.write_text(json.dumps({"rank": 0, "pid": 1, "entries": []}))
-    assert cli.main([str(tmp_path)]) == 1
+    assert cli.main([str(tmp_path)]) == 2
     assert "flight-recorder dump" in capsys.readouterr().err
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"traceEvents": [], "otherData": {}}))
-    assert cli.main([str(old)]) == 1
-    assert "no gradring step record" in capsys.readouterr().err
+    assert cli.main([str(old)]) == 2
+    err = capsys.readouterr().err
+    assert "without ProfilerStep spans" in err and "prof.step()" in err
