@@ -651,19 +651,13 @@ def explain_ddp(ddp: Any, *, last_n: int = STEADY_LAST_N, measure: bool = True) 
     return analyse(records, last_n=last_n)
 
 
-def load(path: str) -> list[dict[str, Any]]:
+def load(path: str, *, max_bytes: int | None = None) -> list[dict[str, Any]]:
     """Every rank's record from a merged trace, one rank's trace, or a folder of them."""
-    import glob
-    import json
-    import os
+    from gradring.tools.trace_file import read_json, trace_files
 
-    paths = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
-    if not paths:
-        raise ValueError(f"{path}: no .json trace files in this folder")
     records: dict[int, dict[str, Any]] = {}
-    for p in paths:
-        with open(p) as f:
-            doc = json.load(f)
+    for p in trace_files(path):
+        doc = read_json(p, max_bytes=max_bytes)
         if isinstance(doc, dict) and "entries" in doc and "traceEvents" not in doc:
             raise ValueError(f"{p} is a flight-recorder dump, which holds collectives but no "
                              "step timings: read it with `gradring flight`; for explain, save "

@@ -533,6 +533,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--title", default=None, metavar="TEXT",
                     help="the picture's title (default: one naming rank 0's exposed "
                          "communication)")
+    from gradring.tools.trace_file import add_limit_flag
+    add_limit_flag(ap)
     return ap
 
 
@@ -541,9 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.last < 0:
         print("gradring timeline: --last must be 0 (every step) or more", file=sys.stderr)
         return 2
+    from gradring.tools.trace_file import TraceFileError, read_json
     try:
-        draw_timeline(a.trace, a.output, last=a.last, title=a.title)
-        report = timeline_report(a.trace, a.last)
+        doc = read_json(a.trace, max_bytes=a.max_trace_bytes)
+        draw_timeline(doc, a.output, last=a.last, title=a.title)
+        report = timeline_report(doc, a.last)
+    except TraceFileError as exc:
+        print(f"gradring timeline: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, KeyError) as exc:
         print(f"gradring timeline: {exc}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ import sys
 def parser() -> argparse.ArgumentParser:
     """``gradring explain``'s command line."""
     from gradring.tools.helpfmt import command_parser
+    from gradring.tools.trace_file import add_limit_flag
 
     ap = command_parser(
         "gradring explain",
@@ -38,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
                     help="summarise the newest N steps only; 0 takes every step recorded "
                          "after the first, the steps ddp.overlap_stats() summarises")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_limit_flag(ap)
     return ap
 
 
@@ -47,9 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gradring explain: --last must be 0 (every step) or more", file=sys.stderr)
         return 2
     from gradring.observe.explain import analyse, load
+    from gradring.tools.trace_file import TraceFileError
 
     try:
-        x = analyse(load(a.trace), last_n=a.last)
+        x = analyse(load(a.trace, max_bytes=a.max_trace_bytes), last_n=a.last)
+    except TraceFileError as exc:
+        print(f"gradring explain: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, KeyError) as exc:
         print(f"gradring explain: {exc}", file=sys.stderr)
         return 1

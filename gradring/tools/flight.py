@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
+import sys
 from typing import Any, NamedTuple
+
+from gradring.tools.trace_file import TraceFileError, add_limit_flag, read_json
 
 #: Seconds after which an arrival counts as late (the rank was not there in time).
 LATE_S = 1.0
@@ -36,13 +38,38 @@ class Finding(NamedTuple):
     culprits: list[int]  # group ranks that did not reach it, reached it late or differ
 
 
-def load(directory: str) -> dict[int, dict[str, Any]]:
-    """Every dump in ``directory``, by global rank (pid for dumps without one)."""
+#: How flight's messages call the files it reads.
+WHAT = "flight-recorder dump"
+
+
+def _check_dump(path: str, data: Any) -> dict[str, Any]:
+    """``data`` if it has the shape of a recorder dump, else TraceFileError naming ``path``."""
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise TraceFileError(path, "it is JSON but not a flight-recorder dump (no \"entries\" "
+                                   "list; `gradring explain` reads traces)", WHAT)
+    for key in ("rank", "pid"):
+        if not isinstance(data.get(key), int):
+            raise TraceFileError(path, f"it is not a flight-recorder dump (no integer "
+                                       f"\"{key}\")", WHAT)
+    fields = {"group": str, "seq": int, "kind": str, "nbytes": int, "dtype": str,
+              "issued": (int, float), "state": str}
+    for i, e in enumerate(data["entries"]):
+        if not isinstance(e, dict) or not all(isinstance(e.get(k), t) for k, t in fields.items()):
+            raise TraceFileError(path, f"entry {i} is not a recorded collective (it needs "
+                                       + ", ".join(fields) + ")", WHAT)
+    return data
+
+
+def load(directory: str, *, max_bytes: int | None = None) -> dict[int, dict[str, Any]]:
+    """Every dump in ``directory`` (or the one dump file ``directory`` names), by global
+    rank (pid for dumps without one). An unreadable dump raises TraceFileError;
+    ``max_bytes``: the largest file read (see gradring.tools.trace_file)."""
+    paths = sorted(glob.glob(os.path.join(glob.escape(directory), "*.json"))) \
+        if os.path.isdir(directory) else [directory]
     dumps: dict[int, dict[str, Any]] = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
-        with open(path) as f:
-            data = json.load(f)
-        key = data["rank"] if data.get("rank", -1) >= 0 else 1_000_000 + data["pid"]
+    for path in paths:
+        data = _check_dump(path, read_json(path, max_bytes=max_bytes, what=WHAT))
+        key = data["rank"] if data["rank"] >= 0 else 1_000_000 + data["pid"]
         dumps[key] = data
     return dumps
 
@@ -191,16 +218,26 @@ def parser() -> argparse.ArgumentParser:
         "A rank that was killed writes nothing; what the other ranks saw of it stands "
         "in for it. See docs/reliability.md.")
     ap.add_argument("directory",
-                    help="the folder GRADRING_FLIGHT_RECORDER pointed to (rank<R>.json files)")
+                    help="the folder GRADRING_FLIGHT_RECORDER pointed to (rank<R>.json "
+                         "files), or one of its files")
+    add_limit_flag(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print the merged view; exit status 1 when a disagreement was found."""
     args = parser().parse_args(argv)
-    dumps = load(args.directory)
+    if not os.path.exists(args.directory):
+        print(f"gradring flight: {args.directory}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        dumps = load(args.directory, max_bytes=args.max_trace_bytes)
+    except TraceFileError as exc:
+        print(f"gradring flight: {exc}", file=sys.stderr)
+        return 2
     if not dumps:
-        print(f"no flight-recorder dumps (rank*.json) in {args.directory}")
+        print(f"gradring flight: no flight-recorder dumps (rank*.json) in {args.directory}",
+              file=sys.stderr)
         return 2
     print(f"{len(dumps)} dump(s): " + ", ".join(
         f"rank {d['rank']} (pid {d['pid']}, {len(d['entries'])} entries, "
