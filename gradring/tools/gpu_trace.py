@@ -1,0 +1,370 @@
+"""GPU lanes of a torch.profiler (Kineto) trace: kernels, and where the device's time went.
+
+``read_kernels`` takes the ``traceEvents`` of a Chrome trace and returns its GPU
+kernels, memory copies and memsets, each tied to the CPU time of the runtime call
+that launched it (the trace's correlation ids). Over those kernels:
+
+- ``device_breakdown``: on one device's timeline within a window, the time some
+  compute kernel ran, the time some communication (NCCL) kernel ran, the
+  communication time with no compute kernel beside it (exposed), and the time no
+  kernel of any kind ran (idle);
+- ``overlap_pct``: the share of the communication-kernel time during which a
+  compute kernel also ran;
+- ``phase_ms``: kernel time per phase of the CPU op that launched each kernel.
+
+[Note: kernel kinds as HTA counts them]
+The figures are meant to agree with Holistic Trace Analysis (HTA, the
+``holistictraceanalysis`` package), which users already run on these traces.
+HTA sorts a device event by its name into one of four kinds:
+
+- communication: the name starts with ``nccl`` and has ``Kernel`` later in it
+  (``ncclKernel_AllReduce_...``, ``ncclDevKernel_...``);
+- memory: the name starts with ``Memcpy``, ``Memset`` or ``dma``;
+- other: the name has ``Memcpy`` or ``Sync`` anywhere in it;
+- computation: every other kernel.
+
+Each kind's intervals are merged over every stream of the device (a kernel on
+stream 7 and one on stream 20 that overlap count once), so multiple streams
+never add up to more than wall time. Idle is the time no event of any kind
+runs: a memory copy keeps the device busy but is neither compute nor
+communication. ``overlap_pct`` is HTA's ``get_comm_comp_overlap``: the measure of
+(merged communication) intersected with (merged computation), over the measure of
+merged communication. HTA's temporal breakdown (idle, compute, non-compute) is
+``device_breakdown`` over the window from the first kernel's start to the last
+kernel's end: its non-compute time is the window less compute less idle.
+
+Two HTA conventions are the caller's to apply, not this module's: HTA leaves out
+the kernels launched from the last ``ProfilerStep`` on (the step the profiler
+stopped inside), and it rounds timestamps with nanosecond fractions inward to
+whole microseconds. Neither changes the definitions above.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Kernel(NamedTuple):
+    """One kernel, memory copy or memset on a GPU stream; times in microseconds."""
+
+    start_us: float
+    dur_us: float
+    name: str
+    stream: int
+    device: int
+    is_comm: bool
+    launch_us: float | None
+    correlation: int | None
+
+
+# Kineto's categories for device activity; traces of older torch versions wrote
+# them capitalised ("Kernel", "Memcpy", "Memset").
+_DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"})
+
+_COMM_NAME = re.compile(r"nccl.*Kernel")
+_MEMORY_NAME = re.compile(r"Memcpy|Memset|dma")
+_OTHER_NAME = re.compile(r".*(?:Memcpy|Sync)")
+
+COMPUTE = "compute"
+COMM = "comm"
+MEMORY = "memory"
+OTHER = "other"
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a device event by its name: "comm", "memory", "other" or "compute".
+
+    See [Note: kernel kinds as HTA counts them].
+    """
+    if _COMM_NAME.match(name):
+        return COMM
+    if _MEMORY_NAME.match(name):
+        return MEMORY
+    if _OTHER_NAME.match(name):
+        return OTHER
+    return COMPUTE
+
+
+def _is_launch_category(cat: object) -> bool:
+    # cuda_runtime / cuda_driver (and hip_*, "Runtime" in older traces): the CPU
+    # side of a launch, carrying the correlation id the kernel carries.
+    if not isinstance(cat, str):
+        return False
+    low = cat.lower()
+    return low.endswith("runtime") or low.endswith("driver")
+
+
+def _number(value: object, what: str, index: int, name: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"GPU event #{index} ({name!r}) has no numeric {what}: {value!r}")
+    out = float(value)
+    if out != out or out in (float("inf"), float("-inf")):
+        raise ValueError(f"GPU event #{index} ({name!r}) has a {what} that is not finite")
+    return out
+
+
+def _int_or(value: object, default: int | None) -> int | None:
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return default
+    return default
+
+
+def read_kernels(events: Sequence[dict]) -> list[Kernel]:
+    """The GPU kernels, memory copies and memsets of a Chrome trace's ``traceEvents``.
+
+    Each carries the CPU timestamp of the runtime call (``cudaLaunchKernel``,
+    ``cudaMemcpyAsync``, ...) that has the same ``correlation`` id, or None where
+    the trace holds no such call. Sorted by start time. An event of a device
+    category without a numeric ``ts`` or ``dur`` raises ValueError naming it.
+    """
+    launches: dict[int, float] = {}
+    found: list[tuple[int, dict]] = []
+    for index, event in enumerate(events):
+        if not isinstance(event, dict):
+            continue
+        cat = event.get("cat")
+        if isinstance(cat, str) and cat.lower() in _DEVICE_CATS:
+            if event.get("ph", "X") == "X":
+                found.append((index, event))
+        elif _is_launch_category(cat):
+            args = event.get("args")
+            if isinstance(args, dict):
+                corr = _int_or(args.get("correlation"), None)
+                ts = event.get("ts")
+                if corr is not None and isinstance(ts, (int, float)):
+                    launches[corr] = float(ts)
+    kinds: dict[str, bool] = {}
+    kernels: list[Kernel] = []
+    for index, event in found:
+        name = event.get("name")
+        name = name if isinstance(name, str) else str(name)
+        start = _number(event.get("ts"), "ts", index, name)
+        dur = _number(event.get("dur"), "dur", index, name)
+        if dur < 0:
+            raise ValueError(f"GPU event #{index} ({name!r}) has a negative dur: {dur}")
+        args = event.get("args")
+        args = args if isinstance(args, dict) else {}
+        stream = _int_or(args.get("stream"), None)
+        if stream is None:
+            stream = _int_or(event.get("tid"), -1)
+        device = _int_or(args.get("device"), None)
+        if device is None:
+            device = _int_or(event.get("pid"), -1)
+        corr = _int_or(args.get("correlation"), None)
+        is_comm = kinds.get(name)
+        if is_comm is None:
+            is_comm = kinds[name] = kernel_kind(name) == COMM
+        kernels.append(Kernel(start, dur, name, stream, device, is_comm,
+                              launches.get(corr) if corr is not None else None, corr))
+    kernels.sort(key=lambda k: k.start_us)
+    return kernels
+
+
+def by_device(kernels: Iterable[Kernel]) -> dict[int, list[Kernel]]:
+    """The kernels grouped by device, each list in the order given."""
+    out: dict[int, list[Kernel]] = {}
+    for k in kernels:
+        out.setdefault(k.device, []).append(k)
+    return out
+
+
+# ---- interval measure ------------------------------------------------------------
+
+class _Intervals(NamedTuple):
+    """Disjoint intervals sorted by start (microseconds)."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+
+    def measure(self) -> float:
+        return float(np.sum(self.ends - self.starts))
+
+
+def _merge(starts: np.ndarray, ends: np.ndarray) -> _Intervals:
+    """The union of [starts[i], ends[i]) as disjoint sorted intervals, in O(n log n).
+
+    Intervals that touch (one starts where another ends) are joined, as HTA does.
+    """
+    keep = ends > starts
+    starts, ends = starts[keep], ends[keep]
+    if starts.size == 0:
+        empty = np.empty(0, dtype=np.float64)
+        return _Intervals(empty, empty)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    first = np.empty(starts.size, dtype=bool)
+    first[0] = True
+    first[1:] = starts[1:] > reach[:-1]
+    heads = np.flatnonzero(first)
+    tails = np.append(heads[1:] - 1, starts.size - 1)
+    return _Intervals(starts[heads], reach[tails])
+
+
+def _union(a: _Intervals, b: _Intervals) -> _Intervals:
+    return _merge(np.concatenate([a.starts, b.starts]), np.concatenate([a.ends, b.ends]))
+
+
+def _kind_arrays(kernels: Sequence[Kernel], lo: float | None = None,
+                 hi: float | None = None) -> dict[str, _Intervals]:
+    """The merged intervals of each kernel kind, clipped to [lo, hi) when given."""
+    n = len(kernels)
+    starts = np.fromiter((k.start_us for k in kernels), dtype=np.float64, count=n)
+    ends = starts + np.fromiter((k.dur_us for k in kernels), dtype=np.float64, count=n)
+    if lo is not None:
+        np.maximum(starts, lo, out=starts)
+        np.maximum(ends, lo, out=ends)
+    if hi is not None:
+        np.minimum(starts, hi, out=starts)
+        np.minimum(ends, hi, out=ends)
+    cache: dict[str, int] = {}
+    codes = {COMPUTE: 0, COMM: 1, MEMORY: 2, OTHER: 3}
+    kind = np.empty(n, dtype=np.int8)
+    for i, k in enumerate(kernels):
+        code = cache.get(k.name)
+        if code is None:
+            code = cache[k.name] = codes[kernel_kind(k.name)]
+        # a kernel a caller marked as communication counts as such
+        kind[i] = 1 if k.is_comm else code
+    return {
+        COMPUTE: _merge(starts[kind == 0], ends[kind == 0]),
+        COMM: _merge(starts[kind == 1], ends[kind == 1]),
+        "any": _merge(starts, ends),
+    }
+
+
+def device_breakdown(kernels: Sequence[Kernel], start_us: float,
+                     end_us: float) -> dict[str, float]:
+    """Where one device's time went within [start_us, end_us), in milliseconds.
+
+    - ``compute_ms``: time some compute kernel ran (merged over streams);
+    - ``comm_ms``: time some communication kernel ran;
+    - ``exposed_comm_ms``: communication time during which no compute kernel ran;
+    - ``idle_ms``: time no kernel, copy or memset ran.
+
+    Pass the kernels of one device (see ``by_device``). Kernels reaching outside
+    the window count only for their part inside it.
+    """
+    if not end_us >= start_us:
+        raise ValueError(f"device_breakdown: the window ends ({end_us}) before it "
+                         f"starts ({start_us})")
+    merged = _kind_arrays(kernels, start_us, end_us)
+    compute = merged[COMPUTE].measure()
+    comm = merged[COMM].measure()
+    either = _union(merged[COMPUTE], merged[COMM]).measure()
+    busy = merged["any"].measure()
+    return {
+        "compute_ms": compute / 1e3,
+        "comm_ms": comm / 1e3,
+        "exposed_comm_ms": (either - compute) / 1e3,
+        "idle_ms": ((end_us - start_us) - busy) / 1e3,
+    }
+
+
+def overlap_pct(kernels: Sequence[Kernel]) -> float:
+    """Percent of the merged communication-kernel time during which a compute kernel ran.
+
+    HTA's ``get_comm_comp_overlap`` for one rank, over every kernel given. 0.0
+    when no communication kernel ran (HTA gives NaN there).
+    """
+    merged = _kind_arrays(kernels)
+    comm = merged[COMM].measure()
+    if comm <= 0.0:
+        return 0.0
+    compute = merged[COMPUTE].measure()
+    both = comm + compute - _union(merged[COMPUTE], merged[COMM]).measure()
+    return 100.0 * both / comm
+
+
+def phase_ms(kernels: Sequence[Kernel], phase_at: Callable[[float], str]) -> dict[str, float]:
+    """Kernel milliseconds per phase of the CPU op that launched each kernel.
+
+    ``phase_at(launch_us)`` names the phase the CPU was in at the launch;
+    kernels whose launch the trace does not hold go to "unknown". Durations are
+    summed, not merged: two kernels of one phase on two streams count twice.
+    """
+    out: dict[str, float] = {}
+    for k in kernels:
+        phase = "unknown" if k.launch_us is None else phase_at(k.launch_us)
+        out[phase] = out.get(phase, 0.0) + k.dur_us / 1e3
+    return out
+
+
+def device_window(kernels: Sequence[Kernel]) -> tuple[float, float] | None:
+    """From the first kernel's start to the last kernel's end, or None without kernels."""
+    if not kernels:
+        return None
+    return (min(k.start_us for k in kernels), max(k.start_us + k.dur_us for k in kernels))
+
+
+def kernels_before(kernels: Iterable[Kernel], t_us: float) -> list[Kernel]:
+    """The kernels launched (on the CPU) before ``t_us``; those of unknown launch are left out.
+
+    HTA analyses the kernels launched before the last ``ProfilerStep`` began:
+    ``kernels_before(kernels, last_step_start)`` is that set.
+    """
+    return [k for k in kernels if k.launch_us is not None and k.launch_us < t_us]
+
+
+def assign_steps(kernels: Sequence[Kernel],
+                 steps: Sequence[tuple[float, float]]) -> list[int | None]:
+    """For each kernel, the index of the CPU step span [start, end) it was launched in.
+
+    ``steps`` are sorted by start and do not overlap. None for a kernel launched
+    outside every step, or whose launch the trace does not hold.
+    """
+    starts = np.array([s for s, _ in steps], dtype=np.float64)
+    ends = np.array([e for _, e in steps], dtype=np.float64)
+    launch = np.array([np.nan if k.launch_us is None else k.launch_us for k in kernels],
+                      dtype=np.float64)
+    idx = np.searchsorted(starts, launch, side="right") - 1
+    ok = ~np.isnan(launch) & (idx >= 0)
+    ok[ok] &= launch[ok] < ends[idx[ok]]
+    return [int(i) if good else None for i, good in zip(idx.tolist(), ok.tolist())]
+
+
+def step_windows(kernels: Sequence[Kernel],
+                 steps: Sequence[tuple[float, float]]) -> list[tuple[float, float] | None]:
+    """Each CPU step's window on the device's timeline.
+
+    ``steps`` are the CPU spans [start, end) of the ``ProfilerStep``s, sorted by
+    start. A kernel belongs to the step during which it was launched
+    (``assign_steps``). A step's device window runs from the start of its first
+    kernel to the start of the next step's first kernel (the last step's to the
+    end of its last kernel), so the windows tile the device timeline and their
+    breakdowns add up to the breakdown of the whole. None for a step that
+    launched no kernel.
+    """
+    first: list[float | None] = [None] * len(steps)
+    last: list[float | None] = [None] * len(steps)
+    for k, i in zip(kernels, assign_steps(kernels, steps)):
+        if i is None:
+            continue
+        end = k.start_us + k.dur_us
+        first[i] = k.start_us if first[i] is None else min(first[i], k.start_us)
+        last[i] = end if last[i] is None else max(last[i], end)
+    out: list[tuple[float, float] | None] = []
+    following: float | None = None
+    for i in reversed(range(len(steps))):
+        lo = first[i]
+        if lo is None:
+            out.append(None)
+            continue
+        hi = max(following, lo) if following is not None else last[i]
+        out.append((lo, hi))
+        following = lo
+    out.reverse()
+    return out
