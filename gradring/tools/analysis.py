@@ -18,7 +18,17 @@ forward; backward (autograd); exposed comm, the tail after autograd less the
 copies, split by the bucket the rank waited for: ``wait`` (before the last
 rank launched that bucket, on the aligned clocks), ``last_bucket`` and
 ``earlier_buckets``; copy; optimizer; other, the rest of the step. On a GPU
-trace the same CPU rows are given, and ``gpu`` gives the device's view.
+trace see [Note: the rows of a GPU step].
+
+[Note: the rows of a GPU step]
+On a trace with GPU kernels the rows are the device's timeline: a step's
+window runs from its first kernel to the next step's first kernel
+(``gpu_trace.step_windows``); in it, compute time (some compute kernel ran) is
+split into forward, backward, copy and optimizer by the CPU phase during which
+each kernel was launched (the trace's correlation ids, ``gpu_trace.phase_ms``);
+exposed comm is NCCL time with no compute kernel beside it; idle is time with
+no kernel; other is the rest (memory copies, and compute launched outside
+the phases). They add up to the window. ``gpu`` gives the device's totals.
 """
 
 from __future__ import annotations
@@ -210,8 +220,8 @@ def explain_model(model: TraceModel) -> Explanation:
         raise ValueError("no ProfilerStep holds a complete DDP step on every rank: profile "
                          "at least one whole training step on each rank")
     notes = list(model.notes)
-    gpu = gpu_breakdown(model, kept, parts, notes)
     buckets = bucket_table(model, kept)
+    gpu = gpu_breakdown(model, kept, parts, notes, buckets)
     s, why = straggler(model, rows, parts, kept)
     findings: list[Finding] = []
     if s is not None:
@@ -240,27 +250,144 @@ def explain_model(model: TraceModel) -> Explanation:
                        buckets=buckets, straggler_note=why, summary=summary)
 
 
+def _phase_at(st: StepTrace, optimizer: Sequence[tuple[float, float]]) -> Any:
+    """The CPU phase of step ``st`` at a time (us): the phase a kernel launched then is of."""
+    def at(t: float) -> str:
+        if t < st.backward_start_us:
+            return "forward" if t >= st.start_us else "other"
+        if t < st.backward_end_us:
+            return "backward"
+        if t < st.tail_end_us:
+            return "copy"
+        if any(a <= t < b for a, b in optimizer):
+            return "optimizer"
+        return "other"
+    return at
+
+
+def _minus_ms(span: tuple[float, float], busy: Sequence[tuple[float, float]]) -> float:
+    """ms of ``span`` not covered by the sorted, merged ``busy`` intervals."""
+    a, b = span
+    covered = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy if e > a and s < b)
+    return max(0.0, (b - a) - covered) / 1e3
+
+
+def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[str, float]],
-                  notes: list[str]) -> dict[int, dict[str, float]] | None:
-    """The device's view of the kept steps, per rank (GPU traces only): compute, comm,
-    exposed comm and idle ms per step, and the overlap % over the trace; adds ``idle``."""
+                  notes: list[str], buckets: dict[int, list[dict[str, Any]]] | None = None
+                  ) -> dict[int, dict[str, float]] | None:
+    """The device's view of the kept steps (GPU traces only), per rank: compute, comm,
+    exposed comm and idle ms per step (means) and the overlap % over the trace. It also
+    puts the rows of ``parts`` on the device's timeline ([Note: the rows of a GPU step])
+    and the buckets' ``exposed_ms`` there."""
     if model.device != "cuda":
         return None
     try:
         from gradring.tools import gpu_trace
-    except ImportError:
+    except ImportError:  # pragma: no cover - gpu_trace ships with gradring
         notes.append("this trace has GPU kernels, but this gradring has no GPU-trace reader "
                      "(gradring.tools.gpu_trace): the device's view is left out")
         return None
     out = {}
     for r, rt in model.ranks.items():
-        kernels = gpu_trace.read_kernels(rt.events)
-        if not kernels:
+        devices = gpu_trace.by_device(gpu_trace.read_kernels(rt.events))
+        if not devices:
             continue
-        steps = [st for st in rt.steps if st.number in kept]
-        per = [gpu_trace.device_breakdown(kernels, st.start_us, st.end_us) for st in steps]
-        row = {k: _mean([p[k] for p in per]) for k in
+        kernels = max(devices.values(), key=len)  # the rank's own GPU
+        steps = sorted(rt.steps, key=lambda st: st.start_us)
+        windows = gpu_trace.step_windows(kernels, [(st.start_us, st.end_us) for st in steps])
+        owner = gpu_trace.assign_steps(kernels, [(st.start_us, st.end_us) for st in steps])
+        rows, dev = [], []
+        per_bucket: dict[int, list[float]] = {}
+        for i, (st, w) in enumerate(zip(steps, windows)):
+            if st.number not in kept or w is None:
+                continue
+            mine = [k for k, o in zip(kernels, owner) if o == i]
+            bd = gpu_trace.device_breakdown(kernels, w[0], w[1])
+            dev.append(bd)
+            compute = [k for k in mine if gpu_trace.kernel_kind(k.name) == gpu_trace.COMPUTE]
+            opt = [(a, b) for a, b in _optimizer_spans(rt, st)]
+            share = gpu_trace.phase_ms(compute, _phase_at(st, opt))
+            total = sum(share.values()) or 1.0
+            row = {k: bd["compute_ms"] * share.get(k, 0.0) / total
+                   for k in ("forward", "backward", "copy", "optimizer")}
+            step = (w[1] - w[0]) / 1e3
+            row["exposed_comm"] = bd["exposed_comm_ms"]
+            row["idle"] = bd["idle_ms"]
+            row["step"] = step
+            row["other"] = step - sum(row[k] for k in ("forward", "backward", "copy",
+                                                        "optimizer", "exposed_comm", "idle"))
+            # the exposed comm by bucket: each bucket's all-reduce kernel is the first
+            # communication kernel launched from its launch on
+            busy = _merged([(k.start_us, k.start_us + k.dur_us) for k in kernels
+                            if gpu_trace.kernel_kind(k.name) == gpu_trace.COMPUTE
+                            and k.start_us < w[1] and k.start_us + k.dur_us > w[0]])
+            comm = sorted((k for k in mine if k.is_comm and k.launch_us is not None),
+                          key=lambda k: k.launch_us or 0.0)
+            used: set[int] = set()
+            last = earlier = 0.0
+            for b in st.buckets:
+                j = next((j for j, k in enumerate(comm) if j not in used
+                          and (k.launch_us or 0.0) >= b.launch_us - 1), None)
+                if j is None:
+                    continue
+                used.add(j)
+                k = comm[j]
+                exp = _minus_ms((max(k.start_us, w[0]), min(k.start_us + k.dur_us, w[1])),
+                                busy)
+                per_bucket.setdefault(b.index, []).append(exp)
+                if b.index == len(st.buckets) - 1:
+                    last += exp
+                else:
+                    earlier += exp
+            row["last_bucket"] = min(last, row["exposed_comm"])
+            row["earlier_buckets"] = row["exposed_comm"] - row["last_bucket"]
+            row["wait"] = 0.0
+            row["compute"] = step - row["exposed_comm"] - row["idle"]
+            rows.append(row)
+        if not dev:
+            continue
+        res = {k: _mean([p[k] for p in dev]) for k in
                ("compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms")}
-        row["overlap_pct"] = gpu_trace.overlap_pct(kernels)
-        out[r] = row
+        res["overlap_pct"] = gpu_trace.overlap_pct(kernels)
+        out[r] = res
+        host = parts[r]
+        parts[r] = {k: _mean([x[k] for x in rows]) for k in rows[0]}
+        parts[r]["steps"] = float(len(rows))
+        parts[r]["pre_forward"] = host.get("pre_forward", 0.0)
+        parts[r]["post_forward"] = host.get("post_forward", 0.0)
+        if buckets is not None:
+            for b in buckets.get(r, []):
+                if b["index"] in per_bucket:
+                    b["exposed_ms"] = _mean(per_bucket[b["index"]])
+    if out:
+        notes.append("GPU trace: the rows are the device's timeline ([Note: the rows of a "
+                     "GPU step]): each step's kernels from its first to the next step's "
+                     "first; compute split by the CPU phase that launched each kernel, "
+                     "exposed comm = NCCL kernel time with no compute kernel beside it, "
+                     "idle = no kernel running; waiting for peers is inside NCCL's kernels "
+                     "and not told apart")
     return out or None
+
+
+def _optimizer_spans(rt: Any, st: StepTrace) -> list[tuple[float, float]]:
+    spans = []
+    for e in rt.events:
+        name = e.get("name")
+        if isinstance(name, str) and name.startswith("Optimizer.step#") and e.get("ph") == "X":
+            try:
+                t, d = float(e["ts"]), float(e.get("dur", 0.0))
+            except (KeyError, TypeError, ValueError):
+                continue
+            if st.start_us <= t < st.end_us:
+                spans.append((t, t + d))
+    return spans
