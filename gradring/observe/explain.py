@@ -70,8 +70,15 @@ from gradring.observe.overlap import (
 )
 from gradring.observe.record import rank_record
 from gradring.observe.trace import Event
-from gradring.reducer.autocap import pick, predict
-from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, simulate
+from gradring.step_model import (
+    DEFAULT_CAPS_MB,
+    CommCurve,
+    Prediction,
+    Profile,
+    pick,
+    predict,
+    simulate,
+)
 
 #: The rows of a step ([Note: the step breakdown]); they add up to ``step``.
 STEP_ROWS = ("forward", "backward", "exposed_comm", "copy", "optimizer", "other")
