@@ -664,14 +664,22 @@ def format_explanation(x: Explanation) -> str:
                 else f"{v:>9.2f}      "
         lines.append(line)
     lines.append("(rows add up to the step, the indented ones to exposed comm; exposed comm: "
-                 "collectives still running after the backward, the same figure as "
-                 "overlap_stats(), the demo and gradring timeline; forward includes buffer "
-                 "sync and the graph walk; other: loss, zero_grad, data)")
+                 + ("collectives still running after the backward, the same figure as "
+                    "overlap_stats(), the demo and gradring timeline; "
+                    if x.source == "gradring" else
+                    "NCCL kernel time with no compute kernel beside it; " if "idle" in
+                    x.parts[ranks[0]] else
+                    "the wait for collectives after autograd, less the copies; ")
+                 + "forward includes buffer sync and the graph walk; other: loss, zero_grad, "
+                 "data" + ("; idle: no kernel on the GPU" if "idle" in x.parts[ranks[0]]
+                           else "") + ")")
     s = x.straggler
     if s is None:
         lines.append(f"stragglers: none ({x.straggler_note})" if x.straggler_note and
                      len(ranks) > 1 else "stragglers: one rank only" if len(ranks) < 2 else
                      "stragglers: none")
+    elif "text" in s:
+        lines.append(f"stragglers: {s['text']}")
     else:
         waits = ", ".join(f"rank {r} waits {w:.2f} ms" for r, w in s["waits"].items())
         lines.append(f"stragglers: rank {s['rank']} is slower by {s['excess_ms']:.2f} ms/step "

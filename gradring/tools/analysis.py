@@ -197,7 +197,14 @@ def straggler(model: TraceModel, rows: dict[int, dict[int, dict[str, float]]],
             "compute_ms": parts[slow]["compute"], "fastest_ms": parts[fast]["compute"],
             "part": part, "part_excess_ms": parts[slow][part] - parts[fast][part],
             "last_in_steps": counts[slow], "steps": len(last_launcher),
-            "waits": others}, ""
+            "waits": others,
+            "text": f"rank {slow}: it launched the last bucket last in {counts[slow]} of "
+                    f"{len(last_launcher)} steps; " + ", ".join(
+                        f"rank {r} waits {w:.2f} ms/step" for r, w in others.items())
+                    + f" for it; compute (step less exposed comm) {parts[slow]['compute']:.2f} "
+                    f"ms/step against {parts[fast]['compute']:.2f} on rank {fast}, the "
+                    f"largest difference in {part} ({parts[slow][part] - parts[fast][part]:+.2f}"
+                    " ms)"}, ""
 
 
 def summarise(model: TraceModel) -> tuple[dict[int, dict[str, float]], list[int], list[int],

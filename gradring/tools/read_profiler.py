@@ -286,8 +286,21 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
     bcast_ms = _union_ms([(s.ts, s.end) for s in bcast])
     grads = tuple(Grad(n, s.end) for s in inside if s.name == ACCUMULATE and b0 <= s.ts < b1
                   for n in [_op_bytes(s)] if n)
+    if buckets and grads and all(b.nbytes is None for b in buckets):
+        buckets = _bytes_from_grads(buckets, grads)
     return StepTrace(number, s0, s1, forward_ms, b0, b1, tail_end, copy_ms, opt_ms,
                      search_ms, bcast_ms, tuple(buckets), grads)
+
+
+def _bytes_from_grads(buckets: list[BucketRun], grads: Sequence[Grad]) -> list[BucketRun]:
+    """Buckets' bytes where their events carry none (gradring's): each gradient belongs to
+    the first bucket launched when it was ready or later (a bucket launches once its last
+    gradient is ready), the last bucket taking the rest."""
+    got = [0] * len(buckets)
+    for g in grads:
+        k = next((b.index for b in buckets if b.launch_us >= g.ready_us - 1), buckets[-1].index)
+        got[k] += g.nbytes
+    return [b._replace(nbytes=got[b.index] or None) for b in buckets]
 
 
 def _gaps(lo: float, hi: float, busy: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
