@@ -211,8 +211,9 @@ def recommend_cap(fit: Fit, ddp: str) -> tuple[Prediction, str] | None:
         preds.append(predict_cap(fit, cap, min(first, int(cap * MIB))))
     chosen = pick(preds)
     best = chosen.prediction
-    if sorted(map(sorted, best.buckets)) == sorted(map(sorted, fit.groups)):
-        return None
+    if sorted(map(sorted, best.buckets)) == sorted(map(sorted, fit.groups)) or \
+            best.step_ms >= fit.current.step_ms:
+        return None  # the run has the pick's layout, or one the model predicts no slower
     return best, chosen.why
 
 
