@@ -193,6 +193,17 @@ def _op_bytes(*spans: _Span | None) -> int | None:
     return numel * (size or 4)
 
 
+def _launch_numel(s: _Span) -> int | None:
+    dims = s.args.get("Input Dims")
+    return _numel(dims[0]) if isinstance(dims, list) and dims else None
+
+
+def _comm_numel(s: _Span) -> int | None:
+    if isinstance(s.args.get("In msg nelems"), int):
+        return int(s.args["In msg nelems"])
+    return _launch_numel(s)
+
+
 def _index_of(name: str, prefix: str) -> int | None:
     m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
     return int(m.group(1)) if m else None
@@ -244,9 +255,15 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
     for k, launch in launches:
         comm = None
         if not gradring_launch:
-            # the collective's own span: the first unused one from the launch on
+            # the collective's own span: the first unused one from the launch on, of the
+            # launch's size (the profiler drops some of these spans: a launch whose span
+            # is missing must not take the next bucket's)
+            want = _launch_numel(launch)
             for i, c in enumerate(comms):
-                if i not in used and c.ts >= launch.ts - 1:
+                if i in used or c.ts < launch.ts - 1:
+                    continue
+                got = _comm_numel(c)
+                if want is None or got is None or got == want:
                     comm, _ = c, used.add(i)
                     break
         nested = [c for c in comms_main + params if launch.ts <= c.ts <= launch.end]
@@ -272,7 +289,9 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
     ordered = sorted(runs, key=lambda r: r[1].ts)
     for j, (_k, launch, comm, nbytes, done) in enumerate(ordered):
         last = j == len(ordered) - 1
-        hi = math.inf if last or done is None else max(done, prev_done)
+        # waiting ends with this bucket's end; a bucket whose end the trace lost takes
+        # none of it (the next bucket with a known end, or the last, takes it)
+        hi = math.inf if last else prev_done if done is None else max(done, prev_done)
         mine = tuple((max(a, prev_done), min(b, hi)) for a, b in gaps
                      if min(b, hi) > max(a, prev_done))
         if done is not None:
