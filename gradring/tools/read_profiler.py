@@ -307,8 +307,10 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
                   for n in [_op_bytes(s)] if n)
     if buckets and grads and all(b.nbytes is None for b in buckets):
         buckets = _bytes_from_grads(buckets, grads)
+    fwd_spans = tuple((s.ts, s.end) for s in fwd) if fwd else ((s0, b0),)
+    opt_spans = tuple((s.ts, s.end) for s in opt_all if s.ts >= tail_end - 1)
     return StepTrace(number, s0, s1, forward_ms, b0, b1, tail_end, copy_ms, opt_ms,
-                     search_ms, bcast_ms, tuple(buckets), grads)
+                     search_ms, bcast_ms, tuple(buckets), grads, fwd_spans, opt_spans)
 
 
 def _bytes_from_grads(buckets: list[BucketRun], grads: Sequence[Grad]) -> list[BucketRun]:

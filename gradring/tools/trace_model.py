@@ -54,6 +54,8 @@ class StepTrace(NamedTuple):
     broadcast_ms: float             # the buffer broadcast before the forward
     buckets: tuple[BucketRun, ...]
     grads: tuple[Grad, ...]
+    forward_us: tuple[tuple[float, float], ...] = ()    # the DDP forward span(s)
+    optimizer_us: tuple[tuple[float, float], ...] = ()  # the optimizer.step() spans
 
 
 @dataclass

@@ -186,3 +186,58 @@ def test_json_of_a_real_trace_folder(pools, tmp_path, capsys) -> None:
         # bytes from the ops' input dims: the buckets hold every gradient, once
         total = sum(b["bytes"] for b in doc["buckets"][r])
         assert total == 4 * (3 * 256 * 256 + 3 * 256)
+
+
+def test_timeline_draws_a_profiler_trace_with_explains_rows(pools, tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib", reason="drawing the timeline needs matplotlib")
+    from gradring.observe import timeline
+    from gradring.tools.profile_timeline import load_model, profile_timeline_report
+    from gradring.tools.trace_file import trace_files
+
+    path = pools.run(2, _profiled_run, str(tmp_path), "torch", "plain")[0]
+    out = str(tmp_path / "t.png")
+    assert timeline.main([path, "-o", out, "--last", "0"]) == 0
+    assert os.path.getsize(out) > 10_000
+    report = profile_timeline_report(load_model(trace_files(path)), 0)
+    x = explain_path(path)
+    for r in (0, 1):
+        # every phase is explain's rows, over the same steps
+        assert report.step_ms[r] == pytest.approx(x.parts[r]["step"], rel=1e-9)
+        assert sum(report.phase_ms[r].values()) == pytest.approx(report.step_ms[r], rel=1e-9)
+        assert report.phase_ms[r]["forward"] == pytest.approx(x.parts[r]["forward"], rel=1e-9)
+        # the tiles cover each step exactly once
+        for it, segs in report.segments[r].items():
+            length = sum(s.t1 - s.t0 for s in segs) * 1e3
+            assert length == pytest.approx(
+                next(st for st in load_model(trace_files(path)).ranks[r].steps
+                     if st.number == it).end_us / 1e3 - segs[0].t0 * 1e3, rel=1e-6)
+
+
+HTA_A100 = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hta",
+                        "nccl_parser_config", "nccl_data.json.gz")
+
+
+def test_a_public_a100_trace_gets_its_gpu_breakdown(tmp_path) -> None:
+    from gradring.tools import gpu_trace
+    from gradring.tools.trace_file import read_json
+
+    x = explain_path(HTA_A100)
+    doc = x.as_json()
+    assert doc["source"] == "torch.profiler" and doc["ddp"] == "torch"
+    assert doc["device"] == "cuda" and set(doc["gpu"]) == {"0"}
+    p = doc["parts"]["0"]
+    assert sum(p[k] for k in ROWS + ("idle",)) == pytest.approx(p["step"], abs=1e-6)
+    g = doc["gpu"]["0"]
+    assert set(g) == {"compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"}
+    assert g["exposed_comm_ms"] == pytest.approx(p["exposed_comm"])
+    assert g["idle_ms"] == pytest.approx(p["idle"])
+    # the overlap is over the whole trace's kernels, as HTA's get_comm_comp_overlap
+    events = read_json(HTA_A100)["traceEvents"]
+    kernels = gpu_trace.read_kernels(events)
+    assert g["overlap_pct"] == pytest.approx(gpu_trace.overlap_pct(kernels))
+    # every bucket's bytes, as the trace's own record_param_comms says of its all-reduce
+    said = sorted(e["args"]["In msg nelems"] * 4 for e in events
+                  if e.get("name") == "record_param_comms"
+                  and e.get("args", {}).get("Collective name") == "allreduce")
+    got = [b["bytes"] for b in doc["buckets"]["0"]]
+    assert got and set(got) <= set(said)
