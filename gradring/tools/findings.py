@@ -232,9 +232,10 @@ def _worth(saving: float, step: float, spread: float) -> bool:
 
 
 def profile_findings(model: TraceModel, parts: dict[int, dict[str, float]],
-                     rows: dict[int, dict[int, dict[str, float]]], kept: Sequence[int]
-                     ) -> tuple[list[Finding], list[str]]:
-    """The findings of a profiled run, and notes ([Note: the fitted step model])."""
+                     rows: dict[int, dict[int, dict[str, float]]], kept: Sequence[int],
+                     *, keep_noisy: bool = False) -> tuple[list[Finding], list[str]]:
+    """The findings of a profiled run, and notes ([Note: the fitted step model]).
+    ``keep_noisy``: also those whose saving is inside the spread (benchmarks apply them)."""
     notes: list[str] = []
     cands: list[Finding] = []
     rank = min(parts, key=lambda r: parts[r]["wait"])  # the rank that waited least
@@ -291,9 +292,10 @@ def profile_findings(model: TraceModel, parts: dict[int, dict[str, float]],
                 f"picked as bucket_cap_mb='auto' and gradring tune pick: {why} (events: the "
                 "bucket all-reduces, AccumulateGrad)"))
         buckets = model.ranks[rank].steps[0].buckets if model.ranks[rank].steps else ()
+        # torch's default cap: a first bucket of at most 1 MiB before buckets of several
         if torch_ddp and len(fit.groups) > 1 and buckets and buckets[0].nbytes and \
-                buckets[0].nbytes <= DEFAULT_FIRST_BUCKET_BYTES < max(
-                    b.nbytes or 0 for b in buckets[1:]):
+                buckets[0].nbytes <= DEFAULT_FIRST_BUCKET_BYTES and statistics.median(
+                    b.nbytes or 0 for b in buckets[1:]) >= 2 * DEFAULT_FIRST_BUCKET_BYTES:
             cap = max(b.nbytes or 0 for b in buckets) / MIB
             same = simulate(fit.profile, fit.curve, cap, first_cap_bytes=int(cap * MIB))
             saving = fit.current.step_ms - same.step_ms
@@ -324,7 +326,7 @@ def profile_findings(model: TraceModel, parts: dict[int, dict[str, float]],
     for f in cands:
         key = MEASURED.get(f.key)
         against = _row_spread(rows[rank], kept, key) if key else spread
-        if _worth(f.saving_ms, step, against):
+        if _worth(f.saving_ms, step, against) or keep_noisy:
             out.append(f)
         elif f.saving_ms >= MIN_SAVING_MS and f.saving_ms <= against:
             what = f"its {key} row's" if key else "the measured steps'"
