@@ -220,7 +220,8 @@ def summarise(model: TraceModel) -> tuple[dict[int, dict[str, float]], list[int]
     return parts, kept, out, rows
 
 
-def explain_model(model: TraceModel) -> Explanation:
+def explain_model(model: TraceModel, link: dict[int, tuple[float, float]] | None = None
+                  ) -> Explanation:
     """The explanation of a trace model: rows, buckets, straggler, findings, notes."""
     parts, kept, out, rows = summarise(model)
     if not kept:
@@ -243,7 +244,7 @@ def explain_model(model: TraceModel) -> Explanation:
             f"rank {s['fastest']} (events: the bucket all-reduces' launches, ProfilerStep)"))
     from gradring.tools.findings import profile_findings
 
-    more, more_notes = profile_findings(model, parts, rows, kept)
+    more, more_notes = profile_findings(model, parts, rows, kept, link=link)
     findings += more
     notes += more_notes
     findings.sort(key=lambda f: -f.saving_ms)

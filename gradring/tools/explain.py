@@ -40,11 +40,16 @@ def parser() -> argparse.ArgumentParser:
                     help="summarise the newest N steps only; 0 takes every step recorded "
                          "after the first, the steps ddp.overlap_stats() summarises")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ap.add_argument("--link-curve", default=None, metavar="FILE",
+                    help="the output of `gradring bench allreduce` on this host, saved to a "
+                         "file: on a CPU gloo trace of torch's DDP, explain then predicts what "
+                         "gradring's collectives would save (default: none)")
     add_limit_flag(ap)
     return ap
 
 
-def explain_path(path: str, *, last_n: int = 0, max_bytes: int | None = None) -> Any:
+def explain_path(path: str, *, last_n: int = 0, max_bytes: int | None = None,
+                 link_curve: str | None = None) -> Any:
     """The ``Explanation`` of the trace(s) at ``path``: gradring's own record (written by
     ``export_chrome_trace``) or torch.profiler traces of torch's or gradring's DDP.
     Raises ``TraceFileError`` for a file that cannot be read and ``ValueError`` (one line)
@@ -63,7 +68,16 @@ def explain_path(path: str, *, last_n: int = 0, max_bytes: int | None = None) ->
         raise ValueError(f"{path}: neither a torch.profiler trace (traceEvents with "
                          "ProfilerStep spans) nor gradring's step record (written by "
                          "gradring.observe.overlap.export_chrome_trace)")
-    return explain_model(read_profiler(profiled))
+    link = None
+    if link_curve is not None:
+        from gradring.tools.findings import parse_link_curve
+
+        with open(link_curve, errors="replace") as f:
+            link = parse_link_curve(f.read(1 << 20))
+        if not link:
+            raise ValueError(f"{link_curve}: no rows of `gradring bench allreduce` with both "
+                             "gradring-shm (comm.empty) and gloo native")
+    return explain_model(read_profiler(profiled), link)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     from gradring.tools.trace_file import TraceFileError
 
     try:
-        x = explain_path(a.trace, last_n=a.last, max_bytes=a.max_trace_bytes)
+        x = explain_path(a.trace, last_n=a.last, max_bytes=a.max_trace_bytes,
+                         link_curve=a.link_curve)
     except TraceFileError as exc:
         print(f"gradring explain: {exc}", file=sys.stderr)
         return 2

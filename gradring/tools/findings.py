@@ -34,6 +34,8 @@ a smaller saving could not be told from noise, and a note says so.
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -217,6 +219,54 @@ def recommend_cap(fit: Fit, ddp: str) -> tuple[Prediction, str] | None:
     return best, chosen.why
 
 
+#: ``gradring bench allreduce``'s table rows: size, unit, variant, time (us).
+_BENCH_ROW = re.compile(r"^\s*([0-9.]+)\s*(B|KiB|MiB|GiB)\s+(.+?)\s{2,}([0-9.]+)\s")
+_UNITS = {"B": 1, "KiB": 1024, "MiB": MIB, "GiB": 1024 * MIB}
+#: The variants compared: what gradring's DDP uses for its buckets, and gloo's own.
+GRADRING_VARIANT = "gradring-shm (comm.empty)"
+GLOO_VARIANT = "gloo native"
+
+
+def parse_link_curve(text: str) -> dict[int, tuple[float, float]]:
+    """bytes -> (gradring's all-reduce us, gloo's) from ``gradring bench allreduce``'s
+    printed table; {} when the text holds no such rows."""
+    got: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = _BENCH_ROW.match(line)
+        if m:
+            size = int(float(m.group(1)) * _UNITS[m.group(2)])
+            got.setdefault(size, {})[m.group(3).strip()] = float(m.group(4))
+    return {n: (v[GRADRING_VARIANT], v[GLOO_VARIANT]) for n, v in sorted(got.items())
+            if GRADRING_VARIANT in v and GLOO_VARIANT in v and v[GLOO_VARIANT] > 0}
+
+
+def _ratio(link: dict[int, tuple[float, float]], nbytes: int) -> float:
+    """gradring's time over gloo's at ``nbytes``, from the nearest measured sizes."""
+    sizes = sorted(link)
+    near = min(sizes, key=lambda n: abs(math.log(max(n, 1)) - math.log(max(nbytes, 1))))
+    g, t = link[near]
+    return g / t
+
+
+def _gradring_finding(fit: Fit, link: dict[int, tuple[float, float]]) -> Finding | None:
+    total = sum(fit.profile.sizes)
+    sizes = sorted({int(sum(fit.profile.sizes[i] for i in g)) for g in fit.groups} |
+                   {1, total})
+    curve = CommCurve(sizes, [fit.curve.time_ms(n) * _ratio(link, n) for n in sizes])
+    pred = simulate_groups(fit.profile, curve, fit.groups)
+    saving = fit.current.step_ms - pred.step_ms
+    ratios = ", ".join(f"{n / MIB:g} MiB x{g / t:.2f}" for n, (g, t) in link.items())
+    return Finding(
+        "gradring_collectives", "gradring's shared-memory collectives on this host "
+        "(a prediction)", "use gradring.DistributedDataParallel, a drop-in replacement for "
+        "torch's (its all-reduce goes through shared memory between the ranks of a host)",
+        saving,
+        f"prediction, not a measurement: the fitted model with each bucket's all-reduce "
+        f"scaled by gradring's time over gloo's on this host's link curve ({ratios}, "
+        f"measured by `gradring bench allreduce`) predicts {pred.step_ms:.2f} ms/step "
+        f"against {fit.current.step_ms:.2f} (events: the bucket all-reduces)")
+
+
 def _row_spread(rows: dict[int, dict[str, float]], kept: Sequence[int], key: str) -> float:
     return spread_ms([rows[n][key] for n in kept if n in rows])
 
@@ -233,9 +283,12 @@ def _worth(saving: float, step: float, spread: float) -> bool:
 
 def profile_findings(model: TraceModel, parts: dict[int, dict[str, float]],
                      rows: dict[int, dict[int, dict[str, float]]], kept: Sequence[int],
-                     *, keep_noisy: bool = False) -> tuple[list[Finding], list[str]]:
+                     *, keep_noisy: bool = False, link: dict[int, tuple[float, float]] | None
+                     = None) -> tuple[list[Finding], list[str]]:
     """The findings of a profiled run, and notes ([Note: the fitted step model]).
-    ``keep_noisy``: also those whose saving is inside the spread (benchmarks apply them)."""
+    ``keep_noisy``: also those whose saving is inside the spread (benchmarks apply them).
+    ``link``: ``parse_link_curve`` of ``gradring bench allreduce``'s output, for the
+    prediction of gradring's collectives on a CPU gloo run of torch's DDP."""
     notes: list[str] = []
     cands: list[Finding] = []
     rank = min(parts, key=lambda r: parts[r]["wait"])  # the rank that waited least
@@ -307,6 +360,15 @@ def profile_findings(model: TraceModel, parts: dict[int, dict[str, float]],
                     f"the first bucket holds {buckets[0].nbytes / MIB:.2f} MiB; the fitted "
                     f"model predicts {same.step_ms:.2f} ms/step with a first bucket of "
                     f"{cap:.3g} MiB (events: the first c10d::allreduce_ of the backward)"))
+        if torch_ddp and model.backend == "gloo":
+            if link:
+                g = _gradring_finding(fit, link)
+                if g is not None:
+                    cands.append(g)
+            else:
+                notes.append("what gradring's collectives would save on this host can be "
+                             "predicted from its link curve: save `gradring bench allreduce` "
+                             "> link.txt and pass --link-curve link.txt")
         own = p["last_bucket"] + p["earlier_buckets"]
         if own > 0:
             half = Profile(*fit.profile[:1], [s // 2 for s in fit.profile.sizes],

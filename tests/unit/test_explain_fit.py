@@ -97,3 +97,29 @@ def test_a_saving_inside_the_steps_spread_is_too_noisy_to_tell() -> None:
     assert "bucket_cap" in quiet.keys(), quiet.text
     assert "bucket_cap" not in loud.keys()
     assert any("too noisy to tell" in n for n in loud.notes), loud.notes
+
+
+BENCH = """#      size  variant                        time(us)  algbw(GB/s)  busbw(GB/s)  vs gloo
+     64 KiB  gradring-shm (comm.empty)         200.0        0.087        0.087    1.83x
+     64 KiB  gloo native                       400.0        0.047        0.047    1.00x
+      4 MiB  gradring-shm (comm.empty)        1000.0        3.071        3.071    3.97x
+      4 MiB  gradring ring (gloo p2p)         9618.3        0.436        0.436    0.56x
+      4 MiB  gloo native                      2000.0        0.774        0.774    1.00x
+"""
+
+
+def test_gradrings_collectives_are_predicted_from_the_link_curve() -> None:
+    link = findings.parse_link_curve(BENCH)
+    assert link == {64 * 1024: (200.0, 400.0), 4 * MIB: (1000.0, 2000.0)}
+    model = _model(_layout(25, MIB))
+    rows, kept, _ = analysis.rank_rows(model)
+    fit = _fit(model)
+    parts = {0: {k: sum(rows[0][n][k] for n in kept) / len(kept) for k in rows[0][kept[0]]}}
+    found, _ = findings.profile_findings(model, parts, rows, kept, keep_noisy=True, link=link)
+    g = next(f for f in found if f.key == "gradring_collectives")
+    # gloo twice as slow as gradring at every size: the model with half the curve
+    half = findings.simulate_groups(fit.profile, findings.curve_of(
+        0.5 * fit.curve.times_ms[0], 0.0, 1)._replace(
+        sizes=fit.curve.sizes, times_ms=[0.5 * t for t in fit.curve.times_ms]), fit.groups)
+    assert g.saving_ms == pytest.approx(fit.current.step_ms - half.step_ms, rel=1e-6)
+    assert g.saving_ms > 0 and "prediction" in g.evidence
