@@ -366,7 +366,7 @@ class DistributedDataParallel(TorchDDP):
     @compile_split.never_traced(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         compile_split.install()
-        trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
+        trace = self.reducer.trace  # forward marks for gradring.explain (tools/explain_record.py)
         with profiled("gradring::forward"):
             trace.mark("forward_start")
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)

@@ -5,7 +5,7 @@ launch, comm done, written) plus the backward's start and end; DDP's forward
 marks its start, the module's start and end, and its end; every optimizer
 step marks its start and end (a process-wide optimizer hook, installed with
 the first trace). Each mark is one ``perf_counter`` call and a deque append,
-so tracing stays on always. ``gradring.explain`` (observe/explain.py) turns
+so tracing stays on always. ``gradring.explain`` (tools/explain_record.py) turns
 them into a step breakdown.
 """
 

@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from gradring.observe.explain import STEP_ROWS, Explanation, Finding
+from gradring.tools.explain_record import STEP_ROWS, Explanation, Finding
 from gradring.tools.trace_model import StepTrace, TraceModel
 
 #: Steps further than this many scaled MADs from the median step are left out.

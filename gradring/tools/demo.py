@@ -87,8 +87,8 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 def train_rank(rank: int, world: int, epochs: int, per_rank: int, lr: float,
                max_batches: int | None = None, trace_dir: str | None = None) -> dict[str, Any]:
     import gradring
-    from gradring.observe import explain
     from gradring.observe.overlap import ddp_overlap_stats, export_chrome_trace
+    from gradring.tools import explain_record as explain
 
     xtr, ytr, xte, yte = load_digits_tensors()
     model = gradring.DistributedDataParallel(make_model(), bucket_cap_mb=0.1)
@@ -173,7 +173,7 @@ def _draw(results: list[dict[str, Any]], image: str | None, merged_out: str) -> 
     if not image:
         return lines
     try:
-        from gradring.observe.timeline import draw_timeline
+        from gradring.tools.timeline import draw_timeline
 
         draw_timeline(merged, image, last=3, title="gradring demo: last 3 steps")
     except ImportError:  # matplotlib is in the [demo] extra; keep the demo runnable

@@ -1,6 +1,6 @@
 """``gradring explain``: why is my DDP step slow? Read a run's traces and say.
 
-The command line of ``gradring.observe.explain`` (see docs/explain.md): the
+The command line of ``gradring.tools.explain_record`` (see docs/explain.md): the
 step decomposed per rank, the straggler if one rank is slower, and findings
 ranked by the time they cost, each with the change to make and the saving
 expected from the measured numbers. From a live model:
@@ -54,8 +54,8 @@ def explain_path(path: str, *, last_n: int = 0, max_bytes: int | None = None,
     ``export_chrome_trace``) or torch.profiler traces of torch's or gradring's DDP.
     Raises ``TraceFileError`` for a file that cannot be read and ``ValueError`` (one line)
     for a trace explain cannot explain."""
-    from gradring.observe.explain import analyse, records_of
     from gradring.tools.analysis import explain_model
+    from gradring.tools.explain_record import analyse, records_of
     from gradring.tools.read_profiler import is_profiler_trace, read_profiler
     from gradring.tools.trace_file import read_json, trace_files
 

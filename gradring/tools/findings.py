@@ -41,7 +41,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
-from gradring.observe.explain import MIN_SAVING_FRACTION, MIN_SAVING_MS, Finding
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,
@@ -51,6 +50,7 @@ from gradring.step_model import (
     simulate,
     simulate_groups,
 )
+from gradring.tools.explain_record import MIN_SAVING_FRACTION, MIN_SAVING_MS, Finding
 from gradring.tools.trace_model import TraceModel
 
 #: How far the fitted model may miss the measured exposed comm (ms) and still count as fitted.

@@ -1,7 +1,7 @@
 """``gradring timeline`` for torch.profiler traces: the same phases and lanes as for
 gradring's own record, from the trace model (``read_profiler``), GPU lanes included.
 
-Every instant of a ``ProfilerStep`` is one phase of ``observe.timeline.PHASES``
+Every instant of a ``ProfilerStep`` is one phase of ``timeline.PHASES``
 (explain's rows, [Note: the rows of a profiled step] in ``analysis.py``): where spans
 overlap, waiting for peers wins, then a collective running after autograd, the
 backward, the forward, the optimizer, copying into .grad, then other. The comm lane
@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradring.observe.overlap import ExposedComm
-from gradring.observe.timeline import GANTT_MAX, PHASE_ROWS, PHASES, Segment, TimelineReport, _tile
 from gradring.tools import analysis
+from gradring.tools.timeline import GANTT_MAX, PHASE_ROWS, PHASES, Segment, TimelineReport, _tile
 from gradring.tools.trace_model import StepTrace, TraceModel
 
 
@@ -92,12 +92,20 @@ def profile_timeline_report(model: TraceModel, last: int = 3) -> TimelineReport:
 
 def load_model(paths: list[str], max_bytes: int | None = None) -> Any:
     """The trace model of torch.profiler files (None when they hold gradring's record)."""
-    from gradring.observe.explain import records_of
+    from gradring.tools.explain_record import records_of
     from gradring.tools.read_profiler import is_profiler_trace, read_profiler
     from gradring.tools.trace_file import read_json
 
     docs = [(p, read_json(p, max_bytes=max_bytes)) for p in paths]
     if records_of(docs):
         return None
-    profiled = [(p, d) for p, d in docs if is_profiler_trace(d)]
+    profiled = [(p, d) for p, d in docs if is_profiler_trace(d) and has_steps(d)]
     return read_profiler(profiled) if profiled else None
+
+
+def has_steps(doc: Any) -> bool:
+    """Whether a trace holds ``ProfilerStep`` spans (else timeline draws it as before)."""
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    return isinstance(events, list) and any(
+        isinstance(e, dict) and str(e.get("name", "")).startswith("ProfilerStep#")
+        for e in events)

@@ -2,7 +2,7 @@
 
 Two readers fill it: ``read_profiler`` from torch.profiler Chrome traces (torch's
 DDP or gradring's, gloo or NCCL, CPU or CUDA) and, for gradring's own step
-record, ``observe/explain.py``'s record reader. ``analysis`` turns it into an
+record, ``tools/explain_record.py``'s record reader. ``analysis`` turns it into an
 ``Explanation``. Plain data: nothing here reads files or measures.
 
 Times are microseconds on the rank's own clock; ``RankTrace.offset_us`` puts a rank

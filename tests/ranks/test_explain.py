@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import gradring
-from gradring.observe import explain as ex
 from gradring.observe.trace import Event
+from gradring.tools import explain_record as ex
 from tests.support.env import environ
 from tests.support.explain_rows import assert_rows_add_up, printed_rows
 

@@ -190,7 +190,7 @@ def test_json_of_a_real_trace_folder(pools, tmp_path, capsys) -> None:
 
 def test_timeline_draws_a_profiler_trace_with_explains_rows(pools, tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib", reason="drawing the timeline needs matplotlib")
-    from gradring.observe import timeline
+    from gradring.tools import timeline
     from gradring.tools.profile_timeline import load_model, profile_timeline_report
     from gradring.tools.trace_file import trace_files
 

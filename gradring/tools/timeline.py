@@ -151,7 +151,7 @@ def step_segments(events: Sequence[Event], gates: dict[tuple[int, int], float] |
     backward, the forward, the optimizer, copying into .grad (the rest of
     ``backward()`` after autograd), then "other". Each phase's length is explain's
     row of the same step."""
-    from gradring.observe.explain import _first_after, _gates_ms, _sorted_times
+    from gradring.tools.explain_record import _first_after, _gates_ms, _sorted_times
 
     fwd = forward_starts(events)
     fwd_e = _sorted_times(events, "forward_end")
@@ -241,7 +241,7 @@ def _records(doc: Any) -> list[dict[str, Any]]:
 def timeline_report(trace: str | dict[str, Any], last: int = 3) -> TimelineReport | None:
     """Every rank's steps tiled into phases, from the step records in ``trace`` (None
     when it carries none: traces of stand-ins, or written before the records)."""
-    from gradring.observe.explain import all_rank_steps, launched_by_all, record_events
+    from gradring.tools.explain_record import all_rank_steps, launched_by_all, record_events
 
     if isinstance(trace, dict):
         doc = trace
