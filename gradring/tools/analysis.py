@@ -207,10 +207,14 @@ def straggler(model: TraceModel, rows: dict[int, dict[int, dict[str, float]]],
                     " ms)"}, ""
 
 
-def summarise(model: TraceModel) -> tuple[dict[int, dict[str, float]], list[int], list[int],
-                                          dict[int, dict[int, dict[str, float]]]]:
-    """Per rank the rows' means over the kept steps, with ``steps``: how many."""
+def summarise(model: TraceModel, last_n: int = 0
+              ) -> tuple[dict[int, dict[str, float]], list[int], list[int],
+                         dict[int, dict[int, dict[str, float]]]]:
+    """Per rank the rows' means over the kept steps (the newest ``last_n`` of them; 0:
+    all), with ``steps``: how many."""
     rows, kept, out = rank_rows(model)
+    if last_n > 0:
+        kept = kept[-last_n:]
     parts = {}
     for r in sorted(rows):
         use = [rows[r][n] for n in kept if n in rows[r]]
@@ -220,10 +224,11 @@ def summarise(model: TraceModel) -> tuple[dict[int, dict[str, float]], list[int]
     return parts, kept, out, rows
 
 
-def explain_model(model: TraceModel, link: dict[int, tuple[float, float]] | None = None
-                  ) -> Explanation:
-    """The explanation of a trace model: rows, buckets, straggler, findings, notes."""
-    parts, kept, out, rows = summarise(model)
+def explain_model(model: TraceModel, link: dict[int, tuple[float, float]] | None = None,
+                  last_n: int = 0) -> Explanation:
+    """The explanation of a trace model: rows, buckets, straggler, findings, notes (over
+    the newest ``last_n`` kept steps; 0: all)."""
+    parts, kept, out, rows = summarise(model, last_n)
     if not kept:
         raise ValueError("no ProfilerStep holds a complete DDP step on every rank: profile "
                          "at least one whole training step on each rank")

@@ -77,7 +77,7 @@ def explain_path(path: str, *, last_n: int = 0, max_bytes: int | None = None,
         if not link:
             raise ValueError(f"{link_curve}: no rows of `gradring bench allreduce` with both "
                              "gradring-shm (comm.empty) and gloo native")
-    return explain_model(read_profiler(profiled), link)
+    return explain_model(read_profiler(profiled), link, last_n)
 
 
 def main(argv: list[str] | None = None) -> int:
