@@ -76,7 +76,8 @@ def step_rows(st: StepTrace, gates: dict[int, float] | None) -> dict[str, float]
     row = {"step": step, "forward": st.forward_ms, "backward": backward,
            "exposed_comm": exposed, "wait": wait, "last_bucket": last,
            "earlier_buckets": earlier, "copy": st.copy_ms, "optimizer": st.optimizer_ms,
-           "pre_forward": st.broadcast_ms, "post_forward": st.search_ms}
+           "pre_forward": st.broadcast_ms, "post_forward": st.search_ms,
+           "unused_map": st.map_ms}
     row["other"] = step - sum(row[k] for k in STEP_ROWS if k != "other")
     row["compute"] = step - exposed
     return row

@@ -268,12 +268,15 @@ def _gradring_finding(fit: Fit, link: dict[int, tuple[float, float]]) -> Finding
 
 
 def _row_spread(rows: dict[int, dict[str, float]], kept: Sequence[int], key: str) -> float:
+    if key == "find_unused":
+        return spread_ms([rows[n]["post_forward"] + rows[n].get("unused_map", 0.0)
+                          for n in kept if n in rows])
     return spread_ms([rows[n][key] for n in kept if n in rows])
 
 
 #: Findings whose saving is a row measured directly (removing it costs nothing): judged
 #: against that row's own spread over the steps, not the model's.
-MEASURED = {"find_unused": "post_forward", "forward_sync_buffers": "pre_forward",
+MEASURED = {"find_unused": "find_unused", "forward_sync_buffers": "pre_forward",
             "bucket_view": "copy"}
 
 
@@ -302,10 +305,11 @@ def profile_findings(model: TraceModel, parts: dict[int, dict[str, float]],
             "find_unused", "find_unused_parameters=True searches the graph after every forward",
             "construct DDP with find_unused_parameters=False if every parameter gets a "
             "gradient in every step (or static_graph=True if the graph never changes)",
-            p["post_forward"],
+            p["post_forward"] + p.get("unused_map", 0.0),
             f"the search takes {p['post_forward']:.2f} ms/step (events: "
-            "torch.distributed.ddp.reducer::search_unused_parameters); the used-parameter "
-            "map's extra all-reduce also goes"))
+            "torch.distributed.ddp.reducer::search_unused_parameters) and the used-parameter "
+            f"map's all-reduce {p.get('unused_map', 0.0):.2f} (its c10d::allreduce_ of "
+            "integers, and the wait for it after the buckets' last end)"))
     if p["pre_forward"] > 0:
         cands.append(Finding(
             "forward_sync_buffers", "buffers are broadcast before every forward",

@@ -251,6 +251,7 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
         comms_main = []
     params = [s for s in inside if s.name == PARAM_COMMS and s.ts >= b0]
     runs: list[tuple[int, _Span, _Span | None, int | None, float | None]] = []
+    maps: list[tuple[float, float, float | None]] = []
     used: set[int] = set()
     for k, launch in launches:
         comm = None
@@ -268,7 +269,9 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
                     break
         nested = [c for c in comms_main + params if launch.ts <= c.ts <= launch.end]
         if comm is not None and _is_int_op(comm) or any(_is_int_op(c) for c in nested):
-            continue  # find_unused_parameters' used-parameter map
+            # find_unused_parameters' used-parameter map
+            maps.append((launch.ts, launch.end, comm.end if comm is not None else None))
+            continue
         nbytes = _op_bytes(comm, *nested, launch)
         if gradring_launch:
             w = waits.get(k)
@@ -308,9 +311,16 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
     if buckets and grads and all(b.nbytes is None for b in buckets):
         buckets = _bytes_from_grads(buckets, grads)
     fwd_spans = tuple((s.ts, s.end) for s in fwd) if fwd else ((s0, b0),)
+    # the map's cost: its launch on the training thread, and the waiting in the tail after
+    # the buckets' last end until the map's end
+    map_ms = sum((e - a) / 1e3 for a, e, _ in maps)
+    ends = [d for _, _, d in maps if d is not None]
+    if ends and dones:
+        lo, hi = max(max(dones), b1), min(max(ends), tail_end)
+        map_ms += sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in gaps) / 1e3
     opt_spans = tuple((s.ts, s.end) for s in opt_all if s.ts >= tail_end - 1)
     return StepTrace(number, s0, s1, forward_ms, b0, b1, tail_end, copy_ms, opt_ms,
-                     search_ms, bcast_ms, tuple(buckets), grads, fwd_spans, opt_spans)
+                     search_ms, bcast_ms, tuple(buckets), grads, fwd_spans, opt_spans, map_ms)
 
 
 def _bytes_from_grads(buckets: list[BucketRun], grads: Sequence[Grad]) -> list[BucketRun]:

@@ -56,6 +56,9 @@ class StepTrace(NamedTuple):
     grads: tuple[Grad, ...]
     forward_us: tuple[tuple[float, float], ...] = ()    # the DDP forward span(s)
     optimizer_us: tuple[tuple[float, float], ...] = ()  # the optimizer.step() spans
+    #: find_unused_parameters' used-parameter map: its launch's own time and the waiting
+    #: for it after the buckets' collectives ended (ms; part of exposed comm)
+    map_ms: float = 0.0
 
 
 @dataclass
