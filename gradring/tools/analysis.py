@@ -178,17 +178,20 @@ def straggler(model: TraceModel, rows: dict[int, dict[int, dict[str, float]]],
     waits_text = ", ".join(f"rank {r} {w:.2f}" for r, w in sorted(waits.items()))
     if not last_launcher or not any(gates.values()):
         return None, "no bucket all-reduce that every rank recorded, so no waiting to measure"
-    counts = {r: sum(1 for v in last_launcher.values() if v == r) for r in parts}
-    slow = max(counts, key=lambda r: counts[r])
-    others = {r: w for r, w in waits.items() if r != slow}
-    worst = max(others.values())
-    if worst < need:
+    waiter = max(waits, key=lambda r: waits[r])
+    if waits[waiter] < need:
         return None, (f"no rank waits for another's buckets {need:.2f} ms/step or more "
                       f"(waiting for peers, ms/step: {waits_text})")
+    counts = {r: sum(1 for v in last_launcher.values() if v == r) for r in parts
+              if r != waiter}
+    slow = max(counts, key=lambda r: counts[r])
     if counts[slow] < STRAGGLER_CONSISTENCY * len(last_launcher):
-        return None, (f"the ranks take turns: rank {slow} launched the last bucket last in "
-                      f"only {counts[slow]} of {len(last_launcher)} steps "
-                      f"(waiting for peers, ms/step: {waits_text})")
+        return None, (f"rank {waiter} waits {waits[waiter]:.2f} ms/step, but not for one "
+                      f"rank: rank {slow} launched the last bucket last in only "
+                      f"{counts[slow]} of {len(last_launcher)} steps (waiting for peers, "
+                      f"ms/step: {waits_text})")
+    others = {r: w for r, w in waits.items() if r != slow}
+    worst = max(others.values())
     fast = min(parts, key=lambda r: parts[r]["compute"])
     if fast == slow:
         fast = min(others, key=lambda r: parts[r]["compute"])
@@ -312,6 +315,7 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
                      "(gradring.tools.gpu_trace): the device's view is left out")
         return None
     out = {}
+    gates = gates_of(model)
     for r, rt in model.ranks.items():
         devices = gpu_trace.by_device(gpu_trace.read_kernels(rt.events))
         if not devices:
@@ -363,9 +367,17 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
                     last += exp
                 else:
                     earlier += exp
-            row["last_bucket"] = min(last, row["exposed_comm"])
-            row["earlier_buckets"] = row["exposed_comm"] - row["last_bucket"]
-            row["wait"] = 0.0
+            # waiting for peers: NCCL's last all-reduce cannot end before the last rank
+            # launched it; the fast rank's kernel spins inside that time
+            wait = 0.0
+            if st.buckets and gates.get(r):
+                b = st.buckets[-1]
+                g = gates[r].get((st.number, b.index))
+                if g is not None:
+                    wait = min(row["exposed_comm"], max(0.0, (g - b.launch_us) / 1e3))
+            row["wait"] = wait
+            row["last_bucket"] = min(max(0.0, last - wait), row["exposed_comm"] - wait)
+            row["earlier_buckets"] = row["exposed_comm"] - wait - row["last_bucket"]
             row["compute"] = step - row["exposed_comm"] - row["idle"]
             rows.append(row)
         if not dev:
@@ -388,8 +400,8 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
                      "GPU step]): each step's kernels from its first to the next step's "
                      "first; compute split by the CPU phase that launched each kernel, "
                      "exposed comm = NCCL kernel time with no compute kernel beside it, "
-                     "idle = no kernel running; waiting for peers is inside NCCL's kernels "
-                     "and not told apart")
+                     "idle = no kernel running; waiting for peers: the part of it before the "
+                     "last rank launched the last bucket (on the CPU clocks)")
     return out or None
 
 

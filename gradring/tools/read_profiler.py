@@ -64,6 +64,8 @@ COMM_NAMES = ("gloo:all_reduce", "nccl:all_reduce")
 OPTIMIZER_PREFIX = "Optimizer.step#"
 SEARCH_NAME = "torch.distributed.ddp.reducer::search_unused_parameters"
 BROADCAST_NAMES = ("c10d::broadcast_", "gradring::broadcast_buffers")
+#: The broadcast's collective itself (the forward waits for it).
+BROADCAST_COMMS = ("gloo:broadcast", "nccl:broadcast")
 ACCUMULATE = "torch::autograd::AccumulateGrad"
 PARAM_COMMS = "record_param_comms"
 
@@ -303,8 +305,8 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
         buckets.append(BucketRun(j, nbytes, launch.ts, done, mine, names))
     opt_ms = _union_ms([(s.ts, s.end) for s in opt_all if s.ts >= tail_end - 1])
     search_ms = _union_ms([(s.ts, s.end) for s in inside if s.name == SEARCH_NAME])
-    bcast = [s for s in inside if s.name in BROADCAST_NAMES and
-             any(f.ts <= s.ts <= f.end for f in fwd)]
+    bcast = [s for s in inside if (s.name in BROADCAST_NAMES or s.name in BROADCAST_COMMS)
+             and any(f.ts <= s.ts <= f.end for f in fwd)]
     bcast_ms = _union_ms([(s.ts, s.end) for s in bcast])
     grads = tuple(Grad(n, s.end) for s in inside if s.name == ACCUMULATE and b0 <= s.ts < b1
                   for n in [_op_bytes(s)] if n)

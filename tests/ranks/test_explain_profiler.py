@@ -126,14 +126,13 @@ def test_injected_costs_show_in_their_rows(pools, tmp_path, ddp_kind: str) -> No
     def grew(case: str, rank: int) -> dict[str, float]:
         return {k: x[case].parts[rank][k] - plain.parts[rank][k] for k in ROWS}
 
-    # a sleep in the forward lands in forward, on both ranks
-    for r in (0, 1):
-        g = grew("forward", r)
-        assert g["forward"] >= 0.8 * sleep_ms and g["forward"] == max(g.values()), g
-    # a slow optimizer step lands in optimizer
-    for r in (0, 1):
-        g = grew("optimizer", r)
-        assert g["optimizer"] >= 0.8 * sleep_ms and g["optimizer"] == max(g.values()), g
+    # a sleep in the forward lands in forward, on both ranks, and a slow optimizer step
+    # in optimizer: rows that held less than half of it without the sleep (other rows
+    # may grow too on a loaded machine, so they are not compared)
+    for case, row in (("forward", "forward"), ("optimizer", "optimizer")):
+        for r in (0, 1):
+            assert plain.parts[r][row] < 0.5 * sleep_ms, plain.parts[r]
+            assert grew(case, r)[row] >= 0.8 * sleep_ms, (case, grew(case, r))
     # rank 1 sleeps 60 ms more in its forward: it is the straggler, and rank 0 waits for it
     s = x["straggler"]
     assert s.straggler is not None and s.straggler["rank"] == 1, (s.straggler, s.text)
@@ -143,14 +142,14 @@ def test_injected_costs_show_in_their_rows(pools, tmp_path, ddp_kind: str) -> No
     # without a straggler, the line says why, and it is true of the figures beside it
     assert plain.straggler is None or plain.straggler["rank"] in (0, 1)
     if ddp_kind == "torch":
-        # a comm hook holding the last bucket: exposed comm, as the last bucket's
+        # a comm hook holding the last bucket: exposed comm, as the last bucket's (the
+        # earlier buckets' collectives finish while it is held, so exposed comm grows by
+        # less than the hold where they were exposed before)
+        h = x["hook"]
         for r in (0, 1):
-            g = grew("hook", r)
-            # the hold starts when the hook is called, late in the backward: most of it
-            # is exposed, the part under the rest of the backward is not
-            assert g["exposed_comm"] >= 0.5 * sleep_ms, g
-            assert x["hook"].parts[r]["last_bucket"] - plain.parts[r]["last_bucket"] >= \
-                0.5 * sleep_ms
+            assert h.parts[r]["exposed_comm"] >= 0.8 * sleep_ms, h.parts[r]
+            assert h.parts[r]["last_bucket"] >= 0.5 * sleep_ms, h.parts[r]
+            assert h.parts[r]["last_bucket"] > plain.parts[r]["last_bucket"]
 
 
 def test_bad_traces_get_one_line_and_status_2(tmp_path, capsys) -> None:
