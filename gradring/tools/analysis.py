@@ -37,8 +37,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from gradring.tools.explain_record import STEP_ROWS, Explanation, Finding
-from gradring.tools.trace_model import StepTrace, TraceModel
+from gradring.tools.explain_record import STEP_ROWS, Explanation
+from gradring.tools.findings import profile_findings
+from gradring.tools.trace_model import Finding, StepTrace, TraceModel
 
 #: Steps further than this many scaled MADs from the median step are left out.
 OUTLIER_MADS = 3.0
@@ -251,8 +252,6 @@ def explain_model(model: TraceModel, link: dict[int, tuple[float, float]] | None
                                                 for r, w in s["waits"].items())
             + f" for it; its {s['part']} takes {s['part_excess_ms']:+.2f} ms/step against "
             f"rank {s['fastest']} (events: the bucket all-reduces' launches, ProfilerStep)"))
-    from gradring.tools.findings import profile_findings
-
     more, more_notes = profile_findings(model, parts, rows, kept, link=link)
     findings += more
     notes += more_notes

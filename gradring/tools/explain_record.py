@@ -75,10 +75,9 @@ from gradring.step_model import (
     CommCurve,
     Prediction,
     Profile,
-    pick,
-    predict,
     simulate,
 )
+from gradring.tools.trace_model import MIN_SAVING_FRACTION, MIN_SAVING_MS, Finding
 
 #: The rows of a step ([Note: the step breakdown]); they add up to ``step``.
 STEP_ROWS = ("forward", "backward", "exposed_comm", "copy", "optimizer", "other")
@@ -93,8 +92,6 @@ TABLE_ROWS = (("forward", "forward"), ("backward", "backward"),
               ("copy", "copy into .grad"), ("optimizer", "optimizer"), ("other", "other"),
               ("step", "step"))
 #: A finding's predicted saving must reach both of these to be reported ...
-MIN_SAVING_MS = 0.1
-MIN_SAVING_FRACTION = 0.02
 #: ... except for settings whose change costs no step time (pure overhead when the
 #: condition holds): for them NO_TRADEOFF_MIN_MS alone is the bar.
 NO_TRADEOFF = ("find_unused", "forward_sync_buffers", "bucket_view")
@@ -127,15 +124,6 @@ class RankStep(NamedTuple):
     copy: float          # tail after the exposed communication: copying results into .grad
     optimizer: float
     other: float
-
-
-class Finding(NamedTuple):
-    key: str           # find_unused | bucket_cap | last_bucket | comm_hook | bucket_view |
-                       # forward_sync_buffers | straggler | at_the_end
-    title: str
-    change: str
-    saving_ms: float
-    evidence: str
 
 
 @dataclass
@@ -328,7 +316,7 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> E
     curve = CommCurve(curve_doc["sizes"], curve_doc["times_ms"]) if curve_doc else None
     straggler = _straggler(parts, chosen)
     first = records[0]["rank"]
-    findings, notes = _findings(parts, facts, events[first], last_n, curve)
+    findings, notes = _findings(parts, facts, events[first], last_n, curve, chosen[first])
     if straggler is not None and straggler["excess_ms"] > 0:
         findings.append(Finding(
             "straggler", f"rank {straggler['rank']} is slower than the others",
@@ -459,7 +447,8 @@ def _run_curve(facts: dict[str, Any], buckets: list[dict[str, float]]) -> CommCu
 
 def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
               events: Sequence[Event], last_n: int,
-              curve: CommCurve | None) -> tuple[list[Finding], list[str]]:
+              curve: CommCurve | None, steps: Sequence[RankStep] = ()
+              ) -> tuple[list[Finding], list[str]]:
     """Every finding whose condition holds (``analyse`` applies the saving bar), and the
     notes: facts that are no finding."""
     p = parts[min(parts)]
@@ -522,7 +511,15 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
         # The last bucket's exposure is clearest on the rank that waited least for others.
         p_last = max(parts.values(), key=lambda q: q["last_bucket"])
         if facts.get("overlap", True):  # the step model's buckets overlap the backward
+            out += _fitted_cap_finding(facts, events, last_n, steps, notes)
             out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
+            keyed = {f.key: f for f in out}
+            if "bucket_cap" in keyed and "last_bucket" in keyed and \
+                    keyed["bucket_cap"].change.split("=")[-1] == \
+                    keyed["last_bucket"].change.split("=")[-1].split(":")[0]:
+                worse = min((keyed["bucket_cap"], keyed["last_bucket"]),
+                            key=lambda f: f.saving_ms)
+                out = [f for f in out if f is not worse]  # one change, said once
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -575,28 +572,9 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
     caps = sorted(set(DEFAULT_CAPS_MB) | {cur_mb})
     preds = {cap: simulate(profile, curve, cap, per_bucket_ms=c) for cap in caps}
     cur = preds[cur_mb]
-    # the one rule of bucket_cap_mb="auto" and gradring tune ([Note: one rule for
-    # picking a cap] in reducer/autocap.py), with auto's model of the host: where no
-    # core was free, nothing overlaps and no first bucket is kept small ([Note: auto
-    # on a host with no free core])
-    free = facts.get("free_core", True)
-    picking = preds if free else {
-        cap: predict(profile, curve, cap, per_bucket_ms=c, free_core=False) for cap in caps}
-    now = picking[cur_mb]
-    best = pick([q for cap, q in picking.items() if cap in DEFAULT_CAPS_MB]).prediction
     source = "all-reduce times measured on this link" if measured else \
         "this run's own bucket timings"
     out = []
-    ratio = max(best.cap_mb / cur_mb, cur_mb / best.cap_mb)
-    if ratio >= CAP_FACTOR and best.buckets != now.buckets:
-        out.append(Finding(
-            "bucket_cap", f"bucket_cap_mb={cur_mb:.3g} is far from the step model's pick",
-            f"construct DDP with bucket_cap_mb={best.cap_mb:g}", now.step_ms - best.step_ms,
-            f"step model ({source}; {c:.2f} ms per bucket, the {c_source}): "
-            f"{len(now.buckets)} buckets, "
-            f"predicted step {now.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
-            f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms (the cap "
-            "bucket_cap_mb='auto' and gradring tune pick by the same rule)"))
     last_bytes = facts["bucket_bytes"][-1]
     exposed = p_last["earlier_buckets"] + p_last["last_bucket"]
     if p_last["last_bucket"] > 0 and p_last["last_bucket"] >= 0.5 * exposed:
@@ -621,12 +599,52 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
                 f"{exposed:.2f} ms/step exposed (waiting for peers left out); saving = its "
                 f"share of the bytes removed, minus {c:.2f} ms for each extra bucket (the "
                 f"{c_source}; {source})"))
-    keyed = {f.key: f for f in out}
-    if "bucket_cap" in keyed and "last_bucket" in keyed and \
-            keyed["bucket_cap"].change.split("=")[-1] == \
-            keyed["last_bucket"].change.split("=")[-1].split(":")[0]:
-        out = [max(out, key=lambda f: f.saving_ms)]  # one change, said once
     return out
+
+
+def _fitted_cap_finding(facts: dict[str, Any], events: Sequence[Event], last_n: int,
+                        steps: Sequence[RankStep], notes: list[str]) -> list[Finding]:
+    """The bucket-cap finding from the step model fitted to this run ([Note: the fitted
+    step model] in tools/findings.py), by the rule auto and tune pick with; given only
+    when the cap is far from the run's (``CAP_FACTOR``) and the saving is outside the
+    spread of the measured steps (else a note says the run is too noisy to tell)."""
+    from gradring.tools import findings
+    from gradring.tools.read_record import record_model
+
+    rank = int(facts["rank"])
+    step_ms = {s.iteration: s.step for s in steps}
+    model = record_model(rank, steady_steps(events, last_n), facts, step_ms)
+    rows = {s.iteration: s._asdict() for s in steps}
+    kept = [s.iteration for s in steps]
+    fit = findings.fit_rank(model, rank, kept, rows)
+    if isinstance(fit, str):
+        notes.append(f"the step model could not be fitted to this run: {fit}; no bucket-cap "
+                     "finding")
+        return []
+    cur_mb = facts["bucket_cap_bytes"] / MIB
+    rec = findings.recommend_cap(fit, "gradring")
+    if rec is None:
+        return []
+    best, why = rec
+    saving = fit.current.step_ms - best.step_ms
+    ratio = max(best.cap_mb / cur_mb, cur_mb / best.cap_mb)
+    if ratio < CAP_FACTOR:
+        return []
+    spread = findings.spread_ms([s.step for s in steps])
+    finding = Finding(
+        "bucket_cap", f"bucket_cap_mb={cur_mb:.3g} is far from the step model's pick",
+        f"construct DDP with bucket_cap_mb={best.cap_mb:g}", saving,
+        f"step model fitted to this run ({fit.how}): it reproduces the measured "
+        f"{fit.measured_step_ms:.2f} ms/step with the run's {len(fit.groups)} bucket(s) and "
+        f"predicts {best.step_ms:.2f} at {best.cap_mb:g} MiB ({len(best.buckets)} "
+        f"bucket(s)); the cap bucket_cap_mb='auto' and gradring tune pick by the same rule: "
+        f"{why}")
+    if saving <= spread:
+        notes.append(f"{finding.title}: {finding.change} would save {saving:.2f} ms/step by "
+                     f"the fitted model, inside the {spread:.2f} ms spread of the measured "
+                     "steps (interquartile range): the run is too noisy to tell")
+        return []
+    return [finding]
 
 
 # ------------------------------------------------------------------ text

@@ -50,8 +50,7 @@ from gradring.step_model import (
     simulate,
     simulate_groups,
 )
-from gradring.tools.explain_record import MIN_SAVING_FRACTION, MIN_SAVING_MS, Finding
-from gradring.tools.trace_model import TraceModel
+from gradring.tools.trace_model import MIN_SAVING_FRACTION, MIN_SAVING_MS, Finding, TraceModel
 
 #: How far the fitted model may miss the measured exposed comm (ms) and still count as fitted.
 FIT_TOLERANCE_MS = 0.05

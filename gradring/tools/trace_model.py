@@ -14,6 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+#: A finding's predicted saving must reach both of these to be reported.
+MIN_SAVING_MS = 0.1
+MIN_SAVING_FRACTION = 0.02
+
+
+class Finding(NamedTuple):
+    """One finding of ``gradring explain``: what to change and what it saves per step."""
+
+    key: str           # find_unused | bucket_cap | last_bucket | comm_hook | bucket_view |
+                       # forward_sync_buffers | straggler | at_the_end | first_bucket |
+                       # gradring_collectives
+    title: str
+    change: str
+    saving_ms: float
+    evidence: str
+
+
 #: The rows of a step; per rank and step they add up to ``step``.
 STEP_ROWS = ("forward", "backward", "exposed_comm", "copy", "optimizer", "other")
 #: The parts of ``exposed_comm``; they add up to it.

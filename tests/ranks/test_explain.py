@@ -270,9 +270,15 @@ PAIRS = [  # (finding, run that provokes it, run that must not report it)
 def test_finding_is_reported_when_provoked_and_not_otherwise(pools, key, provoked, clean) -> None:
     hit = pools.run(2, explain_case, provoked, timeout=120)
     assert hit[0]["keys"] == hit[1]["keys"], "every rank gets the same answer"
-    assert key in hit[0]["keys"], hit[0]["text"]
-    finding = next(line for line in hit[0]["text"].splitlines() if "expected saving" in line)
-    assert "ms/step" in finding
+    if key == "bucket_cap" and key not in hit[0]["keys"]:
+        # the fitted model's saving must also clear the spread of the measured steps: on
+        # a loaded machine it may not, and explain must then say so, naming the change
+        assert "is far from the step model's pick: construct DDP with bucket_cap_mb=" in \
+            hit[0]["text"] and "too noisy to tell" in hit[0]["text"], hit[0]["text"]
+    else:
+        assert key in hit[0]["keys"], hit[0]["text"]
+        finding = next(line for line in hit[0]["text"].splitlines() if "expected saving" in line)
+        assert "ms/step" in finding
     miss = pools.run(2, explain_case, clean, timeout=120)
     assert key not in miss[0]["keys"], miss[0]["text"]
     if key == "find_unused":
