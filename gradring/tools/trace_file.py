@@ -30,6 +30,11 @@ never a hang, never a read that fills memory.
 - Deep nesting. Python's C JSON parser counts its nesting against the
   interpreter's recursion limit and raises ``RecursionError`` at once (200,000
   nested ``[`` fail in well under a millisecond); that is caught and said.
+  A program that raised the limit far (``sys.setrecursionlimit(10**6)``) would
+  let the parser run off the C stack instead: 100,000 nested ``[`` killed
+  Python 3.11 with SIGSEGV that way, while 60,000 still parsed on an 8 MiB
+  stack. So while it parses, the reader caps the limit at 5,000, which leaves
+  room for threads with small stacks, and puts the caller's limit back after.
 
 Gzip is recognised by its magic bytes (``1f 8b``), not by the name's suffix,
 so ``tensorboard_trace_handler(use_gzip=True)``'s ``.pt.trace.json.gz`` and
@@ -46,17 +51,20 @@ import os
 import pickletools
 import re
 import stat
+import sys
 import zlib
 from typing import Any
 
 #: The largest file :func:`read_json` reads, in bytes of (uncompressed) JSON: 2 GiB.
-#: A torch.profiler trace takes a few hundred bytes per event, so this admits
-#: traces of several million events, beyond the longest profiles people
-#: record with ``schedule(active=...)``; parsing JSON takes several times the
-#: text's size in memory, so 2 GiB of text already needs a machine with tens of
-#: GB. Beyond that, a file is far more likely to be a mistake (a checkpoint, a
-#: log, /dev/zero behind a link) than a trace, and it is refused in a moment
-#: instead of after minutes of reading. ``--max-trace-bytes`` raises it.
+#: A torch.profiler event takes about 250 bytes of JSON (a synthetic trace of one
+#: million CPU-op events with their input shapes was 244 MB), so this admits
+#: traces of several million events, beyond the profiles people record with
+#: ``schedule(active=...)``. Parsing costs about seven times the text in memory
+#: (that trace peaked at 1.7 GB, with ``json.load`` as with this reader), so
+#: 2 GiB of text already needs a machine with 14 GB free. A larger file is far
+#: more likely a mistake (a checkpoint, a log, a link to /dev/zero) than a
+#: trace, and is refused at once instead of after minutes of reading.
+#: ``--max-trace-bytes`` raises the limit.
 DEFAULT_MAX_BYTES: int = 2 << 30
 
 #: The command-line flag that raises the limit, named in the refusal.
@@ -73,6 +81,9 @@ _OTHER_FORMATS = (
     (b"BZh", "bzip2-compressed; decompress it first (only gzip is read)"),
     (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (only gzip is read)"),
 )
+#: The recursion limit the JSON parser runs under at most (see the Note): far
+#: below what overflows a thread's stack, far above any trace's nesting.
+_PARSE_RECURSION_LIMIT = 5000
 #: Pickles of at most this many bytes are checked for old-protocol opcodes.
 _PICKLE_SCAN_BYTES = 16 << 20
 
@@ -195,30 +206,38 @@ def _open_regular(path: str, what: str) -> tuple[int, int]:
 
 
 def _too_big(path: str, what: str, limit: int, size: int | None, *, gz: bool) -> TraceFileError:
-    said = (f"it decompresses to more than {human_bytes(limit)}" if gz else
-            f"it is {human_bytes(size or 0)}")
-    return TraceFileError(path, f"{said}, above the limit of {human_bytes(limit)} per file; "
-                                f"{_raise_hint(None if gz else size, limit)}", what)
+    shown_limit = human_bytes(limit)
+    if gz:
+        said = f"it decompresses to more than the limit of {shown_limit} per file"
+    else:
+        shown_size = human_bytes(size or 0)
+        if shown_size == shown_limit:  # the rounding would hide the difference
+            shown_size, shown_limit = f"{size} bytes", f"{limit} bytes"
+        said = f"it is {shown_size}, above the limit of {shown_limit} per file"
+    return TraceFileError(path, f"{said}; {_raise_hint(None if gz else size, limit)}", what)
 
 
-def _read_plain(f: io.BufferedReader, first: bytes, limit: int, path: str,
-                what: str) -> bytearray:
-    data = bytearray(first)
+def _read_plain(f: io.BufferedReader, size: int, limit: int, path: str, what: str) -> bytes:
+    """All of ``f``: ``size`` bytes (its size when opened) in one read, then, should
+    it have grown meanwhile, more in slices up to ``limit``."""
+    chunks: list[bytes] = []
+    total, want = 0, size + 1  # one byte more: tells whether it grew
     while True:
-        chunk = f.read(min(64 << 20, limit + 1 - len(data)))
+        chunk = f.read(min(want, limit + 1 - total))
         if not chunk:
-            return data
-        data += chunk
-        if len(data) > limit:  # it grew while read
-            raise _too_big(path, what, limit, len(data), gz=False)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:  # it grew while read
+            raise _too_big(path, what, limit, total, gz=False)
+        want = 64 << 20
 
 
-def _read_gzip(f: io.BufferedReader, first: bytes, limit: int, path: str,
-               what: str) -> bytearray:
+def _read_gzip(f: io.BufferedReader, limit: int, path: str, what: str) -> bytearray:
     """Decompress the gzip stream(s) from ``f``, at most ``limit`` bytes of output."""
     out = bytearray()
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    pending = first
+    pending = b""
     try:
         while True:
             if d.eof:  # one gzip member ended: another may follow (gzip allows that)
@@ -290,6 +309,18 @@ def _not_json(data: bytes | bytearray, exc: ValueError) -> str:
     return f"it is not valid JSON ({exc})"
 
 
+def _loads(data: bytes | bytearray) -> Any:
+    """``json.loads`` under a recursion limit of at most _PARSE_RECURSION_LIMIT."""
+    old = sys.getrecursionlimit()
+    if old <= _PARSE_RECURSION_LIMIT:
+        return json.loads(data)
+    sys.setrecursionlimit(_PARSE_RECURSION_LIMIT)
+    try:
+        return json.loads(data)
+    finally:
+        sys.setrecursionlimit(old)
+
+
 def read_json(path: str, *, max_bytes: int | None = None, what: str = "trace") -> Any:
     """The JSON document in ``path`` (plain or gzip-compressed), parsed.
 
@@ -306,20 +337,19 @@ def read_json(path: str, *, max_bytes: int | None = None, what: str = "trace") -
         if size > limit:  # a gzip file this big holds more JSON still
             raise _too_big(path, what, limit, size, gz=False)
         try:
-            first = f.read(min(_CHUNK, limit + 1))
-            if first.startswith(_GZIP_MAGIC):
-                data = _read_gzip(f, first, limit, path, what)
+            if f.peek(2)[:2] == _GZIP_MAGIC:  # peek: the bytes stay to be read
+                data = _read_gzip(f, limit, path, what)
             else:
-                data = _read_plain(f, first, limit, path, what)
+                data = _read_plain(f, size, limit, path, what)
         except OSError as exc:
             raise TraceFileError(path, _os_reason(path, exc), what) from None
     if data[:1] == b"\x80":  # never hand a pickle to a parser, even to fail
         if _is_pickle(data):
             raise TraceFileError(path, "it is a pickle, not JSON; gradring never unpickles", what)
     try:
-        return json.loads(data)
+        return _loads(data)
     except RecursionError:
-        raise TraceFileError(path, "its arrays or objects nest too deeply to be a trace "
+        raise TraceFileError(path, f"its arrays or objects nest too deeply to be a {what} "
                                    "(deeper than Python's JSON parser goes)", what) from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise TraceFileError(path, _not_json(data, exc), what) from None
