@@ -13,6 +13,7 @@ from gradring.tools.gpu_trace import (
     assign_steps,
     by_device,
     device_breakdown,
+    device_breakdowns,
     device_window,
     kernel_kind,
     kernels_before,
@@ -116,6 +117,16 @@ def test_random_kernels_against_a_naive_count(seed):
     assert b["comm_ms"] * 1e3 == pytest.approx(want["comm"])
     assert b["exposed_comm_ms"] * 1e3 == pytest.approx(want["exposed"])
     assert b["idle_ms"] * 1e3 == pytest.approx(want["idle"])
+    # many windows over one timeline, sorted once: long kernels reach into later windows
+    windows = [(a, a + rng.randint(0, 60)) for a in range(0, 340, 37)] + [None]
+    for w, got in zip(windows, device_breakdowns(ks, windows)):
+        if w is None:
+            assert got is None
+            continue
+        want = _naive(ks, *w)
+        assert [got[key] * 1e3 for key in ("compute_ms", "comm_ms", "exposed_comm_ms",
+                                           "idle_ms")] == pytest.approx(
+            [want["compute"], want["comm"], want["exposed"], want["idle"]])
     whole = _naive(ks, 0, 400)
     expect = 100 * whole["both"] / whole["comm"] if whole["comm"] else 0.0
     assert overlap_pct(ks) == pytest.approx(expect)
