@@ -67,11 +67,13 @@ class _Writer:
 
 
 def make_ddp_trace(path: str, events: int = 1_000_000, rank: int = 0, world: int = 2,
-                   layers: int = 24, seed: int = 0) -> int:
+                   layers: int = 400, seed: int = 0) -> int:
     """Write a torch.profiler-shaped trace of one torch-DDP rank on a GPU with NCCL.
 
     Steps are added until the trace holds at least ``events`` events; returns the
-    count. ``.gz`` in the name writes it gzip-compressed.
+    count. ``.gz`` in the name writes it gzip-compressed. With 400 layers a step
+    has about 15,000 events and 67 buckets, so a million events are some 70
+    steps: the size of a profile of a few steps of a large model.
     """
     rng = random.Random(seed)
     pid, tid, bwd_tid = 4242, 4242, 4250
@@ -95,10 +97,10 @@ def make_ddp_trace(path: str, events: int = 1_000_000, rank: int = 0, world: int
         state = {"corr": 5_000_000, "ext": 1, "cpu": base, "gpu": base, "nccl": base}
 
         def cpu_op(name: str, ts: float, dur: float, thread: int = tid,
-                   cat: str = "cpu_op") -> None:
+                   cat: str = "cpu_op", extra: dict | None = None) -> None:
             state["ext"] += 1
             args = {"External id": state["ext"], "Record function id": state["ext"] - 140,
-                    "Ev Idx": state["ext"] - 1}
+                    "Ev Idx": state["ext"] - 1, **(extra or {})}
             if thread == bwd_tid and cat == "cpu_op":
                 args.update({"Sequence number": state["ext"] // 7, "Fwd thread id": 1})
             w.event({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": thread,
@@ -149,7 +151,7 @@ def make_ddp_trace(path: str, events: int = 1_000_000, rank: int = 0, world: int
             cpu_op("DistributedDataParallel.forward", forward_from, t - forward_from,
                    cat="user_annotation")
             # backward, with a bucket every few layers
-            bucket_every = 4
+            bucket_every = 6
             for layer in range(layers):
                 cpu_op("autograd::engine::evaluate_function: AddmmBackward0", t, 60.0, bwd_tid)
                 cpu_op("AddmmBackward0", t + 1, 55.0, bwd_tid)
@@ -161,12 +163,17 @@ def make_ddp_trace(path: str, events: int = 1_000_000, rank: int = 0, world: int
                 end = launch(t + 28, gemm, rng.uniform(10, 45), 7, bwd_tid)
                 cpu_op("torch::distributed::reducer::mul_out", t + 50, 6.0, bwd_tid)
                 t += 64.0
-                if layer % bucket_every == bucket_every - 1:
+                if layer % bucket_every == bucket_every - 1 or layer == layers - 1:
+                    nelems = rng.randint(1, 7) * 1_048_576
                     cpu_op("c10d::allreduce_", t, 30.0, bwd_tid)
-                    cpu_op("nccl:all_reduce", t + 2, 25.0, bwd_tid,
-                           cat="user_annotation")
-                    cpu_op("record_param_comms", t + 4, 20.0, bwd_tid)
-                    launch(t + 10, nccl, rng.uniform(150, 600), 20, bwd_tid, after=end)
+                    cpu_op("record_param_comms", t + 2, 26.0, bwd_tid, extra={
+                        "Process Group Name": "0", "Process Group Description": "default_pg",
+                        "Process Group Ranks": str(list(range(world))), "Group size": world,
+                        "In msg nelems": nelems, "Out msg nelems": nelems, "dtype": "Float",
+                        "Collective name": "allreduce", "In split size": "[]",
+                        "Out split size": "[]"})
+                    cpu_op("nccl:all_reduce", t + 4, 22.0, bwd_tid, cat="user_annotation")
+                    launch(t + 10, nccl, nelems / 12_000.0, 20, bwd_tid, after=end)
                     t += 32.0
             # copy into .grad (a device copy per parameter), optimizer, zero_grad
             for _layer in range(layers):

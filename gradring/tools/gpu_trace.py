@@ -320,6 +320,27 @@ class _Timeline:
         }
 
 
+# [Note: one timeline for many windows]
+# A caller often asks for one window per step over the same list of a device's
+# kernels. Sorting and classifying the list costs O(n log n) in Python each time,
+# so a trace of many steps would cost O(steps x n). The timeline of the last list
+# given is kept, with a copy of the list: a later call with a list equal to it
+# (element by element, by identity first, in C) reuses it. A list changed in
+# between compares unequal and is read afresh. device_breakdowns does the same
+# without the kept copy.
+_last_timeline: list = [None, None]  # [copy of the kernels, their _Timeline]
+
+
+def _timeline_of(kernels: Sequence[Kernel]) -> _Timeline:
+    copy, timeline = _last_timeline
+    listed = kernels if isinstance(kernels, list) else list(kernels)
+    if copy is not None and len(copy) == len(listed) and copy == listed:
+        return timeline
+    timeline = _Timeline(listed)
+    _last_timeline[:] = [list(listed), timeline]
+    return timeline
+
+
 def device_breakdown(kernels: Sequence[Kernel], start_us: float,
                      end_us: float) -> dict[str, float]:
     """Where one device's time went within [start_us, end_us), in milliseconds.
@@ -330,11 +351,10 @@ def device_breakdown(kernels: Sequence[Kernel], start_us: float,
     - ``idle_ms``: time no kernel, copy or memset ran.
 
     Pass the kernels of one device (see ``by_device``). Kernels reaching outside
-    the window count only for their part inside it. Each call costs
-    O(n log n) in all the kernels given: for one window per step over a long
-    trace, ``device_breakdowns`` sorts them once.
+    the window count only for their part inside it. Calls for several windows
+    over the same list sort it once ([Note: one timeline for many windows]).
     """
-    return _Timeline(kernels).breakdown(start_us, end_us)
+    return _timeline_of(kernels).breakdown(start_us, end_us)
 
 
 def device_breakdowns(kernels: Sequence[Kernel], windows: Iterable[tuple[float, float] | None]

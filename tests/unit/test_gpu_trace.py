@@ -189,3 +189,15 @@ def test_steps_tile_the_device_timeline():
     whole = device_breakdown(inside, 20, 130)
     for key in whole:
         assert sum(p[key] for p in parts) == pytest.approx(whole[key])
+
+
+def test_a_list_changed_between_calls_is_read_afresh():
+    # device_breakdown keeps the timeline of the last list it was given
+    ks = [k(0, 10), k(20, 30, NCCL)]
+    assert device_breakdown(ks, 0, 30)["compute_ms"] == pytest.approx(10e-3)
+    ks[0] = k(0, 4)
+    assert device_breakdown(ks, 0, 30)["compute_ms"] == pytest.approx(4e-3)
+    ks.append(k(25, 30))
+    assert device_breakdown(ks, 0, 30) == pytest.approx(
+        {"compute_ms": 9e-3, "comm_ms": 10e-3, "exposed_comm_ms": 5e-3, "idle_ms": 16e-3})
+    assert device_breakdown(tuple(ks), 0, 30)["exposed_comm_ms"] == pytest.approx(5e-3)
