@@ -42,6 +42,7 @@ whole microseconds. Neither changes the definitions above.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -77,6 +78,7 @@ MEMORY = "memory"
 OTHER = "other"
 
 
+@functools.lru_cache(maxsize=8192)  # a trace repeats a few hundred kernel names
 def kernel_kind(name: str) -> str:
     """The kind of a device event by its name: "comm", "memory", "other" or "compute".
 
