@@ -10,7 +10,11 @@ that launched it (the trace's correlation ids). Over those kernels:
   kernel of any kind ran (idle);
 - ``overlap_pct``: the share of the communication-kernel time during which a
   compute kernel also ran;
-- ``phase_ms``: kernel time per phase of the CPU op that launched each kernel.
+- ``phase_ms``: kernel time per phase of the CPU op that launched each kernel;
+- ``assign_steps`` and ``step_windows``: the ProfilerStep each kernel was
+  launched in, and each step's window on the device's timeline (the windows
+  tile it, so per-step breakdowns add up to the whole); ``device_breakdowns``
+  takes many windows at the cost of one.
 
 [Note: kernel kinds as HTA counts them]
 The figures are meant to agree with Holistic Trace Analysis (HTA, the
@@ -34,9 +38,16 @@ merged communication. HTA's temporal breakdown (idle, compute, non-compute) is
 kernel's end: its non-compute time is the window less compute less idle.
 
 Two HTA conventions are the caller's to apply, not this module's: HTA leaves out
-the kernels launched from the last ``ProfilerStep`` on (the step the profiler
-stopped inside), and it rounds timestamps with nanosecond fractions inward to
-whole microseconds. Neither changes the definitions above.
+the kernels launched from the last ``ProfilerStep`` on (``kernels_before``
+gives that set), and it rounds timestamps with nanosecond fractions inward to
+whole microseconds (which shortens each kernel by up to a microsecond). Two
+differences remain: HTA merges every device of a rank's file into one timeline
+where this module keeps devices apart (``by_device``; a DDP rank drives one),
+and HTA also counts as device activity any other event that carries a GPU
+stream (a ``cuda_sync`` event's wait, for one), where this module reads
+kernels, copies and memsets only. On HTA's own test traces
+(tests/data/hta) the figures are equal once the timestamps are rounded as HTA
+rounds them.
 """
 
 from __future__ import annotations
