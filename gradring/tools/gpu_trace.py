@@ -10,7 +10,11 @@ that launched it (the trace's correlation ids). Over those kernels:
   kernel of any kind ran (idle);
 - ``overlap_pct``: the share of the communication-kernel time during which a
   compute kernel also ran;
-- ``phase_ms``: kernel time per phase of the CPU op that launched each kernel.
+- ``phase_ms``: kernel time per phase of the CPU op that launched each kernel;
+- ``assign_steps`` and ``step_windows``: the ProfilerStep each kernel was
+  launched in, and each step's window on the device's timeline (the windows
+  tile it, so per-step breakdowns add up to the whole); ``device_breakdowns``
+  takes many windows at the cost of one.
 
 [Note: kernel kinds as HTA counts them]
 The figures are meant to agree with Holistic Trace Analysis (HTA, the
@@ -34,13 +38,23 @@ merged communication. HTA's temporal breakdown (idle, compute, non-compute) is
 kernel's end: its non-compute time is the window less compute less idle.
 
 Two HTA conventions are the caller's to apply, not this module's: HTA leaves out
-the kernels launched from the last ``ProfilerStep`` on (the step the profiler
-stopped inside), and it rounds timestamps with nanosecond fractions inward to
-whole microseconds. Neither changes the definitions above.
+the kernels launched from the last ``ProfilerStep`` on (``kernels_before``
+gives that set), and it rounds timestamps with nanosecond fractions inward to
+whole microseconds (which shortens each kernel by up to a microsecond). Two
+differences remain: HTA merges every device of a rank's file into one timeline
+where this module keeps devices apart (``by_device``; a DDP rank drives one),
+and HTA also counts as device activity any other event that carries a GPU
+stream (a ``cuda_sync`` event's wait, for one), where this module reads
+kernels, copies and memsets only. On HTA's own test traces
+(tests/data/hta) the figures are equal once the timestamps are rounded as HTA
+rounds them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -75,6 +89,7 @@ MEMORY = "memory"
 OTHER = "other"
 
 
+@functools.lru_cache(maxsize=8192)  # a trace repeats a few hundred kernel names
 def kernel_kind(name: str) -> str:
     """The kind of a device event by its name: "comm", "memory", "other" or "compute".
 
@@ -89,13 +104,21 @@ def kernel_kind(name: str) -> str:
     return COMPUTE
 
 
-def _is_launch_category(cat: object) -> bool:
+_NEITHER, _DEVICE, _LAUNCH = 0, 1, 2
+
+
+def _role(cat: object) -> int:
+    """What an event of category ``cat`` is to ``read_kernels``."""
+    if not isinstance(cat, str):
+        return _NEITHER
+    low = cat.lower()
+    if low in _DEVICE_CATS:
+        return _DEVICE
     # cuda_runtime / cuda_driver (and hip_*, "Runtime" in older traces): the CPU
     # side of a launch, carrying the correlation id the kernel carries.
-    if not isinstance(cat, str):
-        return False
-    low = cat.lower()
-    return low.endswith("runtime") or low.endswith("driver")
+    if low.endswith("runtime") or low.endswith("driver"):
+        return _LAUNCH
+    return _NEITHER
 
 
 def _number(value: object, what: str, index: int, name: object) -> float:
@@ -122,6 +145,23 @@ def _int_or(value: object, default: int | None) -> int | None:
     return default
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector while building many acyclic objects.
+
+    With a parsed trace of a million events alive, each collection the new
+    objects trigger walks all of them: this halves ``read_kernels``' time on
+    such a trace. Nothing built here holds a cycle, so nothing is left to leak.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def read_kernels(events: Sequence[dict]) -> list[Kernel]:
     """The GPU kernels, memory copies and memsets of a Chrome trace's ``traceEvents``.
 
@@ -130,22 +170,36 @@ def read_kernels(events: Sequence[dict]) -> list[Kernel]:
     the trace holds no such call. Sorted by start time. An event of a device
     category without a numeric ``ts`` or ``dur`` raises ValueError naming it.
     """
+    with _gc_paused():
+        return _read_kernels(events)
+
+
+def _read_kernels(events: Sequence[dict]) -> list[Kernel]:
     launches: dict[int, float] = {}
     found: list[tuple[int, dict]] = []
+    roles: dict[object, int] = {}  # one look-up per event: most are CPU ops and flows
     for index, event in enumerate(events):
         if not isinstance(event, dict):
             continue
         cat = event.get("cat")
-        if isinstance(cat, str) and cat.lower() in _DEVICE_CATS:
+        try:
+            role = roles[cat]
+        except KeyError:
+            role = roles[cat] = _role(cat)
+        except TypeError:  # an unhashable "cat"
+            continue
+        if role == _NEITHER:
+            continue
+        if role == _DEVICE:
             if event.get("ph", "X") == "X":
                 found.append((index, event))
-        elif _is_launch_category(cat):
-            args = event.get("args")
-            if isinstance(args, dict):
-                corr = _int_or(args.get("correlation"), None)
-                ts = event.get("ts")
-                if corr is not None and isinstance(ts, (int, float)):
-                    launches[corr] = float(ts)
+            continue
+        args = event.get("args")
+        if isinstance(args, dict):
+            corr = _int_or(args.get("correlation"), None)
+            ts = event.get("ts")
+            if corr is not None and isinstance(ts, (int, float)):
+                launches[corr] = float(ts)
     kinds: dict[str, bool] = {}
     kernels: list[Kernel] = []
     for index, event in found:
@@ -218,32 +272,86 @@ def _union(a: _Intervals, b: _Intervals) -> _Intervals:
     return _merge(np.concatenate([a.starts, b.starts]), np.concatenate([a.ends, b.ends]))
 
 
-def _kind_arrays(kernels: Sequence[Kernel], lo: float | None = None,
-                 hi: float | None = None) -> dict[str, _Intervals]:
-    """The merged intervals of each kernel kind, clipped to [lo, hi) when given."""
-    n = len(kernels)
-    starts = np.fromiter((k.start_us for k in kernels), dtype=np.float64, count=n)
-    ends = starts + np.fromiter((k.dur_us for k in kernels), dtype=np.float64, count=n)
-    if lo is not None:
-        np.maximum(starts, lo, out=starts)
-        np.maximum(ends, lo, out=ends)
-    if hi is not None:
-        np.minimum(starts, hi, out=starts)
-        np.minimum(ends, hi, out=ends)
-    cache: dict[str, int] = {}
-    codes = {COMPUTE: 0, COMM: 1, MEMORY: 2, OTHER: 3}
-    kind = np.empty(n, dtype=np.int8)
-    for i, k in enumerate(kernels):
-        code = cache.get(k.name)
-        if code is None:
-            code = cache[k.name] = codes[kernel_kind(k.name)]
-        # a kernel a caller marked as communication counts as such
-        kind[i] = 1 if k.is_comm else code
-    return {
-        COMPUTE: _merge(starts[kind == 0], ends[kind == 0]),
-        COMM: _merge(starts[kind == 1], ends[kind == 1]),
-        "any": _merge(starts, ends),
-    }
+_CODES = {COMPUTE: 0, COMM: 1, MEMORY: 2, OTHER: 3}
+
+
+class _Timeline:
+    """One device's kernels as arrays sorted by start: the windows' figures come from
+    binary searches, so many windows over one timeline cost O(n log n) in all."""
+
+    def __init__(self, kernels: Sequence[Kernel]) -> None:
+        n = len(kernels)
+        starts = np.fromiter((k.start_us for k in kernels), dtype=np.float64, count=n)
+        durs = np.fromiter((k.dur_us for k in kernels), dtype=np.float64, count=n)
+        cache: dict[str, int] = {}
+        kinds = np.empty(n, dtype=np.int8)
+        for i, k in enumerate(kernels):
+            if k.is_comm:  # a kernel the reader (or a caller) marked as communication
+                kinds[i] = 1
+                continue
+            code = cache.get(k.name)
+            if code is None:
+                code = cache[k.name] = _CODES[kernel_kind(k.name)]
+            kinds[i] = code
+        order = np.argsort(starts, kind="stable")
+        self.starts = starts[order]
+        self.ends = self.starts + durs[order]
+        self.kinds = kinds[order]
+        self.longest = float(durs.max()) if n else 0.0
+
+    def merged(self, lo: float | None = None,
+               hi: float | None = None) -> dict[str, _Intervals]:
+        """The merged intervals of compute, comm and every kernel, clipped to [lo, hi)."""
+        first, last = 0, self.starts.size
+        if hi is not None:
+            last = int(np.searchsorted(self.starts, hi, side="left"))
+        if lo is not None:  # nothing starting before lo - longest can reach lo
+            first = min(last, int(np.searchsorted(self.starts, lo - self.longest, side="left")))
+        starts, ends = self.starts[first:last], self.ends[first:last]
+        kinds = self.kinds[first:last]
+        if lo is not None:
+            starts, ends = np.maximum(starts, lo), np.maximum(ends, lo)
+        if hi is not None:
+            ends = np.minimum(ends, hi)
+        return {
+            COMPUTE: _merge(starts[kinds == 0], ends[kinds == 0]),
+            COMM: _merge(starts[kinds == 1], ends[kinds == 1]),
+            "any": _merge(starts, ends),
+        }
+
+    def breakdown(self, lo: float, hi: float) -> dict[str, float]:
+        if not hi >= lo:
+            raise ValueError(f"device_breakdown: the window ends ({hi}) before it starts ({lo})")
+        merged = self.merged(lo, hi)
+        compute = merged[COMPUTE].measure()
+        either = _union(merged[COMPUTE], merged[COMM]).measure()
+        return {
+            "compute_ms": compute / 1e3,
+            "comm_ms": merged[COMM].measure() / 1e3,
+            "exposed_comm_ms": (either - compute) / 1e3,
+            "idle_ms": ((hi - lo) - merged["any"].measure()) / 1e3,
+        }
+
+
+# [Note: one timeline for many windows]
+# A caller often asks for one window per step over the same list of a device's
+# kernels. Sorting and classifying the list costs O(n log n) in Python each time,
+# so a trace of many steps would cost O(steps x n). The timeline of the last list
+# given is kept, with a copy of the list: a later call with a list equal to it
+# (element by element, by identity first, in C) reuses it. A list changed in
+# between compares unequal and is read afresh. device_breakdowns does the same
+# without the kept copy.
+_last_timeline: list = [None, None]  # [copy of the kernels, their _Timeline]
+
+
+def _timeline_of(kernels: Sequence[Kernel]) -> _Timeline:
+    copy, timeline = _last_timeline
+    listed = kernels if isinstance(kernels, list) else list(kernels)
+    if copy is not None and len(copy) == len(listed) and copy == listed:
+        return timeline
+    timeline = _Timeline(listed)
+    _last_timeline[:] = [list(listed), timeline]
+    return timeline
 
 
 def device_breakdown(kernels: Sequence[Kernel], start_us: float,
@@ -256,22 +364,17 @@ def device_breakdown(kernels: Sequence[Kernel], start_us: float,
     - ``idle_ms``: time no kernel, copy or memset ran.
 
     Pass the kernels of one device (see ``by_device``). Kernels reaching outside
-    the window count only for their part inside it.
+    the window count only for their part inside it. Calls for several windows
+    over the same list sort it once ([Note: one timeline for many windows]).
     """
-    if not end_us >= start_us:
-        raise ValueError(f"device_breakdown: the window ends ({end_us}) before it "
-                         f"starts ({start_us})")
-    merged = _kind_arrays(kernels, start_us, end_us)
-    compute = merged[COMPUTE].measure()
-    comm = merged[COMM].measure()
-    either = _union(merged[COMPUTE], merged[COMM]).measure()
-    busy = merged["any"].measure()
-    return {
-        "compute_ms": compute / 1e3,
-        "comm_ms": comm / 1e3,
-        "exposed_comm_ms": (either - compute) / 1e3,
-        "idle_ms": ((end_us - start_us) - busy) / 1e3,
-    }
+    return _timeline_of(kernels).breakdown(start_us, end_us)
+
+
+def device_breakdowns(kernels: Sequence[Kernel], windows: Iterable[tuple[float, float] | None]
+                      ) -> list[dict[str, float] | None]:
+    """``device_breakdown`` for each window (None stays None), sorting the kernels once."""
+    timeline = _Timeline(kernels)
+    return [None if w is None else timeline.breakdown(w[0], w[1]) for w in windows]
 
 
 def overlap_pct(kernels: Sequence[Kernel]) -> float:
@@ -280,7 +383,7 @@ def overlap_pct(kernels: Sequence[Kernel]) -> float:
     HTA's ``get_comm_comp_overlap`` for one rank, over every kernel given. 0.0
     when no communication kernel ran (HTA gives NaN there).
     """
-    merged = _kind_arrays(kernels)
+    merged = _Timeline(kernels).merged()
     comm = merged[COMM].measure()
     if comm <= 0.0:
         return 0.0

@@ -13,6 +13,7 @@ from gradring.tools.gpu_trace import (
     assign_steps,
     by_device,
     device_breakdown,
+    device_breakdowns,
     device_window,
     kernel_kind,
     kernels_before,
@@ -116,6 +117,16 @@ def test_random_kernels_against_a_naive_count(seed):
     assert b["comm_ms"] * 1e3 == pytest.approx(want["comm"])
     assert b["exposed_comm_ms"] * 1e3 == pytest.approx(want["exposed"])
     assert b["idle_ms"] * 1e3 == pytest.approx(want["idle"])
+    # many windows over one timeline, sorted once: long kernels reach into later windows
+    windows = [(a, a + rng.randint(0, 60)) for a in range(0, 340, 37)] + [None]
+    for w, got in zip(windows, device_breakdowns(ks, windows)):
+        if w is None:
+            assert got is None
+            continue
+        want = _naive(ks, *w)
+        assert [got[key] * 1e3 for key in ("compute_ms", "comm_ms", "exposed_comm_ms",
+                                           "idle_ms")] == pytest.approx(
+            [want["compute"], want["comm"], want["exposed"], want["idle"]])
     whole = _naive(ks, 0, 400)
     expect = 100 * whole["both"] / whole["comm"] if whole["comm"] else 0.0
     assert overlap_pct(ks) == pytest.approx(expect)
@@ -178,3 +189,15 @@ def test_steps_tile_the_device_timeline():
     whole = device_breakdown(inside, 20, 130)
     for key in whole:
         assert sum(p[key] for p in parts) == pytest.approx(whole[key])
+
+
+def test_a_list_changed_between_calls_is_read_afresh():
+    # device_breakdown keeps the timeline of the last list it was given
+    ks = [k(0, 10), k(20, 30, NCCL)]
+    assert device_breakdown(ks, 0, 30)["compute_ms"] == pytest.approx(10e-3)
+    ks[0] = k(0, 4)
+    assert device_breakdown(ks, 0, 30)["compute_ms"] == pytest.approx(4e-3)
+    ks.append(k(25, 30))
+    assert device_breakdown(ks, 0, 30) == pytest.approx(
+        {"compute_ms": 9e-3, "comm_ms": 10e-3, "exposed_comm_ms": 5e-3, "idle_ms": 16e-3})
+    assert device_breakdown(tuple(ks), 0, 30)["exposed_comm_ms"] == pytest.approx(5e-3)

@@ -48,6 +48,7 @@ FOLDERS = [
     pytest.param("nccl_parser_config", marks=pytest.mark.slow),
     pytest.param("negative_queue_length_values_check", marks=pytest.mark.slow),
     pytest.param("df_index_resolver", marks=pytest.mark.slow),
+    pytest.param(os.path.join("trace_diff", "control"), marks=pytest.mark.slow),
 ]
 
 
