@@ -33,6 +33,7 @@ the phases). They add up to the window. ``gpu`` gives the device's totals.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -323,17 +324,24 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
         steps = sorted(rt.steps, key=lambda st: st.start_us)
         windows = gpu_trace.step_windows(kernels, [(st.start_us, st.end_us) for st in steps])
         owner = gpu_trace.assign_steps(kernels, [(st.start_us, st.end_us) for st in steps])
+        by_step: dict[int, list[Any]] = {}
+        for k, o in zip(kernels, owner):
+            if o is not None:
+                by_step.setdefault(o, []).append(k)
+        kinds = {name: gpu_trace.kernel_kind(name) for name in {k.name for k in kernels}}
+        compute_all = _merged([(k.start_us, k.start_us + k.dur_us) for k in kernels
+                               if kinds[k.name] == gpu_trace.COMPUTE])
+        compute_starts = [a for a, _ in compute_all]
         rows, dev = [], []
         per_bucket: dict[int, list[float]] = {}
         for i, (st, w) in enumerate(zip(steps, windows)):
             if st.number not in kept or w is None:
                 continue
-            mine = [k for k, o in zip(kernels, owner) if o == i]
+            mine = by_step.get(i, [])
             bd = gpu_trace.device_breakdown(kernels, w[0], w[1])
             dev.append(bd)
-            compute = [k for k in mine if gpu_trace.kernel_kind(k.name) == gpu_trace.COMPUTE]
-            opt = [(a, b) for a, b in _optimizer_spans(rt, st)]
-            share = gpu_trace.phase_ms(compute, _phase_at(st, opt))
+            compute = [k for k in mine if kinds[k.name] == gpu_trace.COMPUTE]
+            share = gpu_trace.phase_ms(compute, _phase_at(st, st.optimizer_us))
             total = sum(share.values()) or 1.0
             row = {k: bd["compute_ms"] * share.get(k, 0.0) / total
                    for k in ("forward", "backward", "copy", "optimizer")}
@@ -345,9 +353,8 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
                                                         "optimizer", "exposed_comm", "idle"))
             # the exposed comm by bucket: each bucket's all-reduce kernel is the first
             # communication kernel launched from its launch on
-            busy = _merged([(k.start_us, k.start_us + k.dur_us) for k in kernels
-                            if gpu_trace.kernel_kind(k.name) == gpu_trace.COMPUTE
-                            and k.start_us < w[1] and k.start_us + k.dur_us > w[0]])
+            lo = max(0, bisect.bisect_left(compute_starts, w[0]) - 1)
+            busy = compute_all[lo:bisect.bisect_right(compute_starts, w[1])]
             comm = sorted((k for k in mine if k.is_comm and k.launch_us is not None),
                           key=lambda k: k.launch_us or 0.0)
             used: set[int] = set()
@@ -403,16 +410,3 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
                      "last rank launched the last bucket (on the CPU clocks)")
     return out or None
 
-
-def _optimizer_spans(rt: Any, st: StepTrace) -> list[tuple[float, float]]:
-    spans = []
-    for e in rt.events:
-        name = e.get("name")
-        if isinstance(name, str) and name.startswith("Optimizer.step#") and e.get("ph") == "X":
-            try:
-                t, d = float(e["ts"]), float(e.get("dur", 0.0))
-            except (KeyError, TypeError, ValueError):
-                continue
-            if st.start_us <= t < st.end_us:
-                spans.append((t, t + d))
-    return spans

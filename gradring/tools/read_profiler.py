@@ -44,6 +44,7 @@ other hosts' are left as they are, with a note.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import statistics
@@ -213,8 +214,9 @@ def _index_of(name: str, prefix: str) -> int | None:
 
 def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
                main_tid: Any) -> StepTrace | None:
-    """One step ([Note: the events of a profiled DDP step]); None without a backward."""
-    inside = [s for s in spans if s0 <= s.ts < s1]
+    """One step ([Note: the events of a profiled DDP step]); None without a backward.
+    ``spans``: the spans that start in [s0, s1), in start order."""
+    inside = spans
     fwd = [s for s in inside if s.name in FORWARD_NAMES]
     auto = [s for s in inside if s.name.startswith(AUTOGRAD_PREFIX)]
     if fwd:
@@ -363,9 +365,11 @@ def read_rank(doc: Any, path: str, fallback_rank: int) -> tuple[int, RankTrace, 
                                  f"so explain cannot tell where steps start: {HOW_TO_STEP}")
     main_tid = steps_spans[0].tid
     steps = []
+    starts = [s.ts for s in spans]  # sorted: each step reads its own slice
     for s in steps_spans:
         number = _index_of(s.name, STEP_PREFIX)
-        st = _read_step(number if number is not None else len(steps), s.ts, s.end, spans,
+        window = spans[bisect.bisect_left(starts, s.ts):bisect.bisect_left(starts, s.end)]
+        st = _read_step(number if number is not None else len(steps), s.ts, s.end, window,
                         main_tid)
         if st is not None:
             steps.append(st)

@@ -187,6 +187,7 @@ def test_json_of_a_real_trace_folder(pools, tmp_path, capsys) -> None:
         assert total == 4 * (3 * 256 * 256 + 3 * 256)
 
 
+@pytest.mark.slow  # a profiled run and a PNG: a few seconds
 def test_timeline_draws_a_profiler_trace_with_explains_rows(pools, tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib", reason="drawing the timeline needs matplotlib")
     from gradring.tools import timeline
