@@ -234,8 +234,8 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
     forward_ms = _union_ms([(s.ts, s.end) for s in fwd]) if fwd else (b0 - s0) / 1e3
     copies = [s for s in inside if (s.name in COPY_NAMES or s.name.startswith(GRADRING_COPY))
               and b1 - 1 <= s.ts < limit]
-    waits = {k: s for s in inside if (k := _index_of(s.name, GRADRING_WAIT)) is not None
-             and b0 <= s.ts < limit}
+    waits = {k: s for s in inside if s.name.startswith(GRADRING_WAIT)
+             and (k := _index_of(s.name, GRADRING_WAIT)) is not None and b0 <= s.ts < limit}
     # the buckets: launches during the backward (and its tail), in order
     launches: list[tuple[int, _Span]] = []
     gradring_launch = [s for s in inside if s.name.startswith(GRADRING_LAUNCH) and b0 <= s.ts]
@@ -293,14 +293,21 @@ def _read_step(number: int, s0: float, s1: float, spans: Sequence[_Span],
     gaps = _gaps(b1, tail_end, [(s.ts, s.end) for s in copies])
     buckets = []
     prev_done = -math.inf
+    gap_ends = [b for _, b in gaps]  # gaps are sorted and apart: so are their ends
     ordered = sorted(runs, key=lambda r: r[1].ts)
     for j, (_k, launch, comm, nbytes, done) in enumerate(ordered):
         last = j == len(ordered) - 1
         # waiting ends with this bucket's end; a bucket whose end the trace lost takes
         # none of it (the next bucket with a known end, or the last, takes it)
         hi = math.inf if last else prev_done if done is None else max(done, prev_done)
-        mine = tuple((max(a, prev_done), min(b, hi)) for a, b in gaps
-                     if min(b, hi) > max(a, prev_done))
+        lo_i = bisect.bisect_left(gap_ends, prev_done)  # gaps ending before it: none
+        picked = []
+        for a, b in gaps[lo_i:]:
+            if a >= hi:
+                break
+            if min(b, hi) > max(a, prev_done):
+                picked.append((max(a, prev_done), min(b, hi)))
+        mine = tuple(picked)
         if done is not None:
             prev_done = max(prev_done, done)
         names = (launch.name,) + ((comm.name,) if comm is not None else ())
