@@ -572,7 +572,11 @@ def main(argv: list[str] | None = None) -> int:
         from gradring.tools.trace_file import trace_files
 
         try:
-            model = load_model(trace_files(a.trace), a.max_trace_bytes)
+            files = trace_files(a.trace)
+        except TraceFileError:
+            files = [a.trace]  # read_json says what is wrong with it
+        try:
+            model = load_model(files, a.max_trace_bytes)
         except ProfilerTraceError as exc:
             print(f"gradring timeline: {exc}", file=sys.stderr)
             return 2
