@@ -390,7 +390,11 @@ def gpu_breakdown(model: TraceModel, kept: Sequence[int], parts: dict[int, dict[
             continue
         res = {k: _mean([p[k] for p in dev]) for k in
                ("compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms")}
-        res["overlap_pct"] = gpu_trace.overlap_pct(kernels)
+        # as HTA's get_comm_comp_overlap: the kernels launched before the last
+        # ProfilerStep began (the step the profiler stopped inside is left out)
+        res["overlap_pct"] = gpu_trace.overlap_pct(
+            gpu_trace.kernels_before(kernels, steps[-1].start_us) if len(steps) > 1
+            else kernels)
         out[r] = res
         host = parts[r]
         parts[r] = {k: _mean([x[k] for x in rows]) for k in rows[0]}

@@ -231,10 +231,14 @@ def test_a_public_a100_trace_gets_its_gpu_breakdown(tmp_path) -> None:
     assert set(g) == {"compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"}
     assert g["exposed_comm_ms"] == pytest.approx(p["exposed_comm"])
     assert g["idle_ms"] == pytest.approx(p["idle"])
-    # the overlap is over the whole trace's kernels, as HTA's get_comm_comp_overlap
+    # the overlap is over the trace's kernels launched before its last ProfilerStep, as
+    # HTA's get_comm_comp_overlap counts them (tests/unit/test_gpu_trace_hta.py compares
+    # that figure with HTA's own)
     events = read_json(HTA_A100)["traceEvents"]
     kernels = gpu_trace.read_kernels(events)
-    assert g["overlap_pct"] == pytest.approx(gpu_trace.overlap_pct(kernels))
+    last = max(e["ts"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#"))
+    assert g["overlap_pct"] == pytest.approx(
+        gpu_trace.overlap_pct(gpu_trace.kernels_before(kernels, last)))
     # every bucket's bytes, as the trace's own record_param_comms says of its all-reduce
     said = sorted(e["args"]["In msg nelems"] * 4 for e in events
                   if e.get("name") == "record_param_comms"
