@@ -17,9 +17,9 @@ def explain(ddp: DistributedDataParallel, **kw: object) -> object:
     """Why is this DDP step slow? A measured step breakdown, stragglers and ranked findings.
 
     Collective: call it on every rank at the same point, after a few training
-    steps. Returns a ``gradring.observe.explain.Explanation``; ``print`` it.
-    Keyword arguments go to ``gradring.observe.explain.explain_ddp``."""
-    from gradring.observe.explain import explain_ddp
+    steps. Returns a ``gradring.tools.explain_record.Explanation``; ``print`` it.
+    Keyword arguments go to ``gradring.tools.explain_record.explain_ddp``."""
+    from gradring.tools.explain_record import explain_ddp
 
     return explain_ddp(ddp, **kw)  # type: ignore[arg-type]
 

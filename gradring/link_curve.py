@@ -2,7 +2,7 @@
 ``CommCurve`` is measured with.
 
 ``bucket_cap_mb="auto"`` (``reducer/autocap.py``), ``gradring explain``
-(``observe/explain.py``) and ``gradring tune`` all time the same curve: a few
+(``tools/explain_record.py``) and ``gradring tune`` all time the same curve: a few
 log-spaced sizes up to the model's gradients, each the median of a few
 asynchronous all-reduces on the group's own memory (``comm.empty``, as DDP's
 buckets are). It lives here, below the reducer and the observers, so that

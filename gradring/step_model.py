@@ -34,10 +34,11 @@ the least well measured part of the model). [Note: how the tuner decides] in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, assign_buckets
 
 #: The candidate caps (MiB) that ``gradring tune`` and ``bucket_cap_mb="auto"`` simulate.
 DEFAULT_CAPS_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)
@@ -91,6 +92,16 @@ def simulate(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms
     order = sorted(range(len(profile.sizes)), key=lambda i: (profile.ready_ms[i], i))
     groups = assign_buckets(profile.sizes, [first_cap_bytes, int(cap_mb * MIB)],
                             keys=profile.keys, order=order)
+    return simulate_groups(profile, curve, groups, cap_mb, per_bucket_ms=per_bucket_ms,
+                           overlap=overlap)
+
+
+def simulate_groups(profile: Profile, curve: CommCurve, groups: Sequence[Sequence[int]],
+                    cap_mb: float = 0.0, *, per_bucket_ms: float = 0.0,
+                    overlap: bool = True) -> Prediction:
+    """``simulate`` for a given bucket layout (parameter indices per bucket, in launch
+    order): steps 2-4 of [Note: the step model]. ``gradring explain`` predicts the layout a
+    run measured with it, to fit the model to that run."""
     launched = done = float("-inf")
     finishes = []
     busy = 0.0
@@ -107,7 +118,7 @@ def simulate(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms
     else:
         exposed = max(0.0, done - profile.backward_ms) if groups else 0.0
     step = profile.step_ms + exposed + per_bucket_ms * len(groups)
-    return Prediction(cap_mb, groups, exposed, step, finishes)
+    return Prediction(cap_mb, [list(g) for g in groups], exposed, step, finishes)
 
 
 def choose(predictions: Sequence[Prediction], tolerance: float = TIE_TOLERANCE) -> Prediction:
@@ -124,3 +135,70 @@ def sweep_sizes(total_bytes: int, smallest: int = 4096) -> list[int]:
         sizes.append(s)
         s *= 2
     return sizes + [max(total_bytes, smallest)]
+
+
+# [Note: one rule for picking a cap] (reducer/autocap.py) and auto's model of the host.
+class CapPick(NamedTuple):
+    """What ``pick`` chose among the predictions, and why, in words."""
+
+    prediction: Prediction
+    default: Prediction | None  # the default cap's prediction, if it was simulated
+    why: str
+
+
+def pick(predictions: Sequence[Prediction],
+         default_mb: float = DEFAULT_BUCKET_CAP_MB) -> CapPick:
+    """[Note: one rule for picking a cap]: the default cap unless another's predicted
+    step is shorter by more than ``TIE_TOLERANCE``; then ``step_model.choose``'s pick."""
+    if not predictions:
+        raise ValueError("pick needs at least one predicted cap")
+    best = choose(predictions)
+    default = next((p for p in predictions if p.cap_mb == default_mb), None)
+    if default is None:
+        return CapPick(best, None, f"{best.cap_mb:g} MiB: the shortest predicted step, "
+                       f"{best.step_ms:.2f} ms ({len(best.buckets)} bucket(s))")
+    fastest = min(p.step_ms for p in predictions)
+    if default.buckets == best.buckets or default.step_ms <= fastest * (1 + TIE_TOLERANCE):
+        if best.cap_mb == default_mb:
+            other = ""
+        elif default.buckets == best.buckets:
+            other = f"; {best.cap_mb:g} MiB makes the same buckets"
+        else:
+            other = f"; {best.cap_mb:g} MiB predicts {best.step_ms:.2f} ms"
+        return CapPick(default, default,
+                       f"the default {default_mb:g} MiB: no cap's predicted step beats its "
+                       f"{default.step_ms:.2f} ms by more than {TIE_TOLERANCE:.0%}{other}")
+    return CapPick(best, default,
+                   f"{best.cap_mb:g} MiB: predicted step {best.step_ms:.2f} ms "
+                   f"({len(best.buckets)} bucket(s)) against {default.step_ms:.2f} ms at the "
+                   f"default {default_mb:g} MiB ({len(default.buckets)} bucket(s))")
+
+
+def predict(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms: float,
+            free_core: bool) -> Prediction:
+    """``simulate`` with the model of the host that auto, ``gradring tune`` and
+    ``gradring explain`` share: with a free core the buckets overlap the backward
+    behind torch's 1 MiB first bucket; without one ([Note: auto on a host with no
+    free core]) nothing overlaps and the first bucket is as large as the others."""
+    return simulate(profile, curve, cap_mb, per_bucket_ms=per_bucket_ms,
+                    first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free_core
+                    else int(cap_mb * MIB), overlap=free_core)
+
+
+def has_free_core(comm: Any, devices: Sequence[Any]) -> bool:
+    """Whether a core is left for the collectives beside the ranks' backwards (see
+    [Note: auto on a host with no free core]). True unless every gradient is on the
+    CPU (``devices``: the gradients' devices, or their names) and the group runs over
+    shared memory (all its ranks on this host) with no more cores than ranks times
+    intra-op threads."""
+    if any(str(d).split(":")[0] != "cpu" for d in devices):
+        return True
+    if not comm.on_shared_memory():
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    import torch
+
+    return cores > comm.world_size * torch.get_num_threads()

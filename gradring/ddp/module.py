@@ -400,7 +400,7 @@ class DistributedDataParallel(TorchDDP):
             self._clear_grad_buffer()
             return out
         compile_split.install()
-        trace = self.reducer.trace  # forward marks for gradring.explain (observe/explain.py)
+        trace = self.reducer.trace  # forward marks for gradring.explain (tools/explain_record.py)
         with profiled("gradring::forward"):
             trace.mark("forward_start")
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from gradring.reducer.autocap import has_free_core
+from gradring.step_model import has_free_core
 
 if TYPE_CHECKING:
     from gradring.step_model import CommCurve

@@ -61,62 +61,25 @@ and ``gradring explain`` time it.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB
+from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
 from gradring.link_curve import curve_sizes, measure_allreduce
-from gradring.step_model import (
+from gradring.step_model import (  # noqa: F401 (pick, predict, CapPick, has_free_core: their old home)
     DEFAULT_CAPS_MB,
-    TIE_TOLERANCE,
+    CapPick,
     CommCurve,
-    Prediction,
     Profile,
-    choose,
-    simulate,
+    has_free_core,
+    pick,
+    predict,
 )
 
 AUTO = "auto"
-
-
-class CapPick(NamedTuple):
-    """What ``pick`` chose among the predictions, and why, in words."""
-
-    prediction: Prediction
-    default: Prediction | None  # the default cap's prediction, if it was simulated
-    why: str
-
-
-def pick(predictions: Sequence[Prediction],
-         default_mb: float = DEFAULT_BUCKET_CAP_MB) -> CapPick:
-    """[Note: one rule for picking a cap]: the default cap unless another's predicted
-    step is shorter by more than ``TIE_TOLERANCE``; then ``step_model.choose``'s pick."""
-    if not predictions:
-        raise ValueError("pick needs at least one predicted cap")
-    best = choose(predictions)
-    default = next((p for p in predictions if p.cap_mb == default_mb), None)
-    if default is None:
-        return CapPick(best, None, f"{best.cap_mb:g} MiB: the shortest predicted step, "
-                       f"{best.step_ms:.2f} ms ({len(best.buckets)} bucket(s))")
-    fastest = min(p.step_ms for p in predictions)
-    if default.buckets == best.buckets or default.step_ms <= fastest * (1 + TIE_TOLERANCE):
-        if best.cap_mb == default_mb:
-            other = ""
-        elif default.buckets == best.buckets:
-            other = f"; {best.cap_mb:g} MiB makes the same buckets"
-        else:
-            other = f"; {best.cap_mb:g} MiB predicts {best.step_ms:.2f} ms"
-        return CapPick(default, default,
-                       f"the default {default_mb:g} MiB: no cap's predicted step beats its "
-                       f"{default.step_ms:.2f} ms by more than {TIE_TOLERANCE:.0%}{other}")
-    return CapPick(best, default,
-                   f"{best.cap_mb:g} MiB: predicted step {best.step_ms:.2f} ms "
-                   f"({len(best.buckets)} bucket(s)) against {default.step_ms:.2f} ms at the "
-                   f"default {default_mb:g} MiB ({len(default.buckets)} bucket(s))")
 
 
 class AutoCap(NamedTuple):
@@ -133,17 +96,6 @@ class AutoCap(NamedTuple):
 
 def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
-
-
-def predict(profile: Profile, curve: CommCurve, cap_mb: float, *, per_bucket_ms: float,
-            free_core: bool) -> Prediction:
-    """``simulate`` with the model of the host that auto, ``gradring tune`` and
-    ``gradring explain`` share: with a free core the buckets overlap the backward
-    behind torch's 1 MiB first bucket; without one ([Note: auto on a host with no
-    free core]) nothing overlaps and the first bucket is as large as the others."""
-    return simulate(profile, curve, cap_mb, per_bucket_ms=per_bucket_ms,
-                    first_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES if free_core
-                    else int(cap_mb * MIB), overlap=free_core)
 
 
 def decide(profile: Profile, curve: CommCurve,
@@ -167,23 +119,6 @@ def decide(profile: Profile, curve: CommCurve,
     return AutoCap(cap_bytes, {p.cap_mb: p.step_ms for p in preds},
                    {p.cap_mb: p.exposed_ms for p in preds}, curve, profile.backward_ms, why,
                    first)
-
-
-def has_free_core(comm: Any, devices: Sequence[Any]) -> bool:
-    """Whether a core is left for the collectives beside the ranks' backwards (see
-    [Note: auto on a host with no free core]). True unless every gradient is on the
-    CPU (``devices``: the gradients' devices, or their names) and the group runs over
-    shared memory (all its ranks on this host) with no more cores than ranks times
-    intra-op threads."""
-    if any(str(d).split(":")[0] != "cpu" for d in devices):
-        return True
-    if not comm.on_shared_memory():
-        return True
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores > comm.world_size * torch.get_num_threads()
 
 
 def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],

@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "demo": ("gradring.tools.demo", "train digits on N local processes and check the result"),
     "bench": ("gradring.tools.bench", "benchmarks: `gradring bench allreduce|ddp|hooks [args]`"),
-    "timeline": ("gradring.observe.timeline", "draw a run's steps as a picture (PNG)"),
+    "timeline": ("gradring.tools.timeline", "draw a run's steps as a picture (PNG)"),
     "tune": ("gradring.tools.tune",
              "pick bucket_cap_mb by measuring, then check it by running DDP"),
     "flight": ("gradring.tools.flight",

@@ -71,12 +71,14 @@ from torch import nn
 
 from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB
 from gradring.link_curve import measure_allreduce
-from gradring.reducer.autocap import has_free_core, pick, predict
 from gradring.step_model import (
     DEFAULT_CAPS_MB,
     CommCurve,
     Prediction,
     Profile,
+    has_free_core,
+    pick,
+    predict,
     sweep_sizes,
 )
 from gradring.tools.workloads import BUILTIN, Workload, forward_loss, from_parts, load_workload

@@ -13,9 +13,8 @@ from torch import nn
 
 from gradring import step_model
 from gradring.buckets import MIB
-from gradring.observe import timeline
 from gradring.observe.overlap import export_chrome_trace, merge_traces
-from gradring.tools import tune, workloads
+from gradring.tools import timeline, tune, workloads
 from tests.support.env import environ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -209,7 +208,7 @@ def test_demo_writes_into_out_by_default(tmp_path) -> None:
     assert files == ["explain.txt", "rank0.json", "rank1.json", "timeline.png", "trace.json"]
     for name in files:
         assert os.path.join("run1", name) in proc.stdout
-    from gradring.observe import explain
+    from gradring.tools import explain_record as explain
 
     # The folder is what `gradring explain` reads.
     assert explain.analyse(explain.load(str(tmp_path / "run1" / "trace.json"))).steps > 0

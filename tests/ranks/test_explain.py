@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import gradring
-from gradring.observe import explain as ex
 from gradring.observe.trace import Event
+from gradring.tools import explain_record as ex
 from tests.support.env import environ
 from tests.support.explain_rows import assert_rows_add_up, printed_rows
 
@@ -270,9 +270,15 @@ PAIRS = [  # (finding, run that provokes it, run that must not report it)
 def test_finding_is_reported_when_provoked_and_not_otherwise(pools, key, provoked, clean) -> None:
     hit = pools.run(2, explain_case, provoked, timeout=120)
     assert hit[0]["keys"] == hit[1]["keys"], "every rank gets the same answer"
-    assert key in hit[0]["keys"], hit[0]["text"]
-    finding = next(line for line in hit[0]["text"].splitlines() if "expected saving" in line)
-    assert "ms/step" in finding
+    if key == "bucket_cap" and key not in hit[0]["keys"]:
+        # the fitted model's saving must also clear the spread of the measured steps: on
+        # a loaded machine it may not, and explain must then say so, naming the change
+        assert "is far from the step model's pick: construct DDP with bucket_cap_mb=" in \
+            hit[0]["text"] and "too noisy to tell" in hit[0]["text"], hit[0]["text"]
+    else:
+        assert key in hit[0]["keys"], hit[0]["text"]
+        finding = next(line for line in hit[0]["text"].splitlines() if "expected saving" in line)
+        assert "ms/step" in finding
     miss = pools.run(2, explain_case, clean, timeout=120)
     assert key not in miss[0]["keys"], miss[0]["text"]
     if key == "find_unused":
@@ -304,9 +310,10 @@ def test_explain_cli_rejects_files_it_cannot_read(tmp_path, capsys) -> None:
 
     dump = tmp_path / "rank0.json"
     dump.write_text(json.dumps({"rank": 0, "pid": 1, "entries": []}))
-    assert cli.main([str(tmp_path)]) == 1
+    assert cli.main([str(tmp_path)]) == 2
     assert "flight-recorder dump" in capsys.readouterr().err
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"traceEvents": [], "otherData": {}}))
-    assert cli.main([str(old)]) == 1
-    assert "no gradring step record" in capsys.readouterr().err
+    assert cli.main([str(old)]) == 2
+    err = capsys.readouterr().err
+    assert "without ProfilerStep spans" in err and "prof.step()" in err

@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradring.observe import explain as ex
-from gradring.observe import timeline
 from gradring.observe.trace import Event
+from gradring.tools import explain_record as ex
+from gradring.tools import timeline
 from tests.support.env import environ
 from tests.support.explain_rows import assert_rows_add_up, printed_rows
 

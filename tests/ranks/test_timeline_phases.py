@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradring.observe import timeline
 from gradring.observe.overlap import export_chrome_trace, merge_traces
+from gradring.tools import timeline
 from tests.support.env import environ
 
 

@@ -75,7 +75,7 @@ def test_the_command_lists_explain_themselves(argv, capsys) -> None:
 def test_the_check_can_fail() -> None:
     # What the help of `gradring tune` and `gradring timeline` printed before.
     assert _problems("[Note: how the tuner decides]") == ["a developer note"]
-    importlib.import_module("gradring.observe.timeline")
+    importlib.import_module("gradring.tools.timeline")
     found = _problems("Up to ``GANTT_MAX`` steps; one of ``PHASES`` (``step_segments``)")
     assert "identifier GANTT_MAX" in found and "internal name PHASES" in found, found
     assert _problems("GRADRING_OVERLAP=0 and JSON, PNG") == []

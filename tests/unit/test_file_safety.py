@@ -283,7 +283,7 @@ TRACE = {"traceEvents": [
 
 def test_timeline_refuses_a_planted_link(base, capsys) -> None:
     pytest.importorskip("matplotlib")
-    from gradring.observe import timeline
+    from gradring.tools import timeline
 
     trace = base / "trace.json"
     trace.write_text(json.dumps(TRACE))

@@ -100,6 +100,8 @@ PHASE_ROWS = {"forward": ("forward",), "backward": ("backward",),
 #: The comm lane's all-reduces: a hue no phase of the step lane uses, alternating
 #: shades so that neighbouring buckets stay apart.
 COMM_COLOURS = ("#8c6d46", "#c9a66b")
+#: The GPU lane's kernels, by kind (gpu_trace.kernel_kind).
+GPU_COLOUR = {"compute": "#2f4b7c", "comm": "#d45087", "memory": "#ffa600", "other": "#999999"}
 #: What "other" holds (it is labelled so in the legend and the report).
 OTHER_MEANS = "other: loss, zero_grad, data, autograd before the first gradient, gaps"
 #: Up to this many iterations the timeline draws every event; beyond, a summary.
@@ -149,7 +151,7 @@ def step_segments(events: Sequence[Event], gates: dict[tuple[int, int], float] |
     backward, the forward, the optimizer, copying into .grad (the rest of
     ``backward()`` after autograd), then "other". Each phase's length is explain's
     row of the same step."""
-    from gradring.observe.explain import _first_after, _gates_ms, _sorted_times
+    from gradring.tools.explain_record import _first_after, _gates_ms, _sorted_times
 
     fwd = forward_starts(events)
     fwd_e = _sorted_times(events, "forward_end")
@@ -196,6 +198,10 @@ class TimelineReport(NamedTuple):
     phase_ms: dict[int, dict[str, float]]          # rank -> phase -> mean ms over the drawn steps
     step_ms: dict[int, float]                      # rank -> mean step over the drawn steps
     comm: dict[int, list[tuple[int, int, float, float]]]  # rank -> (it, bucket, start, done)
+    #: rank -> the device's kernels (start s, end s, kind) on GPU traces of torch.profiler
+    gpu: dict[int, list[tuple[float, float, str]]] = {}
+    #: where the figures agree: "overlap_stats() and gradring explain" for gradring's record
+    agrees_with: str = "overlap_stats() and gradring explain"
 
     def shares(self, rank: int) -> dict[str, float]:
         """Each phase's share of the drawn steps on ``rank`` (sums to 1)."""
@@ -216,8 +222,8 @@ class TimelineReport(NamedTuple):
         for rank in sorted(self.segments):
             ex = self.exposed[rank]
             lines.append(f"rank {rank}: exposed communication {ex.ms:.2f} ms/step (mean over "
-                         f"{len(ex.iterations)} step(s), as overlap_stats() and gradring "
-                         f"explain); the drawn steps: mean {self.step_ms[rank]:.2f} ms")
+                         f"{len(ex.iterations)} step(s), as {self.agrees_with}); the drawn "
+                         f"steps: mean {self.step_ms[rank]:.2f} ms")
             shares = self.shares(rank)
             lines.append("  " + ", ".join(f"{k} {shares[k]:.0%}" for k in PHASES))
         lines.append(f"({OTHER_MEANS})")
@@ -235,7 +241,7 @@ def _records(doc: Any) -> list[dict[str, Any]]:
 def timeline_report(trace: str | dict[str, Any], last: int = 3) -> TimelineReport | None:
     """Every rank's steps tiled into phases, from the step records in ``trace`` (None
     when it carries none: traces of stand-ins, or written before the records)."""
-    from gradring.observe.explain import all_rank_steps, launched_by_all, record_events
+    from gradring.tools.explain_record import all_rank_steps, launched_by_all, record_events
 
     if isinstance(trace, dict):
         doc = trace
@@ -278,6 +284,11 @@ def draw_timeline(trace: str | dict[str, Any], out: str, *, last: int = 3,
     report = timeline_report(trace, last)
     if report is None:
         return _draw_spans(trace, out, last=last, title=title)
+    return draw_report(report, out, title)
+
+
+def draw_report(report: TimelineReport, out: str, title: str | None = None) -> str:
+    """Render a ``TimelineReport`` to the image ``out`` (a Gantt chart or a summary)."""
     fig = gantt_figure(report, title) if report.mode == "gantt" else \
         summary_figure(report, title)
     import matplotlib.pyplot as plt
@@ -350,11 +361,20 @@ def gantt_figure(report: TimelineReport, title: str | None = None) -> Any:
     width = (t_end - t0) * 1e3
     min_label = 0.025 * width  # narrower pieces go unlabelled
     lane_h, gap = 0.8, 0.6
-    fig_h = 1.6 + len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
+    lanes = 3 if report.gpu else 2
+    fig_h = 1.6 + len(ranks) * lanes * (lane_h + 0.25) + (len(ranks) - 1) * gap
     fig, ax = plt.subplots(figsize=(13, max(3.0, fig_h)), layout="constrained")
     yticks, ylabels = [], []
     for i, rank in enumerate(ranks):
-        base = (len(ranks) - 1 - i) * (2 * (lane_h + 0.25) + gap)
+        base = (len(ranks) - 1 - i) * (lanes * (lane_h + 0.25) + gap)
+        if report.gpu:
+            y_gpu, base = base, base + lane_h + 0.25
+            yticks.append(y_gpu + lane_h / 2)
+            ylabels.append(f"rank {rank} GPU")
+            for a, b, kind in report.gpu.get(rank, []):
+                ax.broken_barh([((a + report.offsets[rank] - t0) * 1e3, (b - a) * 1e3)],
+                               (y_gpu, lane_h), facecolors=GPU_COLOUR.get(kind, "#999999"),
+                               edgecolor="none", gid=f"gpu:{kind}")
         y_comm, y_comp = base, base + lane_h + 0.25
         yticks += [y_comp + lane_h / 2, y_comm + lane_h / 2]
         ylabels += [f"rank {rank} step", f"rank {rank} comm"]
@@ -374,7 +394,7 @@ def gantt_figure(report: TimelineReport, title: str | None = None) -> Any:
             if w >= min_label:
                 ax.text(x + w / 2, y_comm + lane_h / 2, f"b{b}", fontsize=6, ha="center",
                         va="center", color="black")
-    top = len(ranks) * 2 * (lane_h + 0.25) + (len(ranks) - 1) * gap
+    top = len(ranks) * lanes * (lane_h + 0.25) + (len(ranks) - 1) * gap
     ax.set_ylim(-0.3, top + 0.2)
     starts = [((min(s.t0 for s in report.segments[ranks[0]][it]) + report.offsets[ranks[0]]
                 - t0) * 1e3, it) for it in report.iterations]
@@ -386,7 +406,9 @@ def gantt_figure(report: TimelineReport, title: str | None = None) -> Any:
                  f"communication {ex.ms:.2f} ms/step")
     comm = Patch(facecolor=COMM_COLOURS[0], edgecolor="black",
                  label="comm lane: a bucket's all-reduce, start to done (bN: bucket N)")
-    _legend(fig, report.drawn_phases(), [comm])
+    gpu = [Patch(facecolor=c, label=f"GPU lane: {k} kernel") for k, c in GPU_COLOUR.items()
+           if report.gpu and any(x[2] == k for v in report.gpu.values() for x in v)]
+    _legend(fig, report.drawn_phases(), [comm, *gpu])
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     return fig
 
@@ -545,6 +567,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from gradring.tools.trace_file import TraceFileError, read_json
     try:
+        from gradring.tools.profile_timeline import load_model, profile_timeline_report
+        from gradring.tools.read_profiler import ProfilerTraceError
+        from gradring.tools.trace_file import trace_files
+
+        try:
+            files = trace_files(a.trace)
+        except TraceFileError:
+            files = [a.trace]  # read_json says what is wrong with it
+        try:
+            model = load_model(files, a.max_trace_bytes)
+        except ProfilerTraceError as exc:
+            print(f"gradring timeline: {exc}", file=sys.stderr)
+            return 2
+        if model is not None:  # a torch.profiler trace: explain's reader, the same lanes
+            report = profile_timeline_report(model, a.last)
+            draw_report(report, a.output, a.title)
+            print(report.text)
+            print(f"wrote {a.output}")
+            return 0
         doc = read_json(a.trace, max_bytes=a.max_trace_bytes)
         draw_timeline(doc, a.output, last=a.last, title=a.title)
         report = timeline_report(doc, a.last)

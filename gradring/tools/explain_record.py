@@ -70,8 +70,14 @@ from gradring.observe.overlap import (
 )
 from gradring.observe.record import rank_record
 from gradring.observe.trace import Event
-from gradring.reducer.autocap import pick, predict
-from gradring.step_model import DEFAULT_CAPS_MB, CommCurve, Prediction, Profile, simulate
+from gradring.step_model import (
+    DEFAULT_CAPS_MB,
+    CommCurve,
+    Prediction,
+    Profile,
+    simulate,
+)
+from gradring.tools.trace_model import MIN_SAVING_FRACTION, MIN_SAVING_MS, Finding
 
 #: The rows of a step ([Note: the step breakdown]); they add up to ``step``.
 STEP_ROWS = ("forward", "backward", "exposed_comm", "copy", "optimizer", "other")
@@ -86,8 +92,6 @@ TABLE_ROWS = (("forward", "forward"), ("backward", "backward"),
               ("copy", "copy into .grad"), ("optimizer", "optimizer"), ("other", "other"),
               ("step", "step"))
 #: A finding's predicted saving must reach both of these to be reported ...
-MIN_SAVING_MS = 0.1
-MIN_SAVING_FRACTION = 0.02
 #: ... except for settings whose change costs no step time (pure overhead when the
 #: condition holds): for them NO_TRADEOFF_MIN_MS alone is the bar.
 NO_TRADEOFF = ("find_unused", "forward_sync_buffers", "bucket_view")
@@ -122,15 +126,6 @@ class RankStep(NamedTuple):
     other: float
 
 
-class Finding(NamedTuple):
-    key: str           # find_unused | bucket_cap | last_bucket | comm_hook | bucket_view |
-                       # forward_sync_buffers | straggler | at_the_end
-    title: str
-    change: str
-    saving_ms: float
-    evidence: str
-
-
 @dataclass
 class Explanation:
     """What ``explain`` found: per-rank means, the straggler, ranked findings."""
@@ -141,6 +136,13 @@ class Explanation:
     straggler: dict[str, Any] | None
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
+    source: str = "gradring"                  # "torch.profiler" | "gradring"
+    ddp: str = "gradring"                     # "torch" | "gradring": whichever ran
+    device: str = "cpu"                       # "cpu" | "cuda"
+    gpu: dict[int, dict[str, float]] | None = None   # rank -> device breakdown (GPU traces)
+    buckets: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    straggler_note: str = ""                  # why no rank is named, in words
+    summary: str = ""                         # which steps the figures are over, in words
 
     @property
     def text(self) -> str:
@@ -157,7 +159,10 @@ class Explanation:
         return {"ranks": self.ranks, "steps": self.steps,
                 "parts": {str(r): v for r, v in self.parts.items()},
                 "straggler": self.straggler,
-                "findings": [f._asdict() for f in self.findings], "notes": self.notes}
+                "findings": [f._asdict() for f in self.findings], "notes": self.notes,
+                "source": self.source, "ddp": self.ddp, "device": self.device,
+                **({"gpu": {str(r): v for r, v in self.gpu.items()}} if self.gpu else {}),
+                "buckets": {str(r): v for r, v in self.buckets.items()}}
 
 
 # ------------------------------------------------------------------ per-rank steps
@@ -311,7 +316,7 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> E
     curve = CommCurve(curve_doc["sizes"], curve_doc["times_ms"]) if curve_doc else None
     straggler = _straggler(parts, chosen)
     first = records[0]["rank"]
-    findings, notes = _findings(parts, facts, events[first], last_n, curve)
+    findings, notes = _findings(parts, facts, events[first], last_n, curve, chosen[first])
     if straggler is not None and straggler["excess_ms"] > 0:
         findings.append(Finding(
             "straggler", f"rank {straggler['rank']} is slower than the others",
@@ -332,7 +337,12 @@ def analyse(records: Sequence[dict[str, Any]], last_n: int = STEADY_LAST_N) -> E
                      "judged")
     if facts.get("auto_cap_why"):
         notes.append(str(facts["auto_cap_why"]))
-    return Explanation(sorted(parts), len(chosen[first]), parts, straggler, findings, notes)
+    return Explanation(sorted(parts), len(chosen[first]), parts, straggler, findings, notes,
+                       device="cuda" if str(facts.get("device", "cpu")).startswith("cuda")
+                       else "cpu",
+                       buckets={r["rank"]: _bucket_rows(events[r["rank"]], last_n, r["facts"])
+                                for r in records},
+                       straggler_note=straggler_note(parts, chosen))
 
 
 def _worth(saving: float, step: float) -> bool:
@@ -367,6 +377,39 @@ def _straggler(parts: dict[int, dict[str, float]],
             "compute_ms": parts[slow]["compute"], "fastest_ms": parts[fast]["compute"],
             "part": part, "part_excess_ms": parts[slow][part] - parts[fast][part],
             "waits": {r: p["wait"] for r, p in parts.items() if r != slow}}
+
+
+def straggler_note(parts: dict[int, dict[str, float]],
+                   steps: dict[int, list[RankStep]]) -> str:
+    """Why no rank is named a straggler, from the same figures ``_straggler`` judged."""
+    if len(parts) < 2:
+        return "one rank only"
+    slow = max(parts, key=lambda r: parts[r]["compute"])
+    fast = min(parts, key=lambda r: parts[r]["compute"])
+    a, b = parts[fast]["compute"], parts[slow]["compute"]
+    need = max(STRAGGLER_MS, STRAGGLER_FRACTION * a)
+    text = (f"compute {a:.2f} ms/step on rank {fast} to {b:.2f} on rank {slow}, "
+            f"{b - a:.2f} ms apart")
+    if b - a < need:
+        return text + f", under the {need:.2f} ms a straggler needs " \
+            f"({STRAGGLER_MS:g} ms and {STRAGGLER_FRACTION:.0%})"
+    fast_by_it = {s.iteration: s for s in steps[fast]}
+    pairs = [(x, fast_by_it[x.iteration]) for x in steps[slow] if x.iteration in fast_by_it]
+    slower = sum(_compute(x) > _compute(y) for x, y in pairs)
+    return text + f", but rank {slow} was the slower in only {slower} of {len(pairs)} steps " \
+        f"(a straggler is slower in {STRAGGLER_CONSISTENCY:.0%} of them)"
+
+
+def _bucket_rows(events: Sequence[Event], last_n: int, facts: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    """``--json``'s ``buckets`` of one rank: index, bytes, launch_ms (after the backward's
+    start) and exposed_ms, means over the summarised steps."""
+    table = summarize(steady_steps(events, last_n), (), 0)["buckets"]
+    sizes = facts.get("bucket_bytes") or []
+    return [{"index": b["bucket"],
+             "bytes": sizes[b["bucket"]] if b["bucket"] < len(sizes) else None,
+             "launch_ms": b["ready_ms"] + b["ready_to_launch_ms"], "exposed_ms": b["exposed_ms"]}
+            for b in table]
 
 
 def _bucket_stats(events: Sequence[Event], last_n: int) -> list[dict[str, float]]:
@@ -404,7 +447,8 @@ def _run_curve(facts: dict[str, Any], buckets: list[dict[str, float]]) -> CommCu
 
 def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
               events: Sequence[Event], last_n: int,
-              curve: CommCurve | None) -> tuple[list[Finding], list[str]]:
+              curve: CommCurve | None, steps: Sequence[RankStep] = ()
+              ) -> tuple[list[Finding], list[str]]:
     """Every finding whose condition holds (``analyse`` applies the saving bar), and the
     notes: facts that are no finding."""
     p = parts[min(parts)]
@@ -467,7 +511,15 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
         # The last bucket's exposure is clearest on the rank that waited least for others.
         p_last = max(parts.values(), key=lambda q: q["last_bucket"])
         if facts.get("overlap", True):  # the step model's buckets overlap the backward
+            out += _fitted_cap_finding(facts, events, last_n, steps, notes)
             out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
+            keyed = {f.key: f for f in out}
+            if "bucket_cap" in keyed and "last_bucket" in keyed and \
+                    keyed["bucket_cap"].change.split("=")[-1] == \
+                    keyed["last_bucket"].change.split("=")[-1].split(":")[0]:
+                worse = min((keyed["bucket_cap"], keyed["last_bucket"]),
+                            key=lambda f: f.saving_ms)
+                out = [f for f in out if f is not worse]  # one change, said once
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -520,28 +572,9 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
     caps = sorted(set(DEFAULT_CAPS_MB) | {cur_mb})
     preds = {cap: simulate(profile, curve, cap, per_bucket_ms=c) for cap in caps}
     cur = preds[cur_mb]
-    # the one rule of bucket_cap_mb="auto" and gradring tune ([Note: one rule for
-    # picking a cap] in reducer/autocap.py), with auto's model of the host: where no
-    # core was free, nothing overlaps and no first bucket is kept small ([Note: auto
-    # on a host with no free core])
-    free = facts.get("free_core", True)
-    picking = preds if free else {
-        cap: predict(profile, curve, cap, per_bucket_ms=c, free_core=False) for cap in caps}
-    now = picking[cur_mb]
-    best = pick([q for cap, q in picking.items() if cap in DEFAULT_CAPS_MB]).prediction
     source = "all-reduce times measured on this link" if measured else \
         "this run's own bucket timings"
     out = []
-    ratio = max(best.cap_mb / cur_mb, cur_mb / best.cap_mb)
-    if ratio >= CAP_FACTOR and best.buckets != now.buckets:
-        out.append(Finding(
-            "bucket_cap", f"bucket_cap_mb={cur_mb:.3g} is far from the step model's pick",
-            f"construct DDP with bucket_cap_mb={best.cap_mb:g}", now.step_ms - best.step_ms,
-            f"step model ({source}; {c:.2f} ms per bucket, the {c_source}): "
-            f"{len(now.buckets)} buckets, "
-            f"predicted step {now.step_ms:.2f} ms; at {best.cap_mb:g} MiB "
-            f"{len(best.buckets)} buckets, {best.step_ms:.2f} ms (the cap "
-            "bucket_cap_mb='auto' and gradring tune pick by the same rule)"))
     last_bytes = facts["bucket_bytes"][-1]
     exposed = p_last["earlier_buckets"] + p_last["last_bucket"]
     if p_last["last_bucket"] > 0 and p_last["last_bucket"] >= 0.5 * exposed:
@@ -566,12 +599,52 @@ def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str
                 f"{exposed:.2f} ms/step exposed (waiting for peers left out); saving = its "
                 f"share of the bytes removed, minus {c:.2f} ms for each extra bucket (the "
                 f"{c_source}; {source})"))
-    keyed = {f.key: f for f in out}
-    if "bucket_cap" in keyed and "last_bucket" in keyed and \
-            keyed["bucket_cap"].change.split("=")[-1] == \
-            keyed["last_bucket"].change.split("=")[-1].split(":")[0]:
-        out = [max(out, key=lambda f: f.saving_ms)]  # one change, said once
     return out
+
+
+def _fitted_cap_finding(facts: dict[str, Any], events: Sequence[Event], last_n: int,
+                        steps: Sequence[RankStep], notes: list[str]) -> list[Finding]:
+    """The bucket-cap finding from the step model fitted to this run ([Note: the fitted
+    step model] in tools/findings.py), by the rule auto and tune pick with; given only
+    when the cap is far from the run's (``CAP_FACTOR``) and the saving is outside the
+    spread of the measured steps (else a note says the run is too noisy to tell)."""
+    from gradring.tools import findings
+    from gradring.tools.read_record import record_model
+
+    rank = int(facts["rank"])
+    step_ms = {s.iteration: s.step for s in steps}
+    model = record_model(rank, steady_steps(events, last_n), facts, step_ms)
+    rows = {s.iteration: s._asdict() for s in steps}
+    kept = [s.iteration for s in steps]
+    fit = findings.fit_rank(model, rank, kept, rows)
+    if isinstance(fit, str):
+        notes.append(f"the step model could not be fitted to this run: {fit}; no bucket-cap "
+                     "finding")
+        return []
+    cur_mb = facts["bucket_cap_bytes"] / MIB
+    rec = findings.recommend_cap(fit, "gradring")
+    if rec is None:
+        return []
+    best, why = rec
+    saving = fit.current.step_ms - best.step_ms
+    ratio = max(best.cap_mb / cur_mb, cur_mb / best.cap_mb)
+    if ratio < CAP_FACTOR:
+        return []
+    spread = findings.spread_ms([s.step for s in steps])
+    finding = Finding(
+        "bucket_cap", f"bucket_cap_mb={cur_mb:.3g} is far from the step model's pick",
+        f"construct DDP with bucket_cap_mb={best.cap_mb:g}", saving,
+        f"step model fitted to this run ({fit.how}): it reproduces the measured "
+        f"{fit.measured_step_ms:.2f} ms/step with the run's {len(fit.groups)} bucket(s) and "
+        f"predicts {best.step_ms:.2f} at {best.cap_mb:g} MiB ({len(best.buckets)} "
+        f"bucket(s)); the cap bucket_cap_mb='auto' and gradring tune pick by the same rule: "
+        f"{why}")
+    if saving <= spread:
+        notes.append(f"{finding.title}: {finding.change} would save {saving:.2f} ms/step by "
+                     f"the fitted model, inside the {spread:.2f} ms spread of the measured "
+                     "steps (interquartile range): the run is too noisy to tell")
+        return []
+    return [finding]
 
 
 # ------------------------------------------------------------------ text
@@ -580,8 +653,8 @@ def format_explanation(x: Explanation) -> str:
     counts = [int(x.parts[r]["steps"]) for r in ranks]
     over = f"{counts[0]} step(s)" if len(set(counts)) == 1 else \
         "/".join(map(str, counts)) + " step(s) on rank " + "/".join(map(str, ranks))
-    lines = [f"gradring explain: {len(ranks)} rank(s), means over {over} (the steps "
-             "overlap_stats() summarises)",
+    head = x.summary or (f"means over {over} (the steps overlap_stats() summarises)")
+    lines = [f"gradring explain: {len(ranks)} rank(s), {head}",
              f"{'ms per step':<17}" + "".join(f"{'rank ' + str(r):>16}" for r in ranks)]
     shown: dict[int, dict[str, float]] = {}
     for r in ranks:
@@ -590,14 +663,18 @@ def format_explanation(x: Explanation) -> str:
         # comm and backward) keep their own rounding; the other rows are rounded to
         # add up to them as printed
         row = {k: float(f"{part[k]:.2f}") for k in PINNED_ROWS}
-        rest = [k for k in STEP_ROWS if k not in PINNED_ROWS]
+        rest = [k for k in STEP_ROWS if k not in PINNED_ROWS] + \
+            (["idle"] if "idle" in part else [])
         row.update(zip(rest, apportion(row["step"] - sum(row[k] for k in PINNED_ROWS
                                                          if k != "step"),
                                        [part[k] for k in rest])))
         row.update(zip(EXPOSED_ROWS, apportion(row["exposed_comm"],
                                                [part[k] for k in EXPOSED_ROWS])))
         shown[r] = row
-    for key, label in TABLE_ROWS:
+    rows = TABLE_ROWS + ((("idle", "idle (GPU)"),) if any("idle" in x.parts[r] for r in ranks)
+                         else ())
+    rows = tuple(sorted(rows, key=lambda kv: kv[0] == "step"))
+    for key, label in rows:
         line = f"{label:<17}"
         for r in ranks:
             v, s = shown[r][key], x.parts[r]["step"]
@@ -605,13 +682,22 @@ def format_explanation(x: Explanation) -> str:
                 else f"{v:>9.2f}      "
         lines.append(line)
     lines.append("(rows add up to the step, the indented ones to exposed comm; exposed comm: "
-                 "collectives still running after the backward, the same figure as "
-                 "overlap_stats(), the demo and gradring timeline; forward includes buffer "
-                 "sync and the graph walk; other: loss, zero_grad, data)")
+                 + ("collectives still running after the backward, the same figure as "
+                    "overlap_stats(), the demo and gradring timeline; "
+                    if x.source == "gradring" else
+                    "NCCL kernel time with no compute kernel beside it; " if "idle" in
+                    x.parts[ranks[0]] else
+                    "the wait for collectives after autograd, less the copies; ")
+                 + "forward includes buffer sync and the graph walk; other: loss, zero_grad, "
+                 "data" + ("; idle: no kernel on the GPU" if "idle" in x.parts[ranks[0]]
+                           else "") + ")")
     s = x.straggler
     if s is None:
-        lines.append(f"stragglers: none (compute within {STRAGGLER_FRACTION:.0%} across ranks)"
-                     if len(ranks) > 1 else "stragglers: one rank only")
+        lines.append(f"stragglers: none ({x.straggler_note})" if x.straggler_note and
+                     len(ranks) > 1 else "stragglers: one rank only" if len(ranks) < 2 else
+                     "stragglers: none")
+    elif "text" in s:
+        lines.append(f"stragglers: {s['text']}")
     else:
         waits = ", ".join(f"rank {r} waits {w:.2f} ms" for r, w in s["waits"].items())
         lines.append(f"stragglers: rank {s['rank']} is slower by {s['excess_ms']:.2f} ms/step "
@@ -649,6 +735,25 @@ def explain_ddp(ddp: Any, *, last_n: int = STEADY_LAST_N, measure: bool = True) 
     curve = measure_link(ddp) if measure else None
     records = ddp.comm.all_gather_object(rank_record(ddp, curve))
     return analyse(records, last_n=last_n)
+
+
+def records_of(docs: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's record in parsed trace files ((path, doc) each); [] when none holds
+    gradring's record (torch.profiler traces are read by tools/read_profiler.py)."""
+    records: dict[int, dict[str, Any]] = {}
+    for p, doc in docs:
+        if isinstance(doc, dict) and "entries" in doc and "traceEvents" not in doc:
+            raise ValueError(f"{p} is a flight-recorder dump, which holds collectives but no "
+                             "step timings: read it with `gradring flight`; for explain, save "
+                             "traces with gradring.observe.overlap.export_chrome_trace or "
+                             "torch.profiler")
+        other = doc.get("otherData", {}) if isinstance(doc, dict) else {}
+        got = other.get("gradring_explain") if isinstance(other, dict) else None
+        if got is None:
+            continue
+        for rec in got if isinstance(got, list) else [got]:
+            records[rec["rank"]] = rec
+    return [records[r] for r in sorted(records)]
 
 
 def load(path: str, *, max_bytes: int | None = None) -> list[dict[str, Any]]:
