@@ -15,7 +15,14 @@ from typing import Any
 
 from gradring.observe.overlap import ExposedComm
 from gradring.tools import analysis
-from gradring.tools.timeline import GANTT_MAX, PHASE_ROWS, PHASES, Segment, TimelineReport, _tile
+from gradring.tools.timeline_lanes import (
+    GANTT_MAX,
+    PHASE_ROWS,
+    PHASES,
+    Segment,
+    TimelineReport,
+    _tile,
+)
 from gradring.tools.trace_model import StepTrace, TraceModel
 
 

@@ -64,6 +64,12 @@ ALLOWED = {
     "DDP.forward": "torch's DistributedDataParallel.forward, under its usual alias",
     "BatchNorm2d": "torch.nn.BatchNorm2d",
     "test/distributed/test_distributed_spawn.py": "torch's source tree, not in its wheel",
+    # event names in torch.profiler traces (docs/explain.md, tools/read_profiler.py) and
+    # the kernel kinds HTA sorts them into (tools/gpu_trace.py)
+    "ProfilerStep": "torch.profiler's step span, ProfilerStep#N",
+    "Memcpy": "a CUDA memory-copy kernel's name in a profiler trace (HTA's memory kind)",
+    "Memset": "a CUDA memset kernel's name in a profiler trace (HTA's memory kind)",
+    "Sync": "a CUDA synchronisation event's name in a profiler trace",
     # the frameworks' (docs/integrations.md)
     "Trainer": "Lightning's and transformers' Trainer",
     "TorchTrainer": "ray.train.torch.TorchTrainer",
