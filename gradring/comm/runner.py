@@ -55,7 +55,10 @@ def _largest_holding(ctx: GroupContext, mine: int) -> int:
         tag = instance_prefix(group_store(ctx.group), "shm-room", ctx.world_size)
     except Exception:  # noqa: BLE001 - no store: this rank's own figure
         return mine
-    theirs = exchange_lists(ctx, tag, [mine])
+    try:
+        theirs = exchange_lists(ctx, tag, [mine])
+    except Exception:  # noqa: BLE001 - e.g. no descriptor left for a FileStore: advice only
+        return mine
     return max([mine] + [v[0] for v in theirs.values() if v and type(v[0]) is int])
 
 

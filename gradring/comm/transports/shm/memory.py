@@ -154,7 +154,8 @@ class SegmentBook:
                 seg = self._grow_staging(k, nbytes)
             except segments.ShmFull as exc:
                 # Tell the peers in the exchange (see space.py); fill a scratch buffer.
-                if isinstance(exc, segments.NamesTaken):  # say why here; peers see "no room"
+                if isinstance(exc, (segments.NamesTaken, segments.LimitReached)):
+                    # Say why here (taken names, a process limit); peers see "no room".
                     space.warn_once(space.explain(exc, self.reserved, self.world_size)
                                     + "; gradring runs this group's collectives over the "
                                     "process group instead (slower)")

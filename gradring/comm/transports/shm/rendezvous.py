@@ -139,8 +139,8 @@ def connect(store: Any, rank: int, world_size: int, timeout: float,
         mine: dict[str, Any] = {"name": ctl.name, "cookie": cookie}
     except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
         mine = {"error": str(exc)}
-        if isinstance(exc, segments.ShmFull):
-            mine["needed"] = exc.needed
+        if isinstance(exc, segments.ShmFull) and not isinstance(exc, segments.LimitReached):
+            mine["needed"] = exc.needed  # a process limit is no matter of /dev/shm's size
     store.set(f"{key}ctl/{rank}", json.dumps(mine))
     ctls = _gather(store, f"{key}ctl/", world_size, timeout, check_missing)
     failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls)

@@ -105,8 +105,11 @@ def advice(needed: int, in_use: int, local_ranks: int,
 
 
 def explain(exc: segments.ShmFull, in_use: int, local_ranks: int, rank: int = 0) -> str:
-    """Why a segment could not be made, in words: taken names, else :func:`advice`
+    """Why a segment could not be made, in words: taken names or a process limit
+    (``segments.LimitReached``), else :func:`advice`
     (on rank 0; another rank says what did not fit: see [Note: one figure, two causes])."""
+    if isinstance(exc, segments.LimitReached):
+        return exc.strerror
     if isinstance(exc, segments.NamesTaken):
         return str(exc)
     if rank != 0:
