@@ -9,8 +9,11 @@ its cost is the path around it. The general path (``api._issue`` ->
 the algorithm up and dispatches through the registry on every call.
 :meth:`SmallSync.all_reduce` takes a call that needs none of that -- CPU,
 contiguous, at most ``select.INLINE_MAX_BYTES``, a reduction gradring does
-itself, no ``GRADRING_TRANSPORT``/``GRADRING_ALGO`` override, shm connected,
-the group not failed -- and runs ``direct/inline`` (the algorithm
+itself, a plain tensor that does not require grad (a Parameter, autograd's
+tensors, a sparse one or a non-tensor take the general path, see [Note:
+arguments are checked before the collective is issued] in ``api.py``), no
+``GRADRING_TRANSPORT``/``GRADRING_ALGO`` override, shm connected, the group not
+failed -- and runs ``direct/inline`` (the algorithm
 ``select.choose`` picks for it anyway) with every guarantee of the general
 path:
 
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from gradring.comm.context import GroupContext
 
 _DTYPES = frozenset(ops.REDUCE_DTYPES)
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
 
 
 class SmallSync:
@@ -58,6 +62,8 @@ class SmallSync:
     def all_reduce(self, tensor: torch.Tensor, op: Any, label: str | None = None) -> bool:
         """Run ``all_reduce(tensor, op)`` here and return True, or return False having
         done nothing (the caller takes the general path)."""
+        if type(tensor) is not _TENSOR or tensor.requires_grad or tensor.layout is not _STRIDED:
+            return False  # not a tensor, a Parameter, autograd's, sparse: see api.py
         if not tensor.is_cpu or tensor.dtype not in _DTYPES:
             return False
         nbytes = tensor.numel() * tensor.element_size()
