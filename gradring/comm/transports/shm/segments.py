@@ -26,8 +26,9 @@ survivor that sees it dead (when a collective fails), and every rank when it
 closes its transport or gets SIGTERM, unlinks the names under the dead peer's
 prefix (:func:`remove_dead_owners`; the owner's pid is in the name and the
 host was checked at connect). Whatever still remains is removed by the next
-process that starts a shm transport: :func:`remove_stale_segments` deletes
-every ``gradring-*`` segment of this pid namespace whose owner is dead.
+shm transport that connects, or by a live job's next sweep (see [Note: a live
+job sweeps too]): :func:`remove_stale_segments` deletes every ``gradring-*``
+segment of this pid namespace whose owner is dead.
 
 [Note: whose segment is stale]
 Several jobs share one /dev/shm, and every process of every job sweeps it at
@@ -172,9 +173,15 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
         names = os.listdir(directory)  # listed before any owner is judged dead
     except OSError:
         return removed
+    alive: dict[int, bool] = {}  # each owner judged once per sweep, after the listing
     for name in names:
         owner = owner_of(name)
-        if owner is None or owner[1] != ns or pid_alive(owner[0]):
+        if owner is None or owner[1] != ns:
+            continue
+        pid = owner[0]
+        if pid not in alive:
+            alive[pid] = pid_alive(pid)
+        if alive[pid]:
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -182,6 +189,30 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
         except OSError:
             pass  # someone else removed it first
     return removed
+
+
+#: Seconds between two sweeps of a live process (:func:`sweep_if_due`).
+SWEEP_S = 60.0
+_last_sweep = float("-inf")
+
+
+def sweep_if_due(now: float, *, force: bool = False) -> None:
+    """:func:`remove_stale_segments` if the last sweep of this process was ``SWEEP_S``
+    seconds before ``now`` (``time.monotonic()``) or more, or ``force``.
+
+    [Note: a live job sweeps too]
+    A job whose ranks were all killed -9 leaves segments that no peer removes
+    (none is left). The first connect of a later process removes them, but a
+    job that runs beside them for days would not start another. So every
+    connect sweeps, and so does a rank whose shm wait has slept a whole slice
+    (``ShmTransport._wait``), at most once per ``SWEEP_S``: a sleeping wait is
+    idle time, so the sweep (a listing of /dev/shm and one liveness check per
+    owner pid, well under a millisecond for a few hundred names) costs the hot
+    path nothing: a collective whose peers are there never sleeps."""
+    global _last_sweep
+    if force or now - _last_sweep >= SWEEP_S:
+        _last_sweep = now
+        remove_stale_segments()
 
 
 def remove_dead_owners(base: str, directory: str = SHM_DIR) -> list[str]:

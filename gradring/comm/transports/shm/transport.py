@@ -515,6 +515,7 @@ class ShmTransport:
                                  shm_status.TIMEOUT)
             if not futex.wait(addr, seen, min(SLICE_S, left)):
                 self._check_alive(what, waiting_for)
+                segments.sweep_if_due(time.monotonic())  # idle: see [Note: a live job sweeps too]
 
     # -- point-to-point (the mailboxes) ------------------------------------------------
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
