@@ -29,8 +29,9 @@ collective is numbered, so a call refused for its arguments is refused on
 every rank that makes it and no byte moves. A process-group call that raises
 at once (torch's own checks, e.g. a sparse broadcast) is not a failure of the
 group either: it fails that call only, as with torch, and the group goes on.
-The checks are a few attribute reads: the 8-byte all-reduce path
-(``small_sync.py``) pays three of them.
+The checks are a few attribute reads; the 8-byte all-reduce path
+(``small_sync.py``) pays one (``requires_grad``) and leaves the others to the
+general path.
 """
 
 from __future__ import annotations

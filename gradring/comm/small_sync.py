@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from gradring.comm.context import GroupContext
 
 _DTYPES = frozenset(ops.REDUCE_DTYPES)
-_TENSOR, _STRIDED = torch.Tensor, torch.strided
 
 
 class SmallSync:
@@ -62,13 +61,15 @@ class SmallSync:
     def all_reduce(self, tensor: torch.Tensor, op: Any, label: str | None = None) -> bool:
         """Run ``all_reduce(tensor, op)`` here and return True, or return False having
         done nothing (the caller takes the general path)."""
-        if type(tensor) is not _TENSOR or tensor.requires_grad or tensor.layout is not _STRIDED:
-            return False  # not a tensor, a Parameter, autograd's, sparse: see api.py
-        if not tensor.is_cpu or tensor.dtype not in _DTYPES:
-            return False
-        nbytes = tensor.numel() * tensor.element_size()
-        if not 0 < nbytes <= select.INLINE_MAX_BYTES or not tensor.is_contiguous():
-            return False
+        try:  # no cost unless it raises (3.11's exceptions): the 8-byte floor
+            if tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in _DTYPES:
+                return False  # a Parameter, autograd's: written through .data (api.py)
+            # (a sparse tensor is not contiguous: the general path hands it to gloo)
+            nbytes = tensor.numel() * tensor.element_size()
+            if not 0 < nbytes <= select.INLINE_MAX_BYTES or not tensor.is_contiguous():
+                return False
+        except (AttributeError, RuntimeError):
+            return False  # not a tensor, a layout without strides: see api.py
         try:
             mine = ops.BY_VALUE.get(op)
         except TypeError:  # an unhashable custom op: the general path says what is wrong
