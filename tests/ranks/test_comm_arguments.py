@@ -217,3 +217,19 @@ def test_the_next_ddp_constructor_works_after_refused_calls(pools):
     for r in pools.run(2, _ddp_after_refusals):
         for a, b in zip(r["gradring"], r["torch"]):
             assert torch.equal(a, b)
+
+
+def _sizes_differ(rank: int, world_size: int) -> dict:
+    # torch's gloo has no answer here (one rank returned a wrong sum, the other hung):
+    # gradring raises DesyncError on every rank before any byte moves, and goes on.
+    errors = [_outcome(comm.all_reduce, torch.ones(n[rank]))
+              for n in ((2, 3), (20_000, 30_000), (2, 30_000))]
+    return {"errors": errors, "usable": _still_usable(rank)}
+
+
+def test_sizes_that_differ_across_ranks_fail_the_call_not_the_group(pools):
+    results = pools.run(2, _sizes_differ)
+    for r in results:
+        for kind, text in r["errors"]:
+            assert kind == "DesyncError" and "byte size" in text, text
+    _assert_usable(results)

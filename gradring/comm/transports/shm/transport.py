@@ -607,7 +607,7 @@ class ShmTransport:
             theirs = (seq, kind, pbytes, pcode, pshape, plabel)
             if theirs[:4] != (info.seq, int(info.kind), nbytes, dcode) or \
                     self._full_check and theirs[4:] != self._fp[4:]:
-                self._desync(p, theirs)
+                self._desync(p, theirs, before_data=True)
             if not pflags & _HAS_BUFFER:
                 mem.collect_retired(p)
                 views.append(None)
@@ -666,7 +666,7 @@ class ShmTransport:
                 theirs = (seq, kind, pbytes, pcode, pshape, plabel)
                 if theirs[:4] != expected or not pflags & _INLINE or \
                         self._full_check and theirs[4:] != self._fp[4:]:
-                    self._desync(p, theirs)
+                    self._desync(p, theirs, before_data=True)
         self._open = False
         return views
 
@@ -692,12 +692,29 @@ class ShmTransport:
         self._last_staged = 0
         self.close()
 
-    def _desync(self, p: int, theirs: Sequence[int]) -> None:
+    def _desync(self, p: int, theirs: Sequence[int], *, before_data: bool = False) -> None:
+        """Raise the desync with rank ``p``; sticky unless ``before_data`` shows only
+        the arguments differ.
+
+        [Note: different arguments, same collective]
+        When the ranks issued the same collective (sequence number and kind) with
+        different arguments -- sizes, dtypes or shapes -- and the descriptors show
+        it after the start barrier, no byte has moved yet and every rank sees
+        the difference (each compares itself with every peer), so every rank
+        raises the DesyncError there, in the same exchange, with its counters in
+        step: the group stays usable, as a call refused for its arguments leaves
+        it (see [Note: arguments are checked before the collective is issued] in
+        ``api.py``). Ranks in different collectives, or a difference found once
+        messages flow (``_check_sender``), fail the group for good as before."""
         info = self._info
         assert info is not None
         err = desync.mismatch(info, self.rank, p, theirs,
                               desync.difference(self._fp, theirs) or "descriptors")
         self._settle = None
+        if before_data and tuple(theirs[:2]) == (info.seq, int(info.kind)):
+            self._busy = self._open = False
+            self._last_staged = 0
+            raise err
         self._decide(shm_status.DESYNC)
         self._broken = str(err)
         raise err
