@@ -33,8 +33,11 @@ def run(ctx: GroupContext, c: Collective) -> None:
     except ShmExhausted as exc:
         # Every rank raised it in this collective (shm/space.py): all fall back together.
         shm = ctx.transports.existing_shm()
-        in_use = _largest_holding(ctx, shm.memory.reserved if shm else 0)
-        advice = space.advice(exc.needed, in_use, ctx.world_size)
+        if exc.limited:  # a process limit, not /dev/shm: no store round, no size advice
+            advice = space.limit_notice(exc.limited)
+        else:
+            in_use = _largest_holding(ctx, shm.memory.reserved if shm else 0)
+            advice = space.advice(exc.needed, in_use, ctx.world_size)
         ctx.transports.drop_shm(str(exc))
         if c.env.transport == "shm":
             err = CollectiveError(f"{exc}; GRADRING_TRANSPORT=shm forbids falling back to "

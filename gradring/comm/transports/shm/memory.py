@@ -87,6 +87,8 @@ class SegmentBook:
         # Bytes of a staging buffer this rank could not reserve for the exchange in
         # progress (0: none), see space.py.
         self._no_room = 0
+        # Whether that was a process limit (open files...), not /dev/shm's room.
+        self.no_room_limit = False
         # Guards allocation state touched from the caller's thread (empty()).
         self._lock = threading.Lock()
         # Bytes of /dev/shm this rank holds (for the advice when it runs out).
@@ -160,6 +162,7 @@ class SegmentBook:
                                     + "; gradring runs this group's collectives over the "
                                     "process group instead (slower)")
                 self._no_room = exc.needed
+                self.no_room_limit = isinstance(exc, segments.LimitReached)
                 return torch.empty(flat.numel(), dtype=flat.dtype), False
         segno = seg.segno
         self._exposed = (segno, 0)

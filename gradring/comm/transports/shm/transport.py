@@ -55,7 +55,7 @@ from gradring.comm.transports.shm.mailbox import Mailboxes
 from gradring.comm.transports.shm.memory import SegmentBook
 from gradring.comm.transports.shm.segments import Segment
 
-_HAS_BUFFER, _ZERO_COPY, _NO_ROOM, _INLINE = 1, 2, 4, 8
+_HAS_BUFFER, _ZERO_COPY, _NO_ROOM, _INLINE, _AT_LIMIT = 1, 2, 4, 8, 16
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
@@ -585,8 +585,9 @@ class ShmTransport:
         nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
         flags = 0
         self._last_staged = 0
-        if no_room:
-            flags, offset, exposed = _NO_ROOM, no_room, None
+        if no_room:  # a process limit, not /dev/shm, where _AT_LIMIT: see space.py
+            flags, offset, exposed = _NO_ROOM | (_AT_LIMIT if mem.no_room_limit else 0), \
+                no_room, None
         elif exposed is not None:
             flags = _HAS_BUFFER | (_ZERO_COPY if zero_copy else 0)
             self._last_staged = 0 if zero_copy else segno
@@ -674,17 +675,20 @@ class ShmTransport:
         """Every rank reads every descriptor after the start barrier: if any rank had
         no room for its buffer, all of them raise :class:`space.ShmExhausted` here."""
         short = {self.rank: needed} if flags & _NO_ROOM else {}
+        limited = [self.rank] if flags & _AT_LIMIT else []
         for p in range(self.world_size):
             if p != self.rank:
                 _, _, pflags, _, _, _, poff, _, _ = DESC.unpack_from(self._ctls[p].mm, desc_off)
                 if pflags & _NO_ROOM:
                     short[p] = poff
+                if pflags & _AT_LIMIT:
+                    limited.append(p)
         if short:
             info = self._info.describe() if self._info else "collective"
             need = max(short.values())
             raise space.ShmExhausted(
                 f"gradring {info}: ranks {sorted(short)} could not reserve a "
-                f"{need}-byte buffer in {segments.SHM_DIR}", need)
+                f"{need}-byte buffer in {segments.SHM_DIR}", need, sorted(limited))
 
     def release_for_fallback(self) -> None:
         """Every rank gave shared memory up in the same collective: close without
