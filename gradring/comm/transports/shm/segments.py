@@ -290,8 +290,13 @@ class Segment:
         """Map a peer's segment: never through a symlink, only a regular file of this
         user with mode 0600 and at least ``min_size`` bytes (else PermissionError or
         ValueError naming what is wrong)."""
-        fd = os.open(os.path.join(SHM_DIR, check_name(name)),
-                     os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(os.path.join(SHM_DIR, check_name(name)),
+                         os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # say which limit
+                raise LimitReached.files(name, 0, exc.errno) from None
+            raise
         try:
             st = os.fstat(fd)
             mode = stat.S_IMODE(st.st_mode)
