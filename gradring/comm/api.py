@@ -9,6 +9,29 @@ torch's own return values.
 ``src`` of :func:`broadcast` is a *global* rank, like torch's; ``group_src``
 gives a group rank instead. A rank outside ``group`` gets ``None`` back and
 nothing happens, as in torch.
+
+[Note: arguments are checked before the collective is issued]
+Each function takes what ``torch.distributed``'s takes on gloo and refuses what
+it refuses, with the same exception type:
+
+- a non-tensor: ``TypeError`` with torch's words ("Expected parameter `tensor`
+  of type torch.Tensor"), raised before anything else;
+- a tensor that requires grad (an ``nn.Parameter``, as in ``for p in
+  model.parameters(): dist.broadcast(p, 0)``, or any non-leaf): gloo writes
+  its bytes without autograd knowing, and so does gradring, through
+  ``tensor.data`` (no version bump, no graph; the future still resolves to the
+  caller's own tensor);
+- a sparse (or any non-strided) tensor goes to the process group, which sums
+  sparse COO tensors (coalesced, in place) and refuses the rest as torch does.
+
+All of it is decided on this rank from the arguments alone, before the
+collective is numbered, so a call refused for its arguments is refused on
+every rank that makes it and no byte moves. A process-group call that raises
+at once (torch's own checks, e.g. a sparse broadcast) is not a failure of the
+group either: it fails that call only, as with torch, and the group goes on.
+The checks are a few attribute reads; the 8-byte all-reduce path
+(``small_sync.py``) pays one (``requires_grad``) and leaves the others to the
+general path.
 """
 
 from __future__ import annotations
@@ -39,8 +62,27 @@ _default_group = dist.distributed_c10d._get_default_group
 _WORLD = getattr(dist.distributed_c10d, "_world", None)
 
 
+_STRIDED = torch.strided
+
+
 def _is_native(*tensors: torch.Tensor) -> bool:
-    return any(t.device.type != "cpu" for t in tensors) or select.overrides().algo == "native"
+    return any(t.device.type != "cpu" or t.layout is not _STRIDED for t in tensors) \
+        or select.overrides().algo == "native"
+
+
+def _checked(tensor: Any, name: str, call: str) -> torch.Tensor:
+    """``tensor`` if it is one, else torch's TypeError (see [Note: arguments are checked
+    before the collective is issued])."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"gradring.comm.{call}: Invalid function argument. Expected parameter "
+                        f"`{name}` of type torch.Tensor but got {type(tensor)} instead.")
+    return tensor
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor gradring reads and writes for ``tensor``: its ``.data`` when it
+    requires grad (written outside autograd, as gloo does), else itself."""
+    return tensor.data if tensor.requires_grad else tensor
 
 
 def _reduction(op: Any, dtype: torch.dtype) -> ops.Op | None:
@@ -128,7 +170,10 @@ def _native(group: Any, kind: Kind, inp: torch.Tensor, tensors: Sequence[torch.T
     try:
         work = call(True)
     except Exception as exc:
-        ctx.failures.record(entry, exc)
+        # Refused before it started (torch's own checks of the arguments): this call
+        # fails, not the group, as in torch (see [Note: arguments are checked before
+        # the collective is issued]).
+        entry.fail(f"{type(exc).__name__}: {exc}")
         raise
     try:
         native = work.get_future()
@@ -174,6 +219,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
             if on_done is not None:
                 engine.completed([tensor]).get_future().add_done_callback(on_done)
             return None
+    _checked(tensor, "tensor", "all_reduce")
     mine = _reduction(op, tensor.dtype)
     if mine is None or _is_native(tensor):
         return _native(group, Kind.ALL_REDUCE, tensor, [tensor], [tensor], async_op,
@@ -184,7 +230,8 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
         return None
     if ctx.world_size == 1 or tensor.numel() == 0:
         return _done(async_op, [tensor], on_done)
-    return _issue(ctx, Kind.ALL_REDUCE, tensor, tensor, mine, 0, async_op, [tensor],
+    data = _plain(tensor)
+    return _issue(ctx, Kind.ALL_REDUCE, data, data, mine, 0, async_op, [tensor],
                   label=label, on_done=on_done)
 
 
@@ -232,6 +279,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
 
     CUDA tensors use the process group's native broadcast.
     """
+    _checked(tensor, "tensor", "broadcast")
     if _is_native(tensor):
         return _native(group, Kind.BROADCAST, tensor, [tensor], [tensor], async_op,
                        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a,
@@ -242,7 +290,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
     root = _group_rank(ctx, src, group_src)
     if ctx.world_size == 1 or tensor.numel() == 0:
         return _done(async_op, [tensor])
-    return _issue(ctx, Kind.BROADCAST, tensor, tensor, ops.SUM, root, async_op, [tensor])
+    data = _plain(tensor)
+    return _issue(ctx, Kind.BROADCAST, data, data, ops.SUM, root, async_op, [tensor])
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -252,6 +301,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     ``output_tensor`` holds ``world_size`` times as many elements (any shape).
     CUDA tensors use the process group's native all_gather_into_tensor.
     """
+    _checked(input_tensor, "input_tensor", "all_gather_into_tensor")
+    _checked(output_tensor, "output_tensor", "all_gather_into_tensor")
     if _is_native(output_tensor, input_tensor):
         return _native(group, Kind.ALL_GATHER, input_tensor, [output_tensor, input_tensor],
                        [output_tensor], async_op,
@@ -269,6 +320,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     ``input`` holds ``world_size`` times as many elements as ``output``. CUDA
     tensors use the process group's native reduce_scatter_tensor.
     """
+    _checked(output, "output", "reduce_scatter_tensor")
+    _checked(input, "input", "reduce_scatter_tensor")
     mine = _reduction(op, input.dtype)
     if mine is None or _is_native(output, input):
         return _native(group, Kind.REDUCE_SCATTER, input, [output, input], [output], async_op,
@@ -289,13 +342,15 @@ def _issue_sized(group: Any, kind: Kind, name: str, output: torch.Tensor, inp: t
     _check_sizes(name, ctx, big=big, small=small,
                  big_name="output" if big is output else "input",
                  small_name="input" if big is output else "output")
+    value = [output]  # the caller's own tensor, also where its .data is written
+    output, inp = _plain(output), _plain(inp)
     if ctx.world_size == 1:
         if output.numel():
             output.view(-1).copy_(inp.reshape(-1))
-        return _done(async_op, [output])
+        return _done(async_op, value)
     if small.numel() == 0:
-        return _done(async_op, [output])
-    return _issue(ctx, kind, output, inp, op, 0, async_op, [output])
+        return _done(async_op, value)
+    return _issue(ctx, kind, output, inp, op, 0, async_op, value)
 
 
 def barrier(group: Any = None, async_op: bool = False,

@@ -33,8 +33,11 @@ def run(ctx: GroupContext, c: Collective) -> None:
     except ShmExhausted as exc:
         # Every rank raised it in this collective (shm/space.py): all fall back together.
         shm = ctx.transports.existing_shm()
-        in_use = _largest_holding(ctx, shm.memory.reserved if shm else 0)
-        advice = space.advice(exc.needed, in_use, ctx.world_size)
+        if exc.limited:  # a process limit, not /dev/shm: no store round, no size advice
+            advice = space.limit_notice(exc.limited)
+        else:
+            in_use = _largest_holding(ctx, shm.memory.reserved if shm else 0)
+            advice = space.advice(exc.needed, in_use, ctx.world_size)
         ctx.transports.drop_shm(str(exc))
         if c.env.transport == "shm":
             err = CollectiveError(f"{exc}; GRADRING_TRANSPORT=shm forbids falling back to "
@@ -55,7 +58,10 @@ def _largest_holding(ctx: GroupContext, mine: int) -> int:
         tag = instance_prefix(group_store(ctx.group), "shm-room", ctx.world_size)
     except Exception:  # noqa: BLE001 - no store: this rank's own figure
         return mine
-    theirs = exchange_lists(ctx, tag, [mine])
+    try:
+        theirs = exchange_lists(ctx, tag, [mine])
+    except Exception:  # noqa: BLE001 - e.g. no descriptor left for a FileStore: advice only
+        return mine
     return max([mine] + [v[0] for v in theirs.values() if v and type(v[0]) is int])
 
 

@@ -9,8 +9,11 @@ its cost is the path around it. The general path (``api._issue`` ->
 the algorithm up and dispatches through the registry on every call.
 :meth:`SmallSync.all_reduce` takes a call that needs none of that -- CPU,
 contiguous, at most ``select.INLINE_MAX_BYTES``, a reduction gradring does
-itself, no ``GRADRING_TRANSPORT``/``GRADRING_ALGO`` override, shm connected,
-the group not failed -- and runs ``direct/inline`` (the algorithm
+itself, a plain tensor that does not require grad (a Parameter, autograd's
+tensors, a sparse one or a non-tensor take the general path, see [Note:
+arguments are checked before the collective is issued] in ``api.py``), no
+``GRADRING_TRANSPORT``/``GRADRING_ALGO`` override, shm connected, the group not
+failed -- and runs ``direct/inline`` (the algorithm
 ``select.choose`` picks for it anyway) with every guarantee of the general
 path:
 
@@ -58,11 +61,15 @@ class SmallSync:
     def all_reduce(self, tensor: torch.Tensor, op: Any, label: str | None = None) -> bool:
         """Run ``all_reduce(tensor, op)`` here and return True, or return False having
         done nothing (the caller takes the general path)."""
-        if not tensor.is_cpu or tensor.dtype not in _DTYPES:
-            return False
-        nbytes = tensor.numel() * tensor.element_size()
-        if not 0 < nbytes <= select.INLINE_MAX_BYTES or not tensor.is_contiguous():
-            return False
+        try:  # no cost unless it raises (3.11's exceptions): the 8-byte floor
+            if tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in _DTYPES:
+                return False  # a Parameter, autograd's: written through .data (api.py)
+            # (a sparse tensor is not contiguous: the general path hands it to gloo)
+            nbytes = tensor.numel() * tensor.element_size()
+            if not 0 < nbytes <= select.INLINE_MAX_BYTES or not tensor.is_contiguous():
+                return False
+        except (AttributeError, RuntimeError):
+            return False  # not a tensor, a layout without strides: see api.py
         try:
             mine = ops.BY_VALUE.get(op)
         except TypeError:  # an unhashable custom op: the general path says what is wrong

@@ -87,6 +87,8 @@ class SegmentBook:
         # Bytes of a staging buffer this rank could not reserve for the exchange in
         # progress (0: none), see space.py.
         self._no_room = 0
+        # Whether that was a process limit (open files...), not /dev/shm's room.
+        self.no_room_limit = False
         # Guards allocation state touched from the caller's thread (empty()).
         self._lock = threading.Lock()
         # Bytes of /dev/shm this rank holds (for the advice when it runs out).
@@ -154,11 +156,13 @@ class SegmentBook:
                 seg = self._grow_staging(k, nbytes)
             except segments.ShmFull as exc:
                 # Tell the peers in the exchange (see space.py); fill a scratch buffer.
-                if isinstance(exc, segments.NamesTaken):  # say why here; peers see "no room"
+                if isinstance(exc, (segments.NamesTaken, segments.LimitReached)):
+                    # Say why here (taken names, a process limit); peers see "no room".
                     space.warn_once(space.explain(exc, self.reserved, self.world_size)
                                     + "; gradring runs this group's collectives over the "
                                     "process group instead (slower)")
                 self._no_room = exc.needed
+                self.no_room_limit = isinstance(exc, segments.LimitReached)
                 return torch.empty(flat.numel(), dtype=flat.dtype), False
         segno = seg.segno
         self._exposed = (segno, 0)

@@ -33,6 +33,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,6 @@ from gradring.comm.transports.shm.transport import ShmTransport, live_transports
 from gradring.comm.transports.topology import host_identity
 
 _transport_counter = itertools.count()
-_cleaned = False
 
 
 def _gather(store: Any, prefix: str, world_size: int, timeout: float,
@@ -77,11 +77,10 @@ def _gather(store: Any, prefix: str, world_size: int, timeout: float,
     return out
 
 
-def _cleanup_once() -> None:
-    global _cleaned
-    if not _cleaned:
-        _cleaned = True
-        segments.remove_stale_segments()
+def _sweep() -> None:
+    """What dead processes left in /dev/shm goes at every connect (see [Note: a live job
+    sweeps too] in ``segments.py``)."""
+    segments.sweep_if_due(time.monotonic(), force=True)
 
 
 def _announced(p: int, info: Any, ctl: Any) -> tuple[str, int, int]:
@@ -113,9 +112,9 @@ def connect(store: Any, rank: int, world_size: int, timeout: float,
     """Rendezvous through ``store`` (a store private to the group); collective.
 
     Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
-    share a host (or a peer's announcement does not check out). At the first
-    connect in a process, segments left by dead processes are removed (see
-    [Note: segment names and leaks]). ``check_missing(ranks)`` runs while it waits
+    share a host (or a peer's announcement does not check out). At every
+    connect, segments left by dead processes are removed (see
+    [Note: a live job sweeps too] in ``segments.py``). ``check_missing(ranks)`` runs while it waits
     for ranks that have not come yet, and may raise (one known to be gone).
     """
     key = instance_prefix(store, "shm", world_size)  # one generation per group instance
@@ -128,7 +127,7 @@ def connect(store: Any, rank: int, world_size: int, timeout: float,
         return None, "shared-memory futexes need Linux on x86-64"
     if others:
         return None, f"ranks {others} run on another host, boot or pid namespace"
-    _cleanup_once()
+    _sweep()
     base = segments.segment_base(os.getpid(), ident["pidns"], next(_transport_counter))
     naming_key = secrets.token_bytes(KEY_BYTES)  # this rank's own: never in the store
     cookie = secrets.randbits(63)
@@ -139,8 +138,8 @@ def connect(store: Any, rank: int, world_size: int, timeout: float,
         mine: dict[str, Any] = {"name": ctl.name, "cookie": cookie}
     except OSError as exc:  # e.g. /dev/shm full: everybody falls back together
         mine = {"error": str(exc)}
-        if isinstance(exc, segments.ShmFull):
-            mine["needed"] = exc.needed
+        if isinstance(exc, segments.ShmFull) and not isinstance(exc, segments.LimitReached):
+            mine["needed"] = exc.needed  # a process limit is no matter of /dev/shm's size
     store.set(f"{key}ctl/{rank}", json.dumps(mine))
     ctls = _gather(store, f"{key}ctl/", world_size, timeout, check_missing)
     failed = [f"rank {p}: {c['error']}" for p, c in enumerate(ctls)

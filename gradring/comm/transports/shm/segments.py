@@ -26,8 +26,9 @@ survivor that sees it dead (when a collective fails), and every rank when it
 closes its transport or gets SIGTERM, unlinks the names under the dead peer's
 prefix (:func:`remove_dead_owners`; the owner's pid is in the name and the
 host was checked at connect). Whatever still remains is removed by the next
-process that starts a shm transport: :func:`remove_stale_segments` deletes
-every ``gradring-*`` segment of this pid namespace whose owner is dead.
+shm transport that connects, or by a live job's next sweep (see [Note: a live
+job sweeps too]): :func:`remove_stale_segments` deletes every ``gradring-*``
+segment of this pid namespace whose owner is dead.
 
 [Note: whose segment is stale]
 Several jobs share one /dev/shm, and every process of every job sweeps it at
@@ -62,7 +63,9 @@ import hashlib
 import mmap
 import os
 import re
+import resource
 import stat
+import weakref
 from typing import Any
 
 import numpy as np
@@ -170,9 +173,15 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
         names = os.listdir(directory)  # listed before any owner is judged dead
     except OSError:
         return removed
+    alive: dict[int, bool] = {}  # each owner judged once per sweep, after the listing
     for name in names:
         owner = owner_of(name)
-        if owner is None or owner[1] != ns or pid_alive(owner[0]):
+        if owner is None or owner[1] != ns:
+            continue
+        pid = owner[0]
+        if pid not in alive:
+            alive[pid] = pid_alive(pid)
+        if alive[pid]:
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -180,6 +189,30 @@ def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
         except OSError:
             pass  # someone else removed it first
     return removed
+
+
+#: Seconds between two sweeps of a live process (:func:`sweep_if_due`).
+SWEEP_S = 60.0
+_last_sweep = float("-inf")
+
+
+def sweep_if_due(now: float, *, force: bool = False) -> None:
+    """:func:`remove_stale_segments` if the last sweep of this process was ``SWEEP_S``
+    seconds before ``now`` (``time.monotonic()``) or more, or ``force``.
+
+    [Note: a live job sweeps too]
+    A job whose ranks were all killed -9 leaves segments that no peer removes
+    (none is left). The first connect of a later process removes them, but a
+    job that runs beside them for days would not start another. So every
+    connect sweeps, and so does a rank whose shm wait has slept a whole slice
+    (``ShmTransport._wait``), at most once per ``SWEEP_S``: a sleeping wait is
+    idle time, so the sweep (a listing of /dev/shm and one liveness check per
+    owner pid, well under a millisecond for a few hundred names) costs the hot
+    path nothing: a collective whose peers are there never sleeps."""
+    global _last_sweep
+    if force or now - _last_sweep >= SWEEP_S:
+        _last_sweep = now
+        remove_stale_segments()
 
 
 def remove_dead_owners(base: str, directory: str = SHM_DIR) -> list[str]:
@@ -219,10 +252,10 @@ def unlink_quietly(name: str, owner_pid: int | None = None) -> None:
 class Segment:
     """One mapped segment: its bytes as a tensor, its 32-bit words, its address."""
 
-    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool, fd: int = -1) -> None:
+    def __init__(self, name: str, mm: memoryview, *, owner: bool, fd: int = -1) -> None:
         # /dev/shm name (without directory), to unlink and to show in errors.
         self.name = name
-        # The mapping; everything below is a view of it.
+        # The mapping (bytes, see :func:`map_shared`); everything below is a view of it.
         self.mm = mm
         # Size in bytes.
         self.size = len(mm)
@@ -257,8 +290,13 @@ class Segment:
         """Map a peer's segment: never through a symlink, only a regular file of this
         user with mode 0600 and at least ``min_size`` bytes (else PermissionError or
         ValueError naming what is wrong)."""
-        fd = os.open(os.path.join(SHM_DIR, check_name(name)),
-                     os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(os.path.join(SHM_DIR, check_name(name)),
+                         os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # say which limit
+                raise LimitReached.files(name, 0, exc.errno) from None
+            raise
         try:
             st = os.fstat(fd)
             mode = stat.S_IMODE(st.st_mode)
@@ -269,7 +307,7 @@ class Segment:
             if st.st_size < max(min_size, 1):
                 raise ValueError(f"{SHM_DIR}/{name} has {st.st_size} bytes, expected at "
                                  f"least {max(min_size, 1)}")
-            mm = mmap.mmap(fd, st.st_size)
+            mm = map_shared(fd, st.st_size, name)
         except BaseException:
             os.close(fd)
             raise
@@ -299,16 +337,16 @@ class Segment:
         self.array = None
         del self._pin
         try:
-            self.mm.close()
+            self.mm.release()  # unmapped now unless someone else still views it
         except BufferError:
-            pass  # a caller still holds a tensor on it: the GC unmaps it later
+            pass  # a caller still holds a tensor on it: unmapped when that goes
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.size} bytes)"
 
 
 def user_segment(name: str, nbytes: int) -> tuple[torch.Tensor, Any]:
-    """Create a segment for ``comm.empty``: returns its byte tensor and the mmap.
+    """Create a segment for ``comm.empty``: returns its byte tensor and the mapping.
 
     The tensor keeps the mapping alive; nothing else here holds it, so it is
     unmapped when the caller's last view goes.
@@ -358,6 +396,72 @@ class NamesTaken(ShmFull):
         self.needed, self.free, self.total = needed, 0, 0
 
 
+class LimitReached(ShmFull):
+    """A limit of the process, not of /dev/shm, stops a new segment: open files
+    (``RLIMIT_NOFILE``; a segment needs a descriptor only while it is created or
+    mapped, see :func:`map_shared`) or mappings (``vm.max_map_count``). Handled like a
+    full /dev/shm, with a message that names the limit."""
+
+    def __init__(self, code: int, text: str, needed: int) -> None:
+        OSError.__init__(self, code, text)
+        self.needed, self.free, self.total = needed, 0, 0
+
+    @classmethod
+    def files(cls, name: str, needed: int, code: int = errno.EMFILE) -> LimitReached:
+        if code == errno.ENFILE:
+            return cls(code, f"cannot open {SHM_DIR}/{name}: the system's limit on open "
+                       f"files is reached (fs.file-max)", needed)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return cls(code, f"cannot open {SHM_DIR}/{name}: this process has reached its "
+                   f"limit of {soft} open files (RLIMIT_NOFILE, `ulimit -n`)", needed)
+
+    @classmethod
+    def mappings(cls, name: str, needed: int) -> LimitReached:
+        return cls(errno.ENOMEM, f"cannot map {SHM_DIR}/{name}: this process has reached "
+                   f"its limit on memory mappings (vm.max_map_count) or of address space "
+                   f"(RLIMIT_AS)", needed)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int, name: str = "") -> memoryview:
+    """Map ``size`` bytes of ``fd`` shared, read-write, holding no descriptor: the
+    bytes of the mapping as a memoryview, unmapped once nothing views them.
+
+    [Note: a mapping holds no descriptor]
+    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as the
+    mapping lives, so each segment held one open file: a model with one bucket
+    per parameter ran out of ``ulimit -n`` (64 in some containers) at the
+    bucket rebuild, while torch's DDP trains it. The kernel needs no descriptor
+    to keep a mapping, so gradring maps with ``mmap(2)`` itself and the caller
+    closes its descriptor at once: the process's open files stay flat however
+    many buckets, peers' buffers and staging sets it maps. The memoryview
+    (``Segment.mm``) exports the bytes of a ctypes array over the mapping;
+    ``munmap`` runs when that array dies, which is when the last tensor, numpy
+    array or view on it has gone (each holds it through the buffer protocol),
+    so nothing can read an unmapped page. Not at interpreter exit: the mapping
+    goes with the process then, and a thread still reading it must not fault.
+    """
+    addr = _mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        code = ctypes.get_errno()
+        if code == errno.ENOMEM:
+            raise LimitReached.mappings(name, size)
+        raise OSError(code, f"cannot map {SHM_DIR}/{name}: {os.strerror(code)}")
+    raw = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(raw, _munmap, addr, size).atexit = False
+    return memoryview(raw).cast("B")
+
+
 def _reserve(fd: int, name: str, size: int) -> None:
     """Allocate every page of the segment now (see [Note: reserving shared memory])."""
     try:
@@ -372,16 +476,23 @@ def _reserve(fd: int, name: str, size: int) -> None:
             raise ShmFull(name, size, *shm_space()) from None
 
 
-def _create_mapping(name: str, nbytes: int, *, keep_fd: bool = False) -> tuple[mmap.mmap, int]:
+def _create_mapping(name: str, nbytes: int, *,
+                    keep_fd: bool = False) -> tuple[memoryview, int]:
     """Create ``/dev/shm/<name>`` (never an existing one), sized to whole pages and
-    reserved (:class:`ShmFull` if it does not fit), and map it."""
+    reserved (:class:`ShmFull` if it does not fit, :class:`LimitReached` past a
+    process limit), and map it."""
     size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    fd = os.open(os.path.join(SHM_DIR, name),
-                 os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name),
+                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise LimitReached.files(name, size, exc.errno) from None
+        raise
     try:
         os.ftruncate(fd, size)
         _reserve(fd, name, size)
-        mm = mmap.mmap(fd, size)
+        mm = map_shared(fd, size, name)
     except BaseException:
         os.close(fd)
         unlink_quietly(name)

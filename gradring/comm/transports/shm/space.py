@@ -41,9 +41,11 @@ _warned = threading.Event()
 class ShmExhausted(CollectiveError):
     """Some rank could not reserve a segment in this collective (all ranks raise it)."""
 
-    def __init__(self, message: str, needed: int) -> None:
+    def __init__(self, message: str, needed: int, limited: list[int] | None = None) -> None:
         super().__init__(message)
         self.needed = needed
+        # The ranks stopped by a process limit (``segments.LimitReached``), not by room.
+        self.limited = limited or []
 
 
 def job_need(needed: int, in_use: int, local_ranks: int) -> int:
@@ -105,8 +107,11 @@ def advice(needed: int, in_use: int, local_ranks: int,
 
 
 def explain(exc: segments.ShmFull, in_use: int, local_ranks: int, rank: int = 0) -> str:
-    """Why a segment could not be made, in words: taken names, else :func:`advice`
+    """Why a segment could not be made, in words: taken names or a process limit
+    (``segments.LimitReached``), else :func:`advice`
     (on rank 0; another rank says what did not fit: see [Note: one figure, two causes])."""
+    if isinstance(exc, segments.LimitReached):
+        return exc.strerror
     if isinstance(exc, segments.NamesTaken):
         return str(exc)
     if rank != 0:
@@ -115,6 +120,13 @@ def explain(exc: segments.ShmFull, in_use: int, local_ranks: int, rank: int = 0)
                 f"({free / _MiB:.1f} MiB free of {total / _MiB:.1f} MiB; rank 0 tells how "
                 f"much the job needs if it runs short too)")
     return advice(exc.needed, in_use, local_ranks)
+
+
+def limit_notice(limited: list[int]) -> str:
+    """What the ranks that did not reach a limit say when ``limited`` did (each of those
+    names its limit in its own warning): /dev/shm's room is not the cause."""
+    return (f"rank(s) {limited} reached a process limit (open files, `ulimit -n`, or "
+            f"memory mappings) making a shared-memory segment; their own warning names it")
 
 
 def warn_once(text: str) -> None:

@@ -55,7 +55,7 @@ from gradring.comm.transports.shm.mailbox import Mailboxes
 from gradring.comm.transports.shm.memory import SegmentBook
 from gradring.comm.transports.shm.segments import Segment
 
-_HAS_BUFFER, _ZERO_COPY, _NO_ROOM, _INLINE = 1, 2, 4, 8
+_HAS_BUFFER, _ZERO_COPY, _NO_ROOM, _INLINE, _AT_LIMIT = 1, 2, 4, 8, 16
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 
 #: Busy polls before yielding, then how long to poll with sched_yield before
@@ -515,6 +515,7 @@ class ShmTransport:
                                  shm_status.TIMEOUT)
             if not futex.wait(addr, seen, min(SLICE_S, left)):
                 self._check_alive(what, waiting_for)
+                segments.sweep_if_due(time.monotonic())  # idle: see [Note: a live job sweeps too]
 
     # -- point-to-point (the mailboxes) ------------------------------------------------
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
@@ -584,8 +585,9 @@ class ShmTransport:
         nbytes, dcode = info.nbytes, _DTYPE_CODES.get(info.dtype, 0)
         flags = 0
         self._last_staged = 0
-        if no_room:
-            flags, offset, exposed = _NO_ROOM, no_room, None
+        if no_room:  # a process limit, not /dev/shm, where _AT_LIMIT: see space.py
+            flags, offset, exposed = _NO_ROOM | (_AT_LIMIT if mem.no_room_limit else 0), \
+                no_room, None
         elif exposed is not None:
             flags = _HAS_BUFFER | (_ZERO_COPY if zero_copy else 0)
             self._last_staged = 0 if zero_copy else segno
@@ -606,7 +608,7 @@ class ShmTransport:
             theirs = (seq, kind, pbytes, pcode, pshape, plabel)
             if theirs[:4] != (info.seq, int(info.kind), nbytes, dcode) or \
                     self._full_check and theirs[4:] != self._fp[4:]:
-                self._desync(p, theirs)
+                self._desync(p, theirs, before_data=True)
             if not pflags & _HAS_BUFFER:
                 mem.collect_retired(p)
                 views.append(None)
@@ -665,7 +667,7 @@ class ShmTransport:
                 theirs = (seq, kind, pbytes, pcode, pshape, plabel)
                 if theirs[:4] != expected or not pflags & _INLINE or \
                         self._full_check and theirs[4:] != self._fp[4:]:
-                    self._desync(p, theirs)
+                    self._desync(p, theirs, before_data=True)
         self._open = False
         return views
 
@@ -673,17 +675,20 @@ class ShmTransport:
         """Every rank reads every descriptor after the start barrier: if any rank had
         no room for its buffer, all of them raise :class:`space.ShmExhausted` here."""
         short = {self.rank: needed} if flags & _NO_ROOM else {}
+        limited = [self.rank] if flags & _AT_LIMIT else []
         for p in range(self.world_size):
             if p != self.rank:
                 _, _, pflags, _, _, _, poff, _, _ = DESC.unpack_from(self._ctls[p].mm, desc_off)
                 if pflags & _NO_ROOM:
                     short[p] = poff
+                if pflags & _AT_LIMIT:
+                    limited.append(p)
         if short:
             info = self._info.describe() if self._info else "collective"
             need = max(short.values())
             raise space.ShmExhausted(
                 f"gradring {info}: ranks {sorted(short)} could not reserve a "
-                f"{need}-byte buffer in {segments.SHM_DIR}", need)
+                f"{need}-byte buffer in {segments.SHM_DIR}", need, sorted(limited))
 
     def release_for_fallback(self) -> None:
         """Every rank gave shared memory up in the same collective: close without
@@ -691,12 +696,29 @@ class ShmTransport:
         self._last_staged = 0
         self.close()
 
-    def _desync(self, p: int, theirs: Sequence[int]) -> None:
+    def _desync(self, p: int, theirs: Sequence[int], *, before_data: bool = False) -> None:
+        """Raise the desync with rank ``p``; sticky unless ``before_data`` shows only
+        the arguments differ.
+
+        [Note: different arguments, same collective]
+        When the ranks issued the same collective (sequence number and kind) with
+        different arguments -- sizes, dtypes or shapes -- and the descriptors show
+        it after the start barrier, no byte has moved yet and every rank sees
+        the difference (each compares itself with every peer), so every rank
+        raises the DesyncError there, in the same exchange, with its counters in
+        step: the group stays usable, as a call refused for its arguments leaves
+        it (see [Note: arguments are checked before the collective is issued] in
+        ``api.py``). Ranks in different collectives, or a difference found once
+        messages flow (``_check_sender``), fail the group for good as before."""
         info = self._info
         assert info is not None
         err = desync.mismatch(info, self.rank, p, theirs,
                               desync.difference(self._fp, theirs) or "descriptors")
         self._settle = None
+        if before_data and tuple(theirs[:2]) == (info.seq, int(info.kind)):
+            self._busy = self._open = False
+            self._last_staged = 0
+            raise err
         self._decide(shm_status.DESYNC)
         self._broken = str(err)
         raise err
