@@ -16,8 +16,11 @@ ahead of the first message to each peer, and the receiver compares it
 before it consumes any data: the error then names both sides at once.
 
 A blocked gloo wait cannot be interrupted (a timed-out wait closes the pair),
-so each wait runs to gradring's deadline; failing the caller's future early,
-when a peer died elsewhere or left, is the watchdog's job (``watchdog.py``).
+so each wait runs to gradring's deadline, marked as a wait nothing can wake
+(``threads.uninterruptible``: a process that exits meanwhile does not finalize
+beside it, see [Note: how a gradring process exits] in ``leaving.py``);
+failing the caller's future early, when a peer died elsewhere or left, is
+the watchdog's job (``watchdog.py``).
 After a failure the transport refuses further work: unmatched messages may
 still sit in gloo. Each transport instance of a group uses its own message
 tag, so a new one (after ``comm.shutdown()``) never receives them.
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 from gradring.comm import desync, ops
 from gradring.comm.ops import Op
+from gradring.comm.threads import uninterruptible
 from gradring.comm.transport import Collective, CollectiveError
 
 #: Per group name, the tag of the next transport instance (same order on every rank).
@@ -145,7 +149,8 @@ class TorchTransport:
         try:
             if left <= 0:
                 raise TimeoutError(f"deadline of {self._timeout:g}s passed")
-            work.wait(timedelta(seconds=left))
+            with uninterruptible(f"a gloo wait to {verb} rank {peer}"):
+                work.wait(timedelta(seconds=left))
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise self._error(verb, peer, exc) from exc
 
