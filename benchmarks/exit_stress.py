@@ -22,12 +22,13 @@ one the script chose:
   torch's), a barrier and a MAX all-reduce of a float64 between blocks, then
   ``destroy_process_group()`` and a normal return (exit 0).
 
-``--ending`` and ``--destroy`` give the variants the tests use (an error exit,
+``ending`` and ``destroy`` give the variants the tests use (an error exit,
 an uncaught exception, a clean exit; with or without destroying the group),
-``--launcher`` spawn, fork or torchrun. ``--job`` runs one job and prints its
-outcome as JSON (the tests call it that way; ``--batch`` runs several in one
-process, forking the ranks from it). Exit status 1 with ``--fail-on-death``
-when any gradring run died.
+``launcher`` spawn, fork, torchrun, or script (ranks forked from the job
+process that end as a script's main module: the interpreter finalizes).
+``--job`` runs one job and prints its outcome as JSON; ``--batch`` runs several
+from one process, which imports torch once (the tests call it that way).
+Exit status 1 with ``--fail-on-death`` when any gradring run died.
 
     python benchmarks/exit_stress.py --runs 10 --hogs 2
     python benchmarks/exit_stress.py --runs 50 --hogs 2 --scenarios inflight-torch
@@ -36,6 +37,7 @@ when any gradring run died.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -72,7 +74,7 @@ class Job:
     transport: str = ""  # GRADRING_TRANSPORT for gradring's collectives ("": default)
     ending: str = "error"  # error (sys.exit(3)) | raise (exception) | clean (return)
     destroy: bool = False  # rank calls destroy_process_group() before it ends
-    launcher: str = "spawn"  # spawn | fork | torchrun
+    launcher: str = "spawn"  # spawn | fork | script | torchrun
     peer_sleep: float = 6.0  # inflight, ending error/raise: rank 1's sleep
     timeout: str = "4"  # GRADRING_TIMEOUT
     env: dict[str, str] = field(default_factory=dict)
@@ -159,6 +161,19 @@ def _mp_rank(rank: int, job: dict[str, Any], init: str, err_path: str) -> None:
     _rank_body(Job(**job), rank, 2, init)
 
 
+class _RankExit(BaseException):
+    """Carries a ``script`` rank's outcome up to this file's main level, where the
+    forked rank ends as a script's main module would (see :func:`_run_script`)."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        super().__init__()
+        self.error = error
+
+    def finish(self) -> None:
+        if self.error is not None:
+            raise self.error  # SystemExit: its code; anything else: a traceback, exit 1
+
+
 # ------------------------------------------------------------------ launcher side
 def _free_port() -> int:
     with socket.socket() as s:
@@ -199,6 +214,47 @@ def _run_mp(job: Job, work: str, limit: float) -> dict[str, Any]:
     return {"codes": codes, "stderr": text}
 
 
+def _run_script(job: Job, work: str, limit: float) -> dict[str, Any]:
+    """Ranks forked from this process (torch imported once) that end as a script's main
+    module does: the interpreter finalizes, with the status the body chose."""
+    init = f"file://{work}/store"
+    errs = [os.path.join(work, f"rank{r}.err") for r in range(2)]
+    pids = []
+    for r in range(2):
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(errs[r], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            os.environ.update(job_env(job))
+            try:
+                _rank_body(job, r, 2, init)
+            except BaseException as exc:  # noqa: BLE001 - ends the rank at the top
+                raise _RankExit(exc) from None
+            raise _RankExit(None)
+        pids.append(pid)
+    deadline = time.monotonic() + limit
+    codes: list[Any] = ["hung", "hung"]
+    left = dict(zip(pids, range(2)))
+    while left and time.monotonic() < deadline:
+        for pid, r in list(left.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[r] = os.waitstatus_to_exitcode(status)
+                del left[pid]
+        time.sleep(0.02)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    text = ""
+    for r, path in enumerate(errs):
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                text += f"[rank {r}]\n" + f.read()
+    return {"codes": codes, "stderr": text}
+
+
 def _run_torchrun(job: Job, work: str, limit: float) -> dict[str, Any]:
     spec = json.dumps(asdict(job))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -222,15 +278,19 @@ def _run_torchrun(job: Job, work: str, limit: float) -> dict[str, Any]:
 def run_job(job: Job, limit: float = 120.0) -> dict[str, Any]:
     """Run ``job`` once; its outcome: each rank's status, stderr, and the verdict."""
     work = tempfile.mkdtemp(prefix="gradring-exit-")
+    owner = os.getpid()
     try:
         t0 = time.monotonic()
         if job.launcher == "torchrun":
             out = _run_torchrun(job, work, limit)
+        elif job.launcher == "script":
+            out = _run_script(job, work, limit)
         else:
             out = _run_mp(job, work, limit)
         out["seconds"] = round(time.monotonic() - t0, 2)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if os.getpid() == owner:  # not in a forked rank on its way out
+            shutil.rmtree(work, ignore_errors=True)
     out.update(verdict(job, out["codes"], out["stderr"]))
     out["stderr"] = out["stderr"][-4000:]
     out["job"] = job.name()
@@ -312,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                          "another status than the script's")
     ap.add_argument("--json", help="also write the table here")
     ap.add_argument("--job", help="run one job (JSON of its fields) and print its outcome")
-    ap.add_argument("--batch", help="run several jobs (a JSON list), two at a time")
+    ap.add_argument("--batch", help="run several jobs (a JSON list), --parallel at a time")
+    ap.add_argument("--parallel", type=int, default=2, help="--batch: jobs at a time (2)")
     ap.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_main:  # a torchrun worker
@@ -324,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_job(Job(**json.loads(args.job)))))
         return 0
     if args.batch:
-        return _batch([Job(**spec) for spec in json.loads(args.batch)])
+        return _batch([Job(**spec) for spec in json.loads(args.batch)], args.parallel)
     names = [n for n in args.scenarios.split(",") if n]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -339,17 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if args.fail_on_death and bad else 0
 
 
-def _batch(jobs: list[Job]) -> int:
-    """Run ``jobs`` two at a time (forked launchers fork from this process, which
+def _batch(jobs: list[Job], parallel: int = 2) -> int:
+    """Run ``jobs`` ``parallel`` at a time (forked launchers fork from this process, which
     imported torch and gradring once); one JSON line per job, in order."""
     import torch  # noqa: F401 - imported once, before the forks
 
     import gradring.comm  # noqa: F401
+    gc.freeze()  # forked ranks' collections then skip (and do not copy) the parent's heap
     results: dict[int, dict[str, Any]] = {}
     pending = list(enumerate(jobs))
     running: dict[int, Any] = {}
     while pending or running:
-        while pending and len(running) < 2:
+        while pending and len(running) < parallel:
             i, job = pending.pop(0)
             r, w = os.pipe()
             pid = os.fork()
@@ -357,6 +419,8 @@ def _batch(jobs: list[Job]) -> int:
                 os.close(r)
                 try:
                     text = json.dumps(run_job(job))
+                except _RankExit:
+                    raise
                 except BaseException as exc:  # noqa: BLE001 - reported to the parent
                     text = json.dumps({"job": job.name(), "error": repr(exc)})
                 os.write(w, text.encode())
@@ -380,4 +444,9 @@ def _batch(jobs: list[Job]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except _RankExit as rank_exit:
+        rank_exit.finish()
+        status = 0
+    sys.exit(status)

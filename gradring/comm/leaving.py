@@ -60,6 +60,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,6 +143,7 @@ def begin(release: Callable[[], list[str]], destroy_default: Callable[[], None])
     if _begun_in == os.getpid():
         return
     _begun_in = os.getpid()
+    started = time.monotonic()
     threads.exiting.set()
     native = release()
     for t in threads.live():
@@ -163,7 +165,8 @@ def begin(release: Callable[[], list[str]], destroy_default: Callable[[], None])
         for name, what in stuck.items():
             say(f"thread {name} is still in {what}: the process ends without finalizing")
         for what in native:
-            say(f"gloo still runs {what}: the process ends without finalizing")
+            say(f"{what} was still in flight in gloo: the process ends without finalizing")
+        say(f"threads stopped and groups released in {time.monotonic() - started:.2f}s")
 
 
 def _last_word() -> None:
