@@ -317,32 +317,41 @@ def _hogs(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def stress(runs: int, hogs: int, names: list[str], peer_sleep: float) -> dict[str, Any]:
-    table: dict[str, Any] = {}
+def stress(runs: int, hogs: int, names: list[str], peer_sleep: float,
+           parallel: int) -> dict[str, Any]:
+    """Every row's job ``runs`` times, interleaved (so load drifts hit every row
+    alike), ``parallel`` at a time, beside ``hogs`` spinning processes."""
+    rows: list[tuple[str, Job]] = []
+    for name in names:
+        kind, transport = SCENARIOS[name]
+        for impl in ("gradring", "torch"):
+            if impl == "torch" and any(k == kind and i == "torch" for k, i in
+                                       ((j.kind, j.impl) for _, j in rows)):
+                continue  # torch's control does not depend on gradring's transport
+            row = f"{kind}:{impl}" if impl == "torch" else f"{name}:{impl}"
+            # The in-flight job's ranks are scripts (forked, then finalized as a
+            # script's main module is); the floor job spawns them, as the benchmark did.
+            rows.append((row, Job(kind=kind, impl=impl,
+                                  transport=transport if impl == "gradring" else "",
+                                  ending="error" if kind == "inflight" else "clean",
+                                  destroy=kind == "floor",
+                                  launcher="script" if kind == "inflight" else "spawn",
+                                  peer_sleep=peer_sleep)))
+    plan = [rj for _ in range(runs) for rj in rows]
+    table: dict[str, Any] = {row: {"runs": 0, "died": 0, "other_status": 0, "hung": 0,
+                                   "seconds": 0.0} for row, _ in rows}
     spinners = _hogs(hogs)
     try:
-        for _ in range(runs):  # interleaved, so load drifts hit every row alike
-            for name in names:
-                kind, transport = SCENARIOS[name]
-                for impl in ("gradring", "torch"):
-                    if impl == "torch" and transport == "torch":
-                        continue  # torch's control does not depend on gradring's transport
-                    row = f"{kind}:{impl}" if impl == "torch" else f"{name}:{impl}"
-                    job = Job(kind=kind, impl=impl, transport=transport if impl == "gradring"
-                              else "", ending="error" if kind == "inflight" else "clean",
-                              destroy=kind == "floor", launcher="spawn",
-                              peer_sleep=peer_sleep)
-                    out = run_job(job)
-                    r = table.setdefault(row, {"runs": 0, "died": 0, "other_status": 0,
-                                               "hung": 0, "seconds": 0.0})
-                    r["runs"] += 1
-                    r["died"] += int(out["died"])
-                    r["hung"] += int(out["hung"])
-                    r["other_status"] += int(not out["as_chosen"] and not out["died"])
-                    r["seconds"] += out["seconds"]
-                    if out["died"] or out["hung"]:
-                        tail = out["stderr"][-600:].replace("\n", " | ")
-                        print(f"  {row}: {out['codes']} {tail}", flush=True)
+        for (row, _), out in zip(plan, _run_many([j for _, j in plan], parallel)):
+            r = table[row]
+            r["runs"] += 1
+            r["died"] += int(bool(out.get("died")))
+            r["hung"] += int(bool(out.get("hung")))
+            r["other_status"] += int(not out.get("as_chosen") and not out.get("died"))
+            r["seconds"] += out.get("seconds", 0.0)
+            if out.get("died") or out.get("hung") or "error" in out:
+                tail = str(out.get("stderr", out.get("error", "")))[-600:].replace("\n", " | ")
+                print(f"  {row}: {out.get('codes')} {tail}", flush=True)
     finally:
         for p in spinners:
             p.kill()
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the table here")
     ap.add_argument("--job", help="run one job (JSON of its fields) and print its outcome")
     ap.add_argument("--batch", help="run several jobs (a JSON list), --parallel at a time")
-    ap.add_argument("--parallel", type=int, default=2, help="--batch: jobs at a time (2)")
+    ap.add_argument("--parallel", type=int, default=2, help="jobs at a time (2)")
     ap.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_main:  # a torchrun worker
@@ -390,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario {unknown[0]!r}; expected one of {', '.join(SCENARIOS)}")
-    table = stress(args.runs, args.hogs, names, args.peer_sleep)
+    table = stress(args.runs, args.hogs, names, args.peer_sleep, args.parallel)
     _print_table(table, args.runs, args.hogs)
     if args.json:
         with open(args.json, "w") as f:
@@ -400,9 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if args.fail_on_death and bad else 0
 
 
-def _batch(jobs: list[Job], parallel: int = 2) -> int:
-    """Run ``jobs`` ``parallel`` at a time (forked launchers fork from this process, which
-    imported torch and gradring once); one JSON line per job, in order."""
+def _run_many(jobs: list[Job], parallel: int) -> list[dict[str, Any]]:
+    """Run ``jobs``, ``parallel`` at a time, each in a process forked from this one
+    (which imports torch and gradring once); their outcomes, in order."""
     import torch  # noqa: F401 - imported once, before the forks
 
     import gradring.comm  # noqa: F401
@@ -437,9 +446,14 @@ def _batch(jobs: list[Job], parallel: int = 2) -> int:
                     break
                 chunks.append(b)
             os.close(r)
-            results[i] = json.loads(b"".join(chunks) or b"{}")
-    for i in range(len(jobs)):
-        print(json.dumps(results.get(i, {"error": "no result"})))
+            results[i] = json.loads(b"".join(chunks) or b'{"error": "no result"}')
+    return [results.get(i, {"error": "no result"}) for i in range(len(jobs))]
+
+
+def _batch(jobs: list[Job], parallel: int = 2) -> int:
+    """Run ``jobs`` (see :func:`_run_many`); one JSON line per job, in order."""
+    for out in _run_many(jobs, parallel):
+        print(json.dumps(out))
     return 0
 
 

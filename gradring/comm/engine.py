@@ -16,7 +16,11 @@ otherwise queues behind the pending jobs and waits.
 Engines of different groups are independent, so collectives of two groups
 cannot block each other. The thread starts with the first asynchronous job
 and blocks in the kernel while idle; collectives release the GIL while they
-wait (futex and numpy/torch kernels release it).
+wait (futex and numpy/torch kernels release it). It is a daemon with a
+``stop()`` (see [Note: gradring's threads] in ``threads.py``): stopped, it ends
+once the queued jobs ran, and the next queued job starts a new one; the group's
+end and the process's exit join it (see [Note: how a gradring process exits]
+in ``leaving.py``).
 """
 
 from __future__ import annotations
