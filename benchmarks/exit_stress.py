@@ -16,6 +16,8 @@ one the script chose:
   same all-reduce (it reports the error it gets and exits 0). gradring runs it
   on the shared-memory transport and on ``GRADRING_TRANSPORT=torch``, with
   ``GRADRING_TIMEOUT=4``; torch's control is ``dist.all_reduce(async_op=True)``.
+  The ranks are forked from this script (torch is imported once) and end as a
+  script's main module does, through the interpreter's finalization.
 - ``floor``: the 8-byte floor benchmark's shape: ``mp.start_processes`` (spawn),
   2 ranks, a file store; 5 rounds of 400 all-reduces of 2 floats with
   gradring's and 400 with ``dist.all_reduce`` (torch's control: both blocks
