@@ -46,7 +46,8 @@ def _check(results: list[dict]) -> None:
         assert not r["died"] and not r["hung"], (r["job"], r["codes"], r["stderr"])
         assert r["codes"] == r["expected"] or r["as_chosen"], (r["job"], r["codes"],
                                                                r["stderr"])
-        if ":error" in r["job"] or ":raise" in r["job"]:
+        if (":error" in r["job"] or ":raise" in r["job"]) and ":torchrun" not in r["job"]:
+            # (torchrun ends the survivor with SIGTERM as soon as rank 0 exits.)
             # The survivor got an error naming the rank that left, not a hang.
             line = [x for x in r["stderr"].splitlines() if x.startswith("rank 1 error:")]
             assert line and "rank 0" in line[0], (r["job"], r["stderr"])
