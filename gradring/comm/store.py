@@ -105,6 +105,15 @@ def address(store: Any) -> str:
     return f"(a {type(store).__name__})"
 
 
+def _bottom(store: Any) -> Any:
+    """The store beneath any prefix stores."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 16:
+        store = store.underlying_store
+        seen += 1
+    return store
+
+
 class StoreUnreachable(CollectiveError):
     """A store call got no answer within its deadline (see [Note: store calls with a
     deadline]); ``where`` is ``HOST:PORT``, ``silent_s`` how long nothing came back."""
@@ -226,9 +235,11 @@ class BoundedStore:
                 if self._client is None:
                     try:
                         client = self._base.clone()
-                        # Its own connection: a short timeout bounds every call of it.
-                        client.set_timeout(timedelta(seconds=max(CLIENT_TIMEOUT_S,
-                                                                 self.call_s)))
+                        if _bottom(client) is not _bottom(self._base):
+                            # Its own connection: a short timeout bounds every call of it
+                            # (a store whose clone is itself, a HashStore, keeps its own).
+                            client.set_timeout(timedelta(seconds=max(CLIENT_TIMEOUT_S,
+                                                                     self.call_s)))
                         self._client = client
                     except Exception:  # noqa: BLE001 - a store without clone: share it
                         self._client = self._base
