@@ -188,7 +188,10 @@ def install(sequence: Callable[[], None]) -> None:
     """Run ``sequence`` (which calls :func:`begin`) when the process exits; called once,
     when gradring is imported."""
     sys.exit = _recording_exit
-    threading._register_atexit(sequence)  # type: ignore[attr-defined]
+    try:
+        threading._register_atexit(sequence)  # type: ignore[attr-defined]
+    except RuntimeError:  # imported while the process already exits: atexit still runs
+        atexit.register(sequence)
 
 
 # Registered when this module is imported, ahead of every other atexit handler of
