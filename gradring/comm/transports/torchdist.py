@@ -28,6 +28,7 @@ tag, so a new one (after ``comm.shutdown()``) never receives them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import defaultdict
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.comm import desync, ops
+from gradring.comm import desync, ops, peers
 from gradring.comm.ops import Op
 from gradring.comm.threads import uninterruptible
 from gradring.comm.transport import Collective, CollectiveError
@@ -112,8 +113,14 @@ class TorchTransport:
     def _error(self, verb: str, peer: int, exc: BaseException) -> CollectiveError:
         desc = self._info.describe() if self._info else "collective"
         self._broken = f"could not {verb} rank {peer}"
+        note = ""
+        if "closed" in str(exc).lower() and self.group is not None:
+            # gloo names no one: say which peer on this host has exited, and how.
+            with contextlib.suppress(Exception):
+                found = peers.explain(self.group, None, desc)
+                note = f" ({found})" if found and "has exited" in found else ""
         return CollectiveError(f"gradring {desc} failed on rank {self.rank}: could not {verb} "
-                               f"rank {peer}: {exc}")
+                               f"rank {peer}{note}: {exc}")
 
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
         if not buf.numel():
