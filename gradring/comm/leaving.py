@@ -147,8 +147,9 @@ def begin(release: Callable[[], list[str]], destroy_default: Callable[[], None])
     threads.exiting.set()
     native = release()
     for t in threads.live():
-        # Stopped in start order (engines and the watchdog before the store helpers
-        # their last posts went through); one inside a gloo wait cannot be joined.
+        # What release() left: the store helpers its last posts went through (engines,
+        # watchdog, heartbeat and orphan-watch are stopped by then); a thread inside a
+        # gloo wait cannot be joined.
         if t.ident in threads.stuck_idents():
             continue
         t.stop(timeout=5.0)
