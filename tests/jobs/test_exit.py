@@ -77,4 +77,6 @@ def test_exit_with_collectives_in_flight_spawned_and_torchrun() -> None:
              for t in ("shm", "torch")
              for ending, destroy in (("error", False), ("clean", False), ("clean", True))]
     specs.append(dict(base, kind="floor", launcher="spawn", ending="clean", destroy=True))
+    specs.append(dict(base, launcher="script", transport="torch", ending="raise", peer_sleep=5.0))
+    specs.append(dict(base, launcher="spawn", transport="torch", ending="raise", peer_sleep=5.0))
     _check(_batch(specs, timeout=560))
