@@ -59,13 +59,24 @@ def test_exit_with_collectives_in_flight_forked_ranks() -> None:
     # out while its interpreter finalized (SIGABRT); its exit must not wait for it.
     base = {"launcher": "script", "peer_sleep": 5.0, "timeout": "4"}
     specs = [
-        dict(base, transport="torch", ending="error"),
+        dict(base, transport="torch", ending="error", env={"GRADRING_DEBUG": "exit"}),
         dict(base, transport="shm", ending="error"),
         dict(base, transport="torch", ending="clean"),
         dict(base, transport="shm", ending="clean", destroy=True),
         dict(base, transport="torch", ending="raise", launcher="fork", peer_sleep=1.0),
     ]
-    _check(_batch(specs, timeout=150, parallel=5))
+    results = _batch(specs, timeout=150, parallel=5)
+    _check(results)
+    # GRADRING_DEBUG=exit: a line for each thread, group and pending collective alive at
+    # exit, and for the wait that kept the interpreter from finalizing.
+    rank0 = results[0]["stderr"].split("[rank 1]")[0]
+    said = [x.split("): ", 1)[1] for x in rank0.splitlines() if x.startswith("gradring exit (pid")]
+    assert any(x.startswith("thread gradring-comm-0 alive, in a gloo wait to ") for x in said), \
+        said
+    assert "group 0 (rank 0 of 2) alive, 1 collectives queued or running" in said, said
+    assert any(x.startswith("collective all_reduce #2 (262144 bytes") and x.endswith("pending "
+               "(started)") for x in said), said
+    assert any(x.startswith("thread gradring-comm-0 is still in a gloo wait") for x in said), said
 
 
 @pytest.mark.slow
