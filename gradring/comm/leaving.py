@@ -91,7 +91,8 @@ _original_exit: Callable[..., Any] = sys.exit
 def _recording_exit(code: Any = None) -> None:
     """``sys.exit`` that remembers its code (see step 5 of the Note)."""
     global _exit_code
-    _exit_code = _code_of(code)
+    if threading.current_thread() is threading.main_thread():  # elsewhere it ends a thread
+        _exit_code = _code_of(code)
     _original_exit(code)
 
 
