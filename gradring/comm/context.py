@@ -236,8 +236,12 @@ def shutdown(group: Any = None, *, all_groups: bool = False, timeout: float = 10
 
 def _forget_after_fork() -> None:
     """A forked child inherits contexts whose threads and peers are not its own:
-    drop them without closing (closing would unlink the parent's segments)."""
+    drop them without closing (closing would unlink the parent's segments); and a
+    default group it must not destroy at exit."""
+    global _inherited_default
     GROUPS.forget()
+    with contextlib.suppress(Exception):
+        _inherited_default = dist.distributed_c10d.GroupMember.WORLD
 
 
 def _release_all() -> None:
@@ -280,11 +284,20 @@ def _report_alive() -> None:
             leaving.say(f"collective {e.describe()} pending ({e.state})")
 
 
+#: In a forked child: the default group it inherited (None: none, or not forked).
+_inherited_default: Any = None
+
+
 def _destroy_default() -> None:
     """Step 4 of [Note: how a gradring process exits]: destroy what remains of torch's
-    process groups (the default group and every group made after it)."""
-    if dist.is_available() and dist.is_initialized():
-        _torch_destroy()
+    process groups (the default group and every group made after it). Never a group a
+    forked child (a DataLoader worker) inherited: its gloo threads are the parent's."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    default = dist.distributed_c10d.GroupMember.WORLD
+    if default is None or default is _inherited_default:
+        return
+    _torch_destroy()
 
 
 def _exit_sequence() -> None:
