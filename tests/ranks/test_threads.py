@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,3 +125,39 @@ def test_threads_stop_like_lightning_wants_and_start_again(pools, transport: str
         torch.testing.assert_close(r["comm"], r["comm_oracle"])
         assert r["alive_before_destroy"], r
         assert r["alive_after_destroy"] == [], r
+
+
+def _child_sleeps() -> None:
+    time.sleep(0.05)
+
+
+def _forked_worker_rank(rank: int, world_size: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    comm.all_reduce(torch.ones(4))  # gradring's state and threads exist in the parent
+    child = multiprocessing.get_context("fork").Process(target=_child_sleeps)
+    # The pool's ranks are daemonic processes, which multiprocessing keeps from having
+    # children; a training process is not one.
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    daemon = config.pop("daemon", None)
+    try:
+        child.start()
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+    child.join(60)
+    hung = child.exitcode is None
+    if hung:
+        child.kill()
+        child.join()
+    # The parent's group still works after its forked worker ended.
+    t = torch.full((3,), float(rank + 1))
+    comm.all_reduce(t)
+    return {"code": child.exitcode, "hung": hung, "sum": t.tolist()}
+
+
+def test_a_forked_worker_exits_without_touching_the_parents_group(pools) -> None:
+    # A DataLoader worker is such a child: its exit must neither destroy nor join the
+    # gloo group (and threads) it inherited from its rank.
+    for r in pools.run(2, _forked_worker_rank):
+        assert not r["hung"] and r["code"] == 0, r
+        assert r["sum"] == [3.0, 3.0, 3.0], r
