@@ -312,7 +312,11 @@ _torch_destroy = dist.destroy_process_group
 def destroy_process_group(group: Any = None) -> None:
     """torch's ``destroy_process_group``, after releasing gradring's state of the groups it
     destroys (``None``: the default group, and so every group): their engine threads and
-    store helpers are joined and nothing of gradring keeps them alive."""
+    store helpers are joined and nothing of gradring keeps them alive. At exit, after
+    gradring destroyed the default group (step 4 of [Note: how a gradring process
+    exits]), a program's own call from ``atexit`` finds nothing left to do."""
+    if threads.exiting.is_set() and group is None and not dist.is_initialized():
+        return
     try:
         if group is None or group is dist.GroupMember.WORLD:
             victims = GROUPS.pop_all()
