@@ -17,7 +17,8 @@ changed. The rest are read where their effect starts: ``GRADRING_TIMEOUT``
 when a group's state is made, ``GRADRING_OVERLAP`` when a DDP is built,
 ``GRADRING_FAST_PATHS`` when it is built and when its buckets are rebuilt,
 ``GRADRING_QUIET`` at a wrapper's first forward,
-``GRADRING_FLIGHT_RECORDER`` when the recorder writes, and
+``GRADRING_FLIGHT_RECORDER`` when the recorder writes, ``GRADRING_DEBUG`` and
+``GRADRING_EXIT_DESTROY`` when the process exits, and
 ``GRADRING_FLIGHT_SIZE`` and ``GRADRING_SHM_YIELD_US`` at import (the
 recorder's ring is made then; the wait loop reads a module constant).
 Those callers use :func:`current`, which compares every variable, so a test
@@ -75,6 +76,11 @@ def _switch(var: str, text: str) -> bool:
     if value in _NO or not value:
         return False
     raise _bad(var, text, f"expected one of {', '.join(_YES + _NO)} (or unset)")
+
+
+def _switch_on(var: str, text: str) -> bool:
+    """A switch that is on unless set to one of the "no" spellings."""
+    return True if not text.strip() else _switch(var, text)
 
 
 def _overlap(var: str, text: str) -> str:
@@ -180,6 +186,13 @@ class Config:
     #: ``GRADRING_QUIET=1``: no line at a wrapper's first forward (see [Note: which DDP
     #: did I get] in ``announce.py``). Yes: 1/true/yes/on; no: 0/false/no/off.
     quiet: bool = _knob("GRADRING_QUIET", _switch, False)
+    #: ``GRADRING_DEBUG=exit``: at exit, one line on stderr for each gradring thread, group
+    #: and pending collective still alive (see [Note: how a gradring process exits] in
+    #: ``comm/leaving.py``).
+    debug: str | None = _knob("GRADRING_DEBUG", _choice(("exit",)), None)
+    #: ``GRADRING_EXIT_DESTROY=0``: at exit, leave the default process group to the
+    #: program; by default gradring destroys it if the program did not (same Note).
+    exit_destroy: bool = _knob("GRADRING_EXIT_DESTROY", _switch_on, True)
 
 
 #: Every knob's variable name, in field order.

@@ -45,6 +45,7 @@ import time
 import weakref
 from typing import Any
 
+from gradring.comm import threads
 from gradring.comm.store import BoundedStore, StoreUnreachable, instance_prefix
 from gradring.comm.transport import CollectiveError
 from gradring.comm.transports.shm import segments
@@ -264,6 +265,10 @@ class PeerBoard:
         with self._lock:
             self._posted = (state, seq)
 
+    def stop(self) -> None:
+        """Stop this board's store helper thread (the next call starts it again)."""
+        self._store.stop()
+
     def beat(self) -> None:
         """One heartbeat: bump this rank's counter in the store (see :data:`HEARTBEAT`)."""
         if self._prefix is None or self._dead or not self.beating:
@@ -335,33 +340,54 @@ class PeerBoard:
 
 class _Heartbeat:
     """One thread per process bumping the heartbeat of every attached board each
-    ``HEARTBEAT_S`` (see [Note: heartbeats])."""
+    ``HEARTBEAT_S`` (see [Note: heartbeats]); a :class:`~gradring.comm.threads.GradringThread`
+    that ends when no board beats or when stopped (the next attached board starts it)."""
 
     def __init__(self) -> None:
         self._boards: weakref.WeakSet[PeerBoard] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._wake = threading.Condition(self._lock)
+        self._thread: threads.GradringThread | None = None
         self._pid = 0
+        self._stopping = False
 
     def add(self, board: PeerBoard) -> None:
         with self._lock:
             self._boards.add(board)
+            if threads.exiting.is_set():
+                return
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="gradring-heartbeat")
+                self._stopping = False
+                self._thread = threads.GradringThread("gradring-heartbeat", self._loop,
+                                                      self._ask_stop)
                 self._thread.start()
 
+    def _ask_stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+
+    def stop(self) -> None:
+        """Stop the thread; return once it is dead."""
+        thread = self._thread
+        if thread is not None and self._pid == os.getpid():
+            thread.stop()
+
     def _loop(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._lock:
                 boards = [b for b in list(self._boards) if b.beating]
-                if not boards:
-                    self._thread = None
+                if not boards or self._stopping:
+                    if self._thread is me:
+                        self._thread = None
                     return
             for b in boards:
                 b.beat()
-            time.sleep(HEARTBEAT_S)
+            with self._lock:
+                if not self._stopping:
+                    self._wake.wait(HEARTBEAT_S)
 
 
 #: The process's heartbeat thread.

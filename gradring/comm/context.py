@@ -19,6 +19,8 @@ pieces that do the work:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import itertools
 import multiprocessing
 import multiprocessing.util
@@ -30,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from gradring import config
-from gradring.comm import agree, engine, peers, root_cause, select
-from gradring.comm.board import PeerBoard
+from gradring.comm import agree, engine, leaving, peers, root_cause, select, threads
+from gradring.comm.board import HEARTBEAT, PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.registry import GROUPS
@@ -149,19 +151,28 @@ class GroupContext:
                               self.world_size, value,
                               lambda exc: self.failures.watched(entry, exc), owner=self)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Finish or fail what is in flight, tell the peers (board, shm state), release all."""
+    def close(self, timeout: float = 10.0, abandon: str | None = None) -> None:
+        """Finish or fail what is in flight, tell the peers (board, shm state), release all:
+        the engine thread and the board's store helper are joined. With ``abandon`` (the
+        process exits; the reason, in words) queued work fails at once and the collective
+        in flight is aborted, see [Note: how a gradring process exits] in ``leaving.py``."""
         failed = self.failures.failed
+        reason = abandon or "comm.shutdown() while the collective was in flight"
+        if abandon is not None:
+            self.engine.abandon(abandon)
+            timeout = 0.0
         # After a failure the engine may sit in a gloo wait that nothing can interrupt
         # (its caller was already told): do not wait for it.
         self.engine.shutdown(min(timeout, 0.5) if failed else timeout)
-        reason = "comm.shutdown() while the collective was in flight"
+        thread = self.engine.thread()
         if self.engine.alive():  # a collective is still blocked: make shm waits give up
             self.transports.abort(reason)
-            self.engine.join(2.0)
+            if thread is None or thread.ident not in threads.stuck_idents():
+                self.engine.join(2.0)
         WATCHDOG.cancel(self, reason)
         if not self.failures.failed:  # a failure stays on the board: peers must see why
             self.board.post("left", self.last_seq, f"#{self.last_seq}")
+        self.board.stop()
         if self.engine.alive():
             return  # still inside a collective (gloo wait): unmapping now could crash it
         self.transports.close()
@@ -225,17 +236,105 @@ def shutdown(group: Any = None, *, all_groups: bool = False, timeout: float = 10
 
 def _forget_after_fork() -> None:
     """A forked child inherits contexts whose threads and peers are not its own:
-    drop them without closing (closing would unlink the parent's segments)."""
+    drop them without closing (closing would unlink the parent's segments); and a
+    default group it must not destroy at exit."""
+    global _inherited_default
     GROUPS.forget()
+    with contextlib.suppress(Exception):
+        _inherited_default = dist.distributed_c10d.GroupMember.WORLD
 
 
 def _release_all() -> None:
-    """What the exit handlers release: every group, then any shm transport left (the
-    atexit of ``transports/shm/transport.py``)."""
-    # At exit, queued work gets a short grace period: a peer may already be gone.
-    shutdown(all_groups=True, timeout=2.0)
+    """What a multiprocessing child's exit finalizers release: the exit sequence of
+    [Note: how a gradring process exits] (``leaving.py``), which its ``_bootstrap``
+    runs again (a no-op then) from ``threading._shutdown``."""
+    _exit_sequence()
+
+
+def _release_at_exit() -> list[str]:
+    """Steps 2-3 of [Note: how a gradring process exits] (``leaving.py``): abandon and close
+    every group's state, stop the process's threads; returns the collectives gloo still
+    runs for gradring (their futures were failed here)."""
+    if leaving.debugging():
+        _report_alive()
+    native = WATCHDOG.pending()
+    for ctx in GROUPS.pop_all():
+        with contextlib.suppress(Exception):
+            ctx.close(0.0, abandon="abandoned: this process is exiting")  # type: ignore[call-arg]
     for t in live_transports():  # one whose group's close returned early
-        t.close()
+        with contextlib.suppress(Exception):
+            t.close()
+    WATCHDOG.stop()
+    HEARTBEAT.stop()
+    orphans.stop()
+    return native
+
+
+def _report_alive() -> None:
+    """``GRADRING_DEBUG=exit``: what of gradring is alive as the exit begins."""
+    stuck = threads.stuck()
+    for t in threads.live():
+        where = stuck.get(t.name)
+        leaving.say(f"thread {t.name} alive" + (f", in {where}" if where else ""))
+    for ctx in GROUPS.values():
+        leaving.say(f"group {ctx.name} (rank {ctx.rank} of {ctx.world_size}) alive, "  # type: ignore[attr-defined]
+                    f"{ctx.engine.pending()} collectives queued or running")  # type: ignore[attr-defined]
+    for e in RECORDER.entries():
+        if e.state in ("issued", "started"):
+            leaving.say(f"collective {e.describe()} pending ({e.state})")
+
+
+#: In a forked child: the default group it inherited (None: none, or not forked).
+_inherited_default: Any = None
+
+
+def _destroy_default() -> None:
+    """Step 4 of [Note: how a gradring process exits]: destroy what remains of torch's
+    process groups (the default group and every group made after it). Never a group a
+    forked child (a DataLoader worker) inherited: its gloo threads are the parent's."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    default = dist.distributed_c10d.GroupMember.WORLD
+    if default is None or default is _inherited_default:
+        return
+    _torch_destroy()
+
+
+def _exit_sequence() -> None:
+    leaving.begin(_release_at_exit, _destroy_default)
+
+
+#: torch's own ``destroy_process_group`` (wrapped below).
+_torch_destroy = dist.destroy_process_group
+
+
+@functools.wraps(_torch_destroy)
+def destroy_process_group(group: Any = None) -> None:
+    """torch's ``destroy_process_group``, after releasing gradring's state of the groups it
+    destroys (``None``: the default group, and so every group): their engine threads and
+    store helpers are joined and nothing of gradring keeps them alive. At exit, after
+    gradring destroyed the default group (step 4 of [Note: how a gradring process
+    exits]), a program's own call from ``atexit`` finds nothing left to do."""
+    if threads.exiting.is_set() and group is None and not dist.is_initialized():
+        return
+    try:
+        if group is None or group is dist.GroupMember.WORLD:
+            victims = GROUPS.pop_all()
+        else:
+            victims = [c for c in [GROUPS.pop(group)] if c is not None]
+    except Exception:  # noqa: BLE001 - torch's own call must still run
+        victims = []
+    for ctx in victims:
+        with contextlib.suppress(Exception):
+            ctx.close(10.0)
+    if not GROUPS.values():
+        WATCHDOG.stop()
+        HEARTBEAT.stop()
+    _torch_destroy(group)
+
+
+dist.destroy_process_group = destroy_process_group
+dist.distributed_c10d.destroy_process_group = destroy_process_group
 
 
 #: The pid that registered :func:`_release_all` with multiprocessing's exit (0: none).
@@ -266,5 +365,6 @@ def _release_at_multiprocessing_exit() -> None:
 
 # At exit, queued work gets a short grace period: a peer may already be gone.
 atexit.register(shutdown, all_groups=True, timeout=2.0)
+leaving.install(_exit_sequence)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)

@@ -16,7 +16,11 @@ otherwise queues behind the pending jobs and waits.
 Engines of different groups are independent, so collectives of two groups
 cannot block each other. The thread starts with the first asynchronous job
 and blocks in the kernel while idle; collectives release the GIL while they
-wait (futex and numpy/torch kernels release it).
+wait (futex and numpy/torch kernels release it). It is a daemon with a
+``stop()`` (see [Note: gradring's threads] in ``threads.py``): stopped, it ends
+once the queued jobs ran, and the next queued job starts a new one; the group's
+end and the process's exit join it (see [Note: how a gradring process exits]
+in ``leaving.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from datetime import timedelta
 from typing import NamedTuple
 
 import torch
+
+from gradring.comm import leaving  # noqa: F401 - its atexit step must be registered first
+from gradring.comm.threads import GradringThread
 
 
 class Job(NamedTuple):
@@ -122,10 +129,13 @@ class Engine:
         self._queue: deque[Job] = deque()
         # True while a job runs (on the engine thread or inline on a caller's).
         self._busy = False
-        # The background thread, started by the first queued job.
-        self._thread: threading.Thread | None = None
+        # The background thread, started by the first queued job (again after a stop()).
+        self._thread: GradringThread | None = None
         # Set by shutdown(): the thread exits once the queue is empty.
         self._closing = False
+        # Set by the thread's stop(): it exits once the queue is empty; the next job
+        # starts a new one.
+        self._stopping = False
 
     def submit(self, job: Job) -> None:
         with self._work:
@@ -133,7 +143,7 @@ class Engine:
                 raise RuntimeError(f"gradring: engine {self._name} is shut down")
             self._queue.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread = GradringThread(self._name, self._loop, self._ask_stop)
                 self._thread.start()
             self._work.notify()
 
@@ -212,12 +222,29 @@ class Engine:
         else:
             job.future.set_result(job.value)
 
+    def _ask_stop(self) -> None:
+        with self._work:
+            if self._thread is not None:
+                self._stopping = True
+                self._work.notify_all()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the engine thread once the queued jobs ran; return once it is dead.
+        The next queued job starts a new one."""
+        thread = self._thread
+        if thread is not None:
+            thread.stop(timeout)
+
     def _loop(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._work:
-                while (not self._queue or self._busy) and not self._closing:
+                while (not self._queue or self._busy) and not (self._closing or self._stopping):
                     self._work.wait()
                 if not self._queue:
+                    if self._thread is me:
+                        self._thread = None
+                        self._stopping = False
                     return
                 while self._busy:  # closing: still never beside an inline call
                     self._work.wait()
@@ -243,6 +270,21 @@ class Engine:
     def pending(self) -> int:
         with self._work:
             return len(self._queue) + int(self._busy)
+
+    def thread(self) -> GradringThread | None:
+        """The engine thread, if one runs."""
+        return self._thread
+
+    def abandon(self, reason: str) -> None:
+        """Stop taking jobs and fail the queued ones with ``reason`` (the process exits:
+        the job running now, if any, is left to end or be aborted by the caller)."""
+        with self._work:
+            self._closing = True
+            leftover = list(self._queue)
+            self._queue.clear()
+            self._work.notify_all()
+        for job in leftover:
+            job.future.set_exception(RuntimeError(f"gradring: {self._name}: {reason}"))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let queued jobs finish (up to ``timeout``), then stop the thread."""

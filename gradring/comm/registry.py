@@ -21,8 +21,8 @@ class Registered(Protocol):
     def has_failed(self) -> bool:
         """Whether a collective of the group failed in this process."""
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Release the group's threads and memory."""
+    def close(self, timeout: float = 10.0, abandon: str | None = None) -> None:
+        """Release the group's threads and memory (``abandon``: the process exits)."""
 
 
 class GroupRegistry:
@@ -52,6 +52,11 @@ class GroupRegistry:
         """Remove and return the state of ``group`` (None if there was none)."""
         with self._lock:
             return self._entries.pop(group, None)
+
+    def values(self) -> list[Registered]:
+        """Every group's state, without removing any."""
+        with self._lock:
+            return list(self._entries.values())
 
     def pop_all(self) -> list[Registered]:
         """Remove and return every group's state."""

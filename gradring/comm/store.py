@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from gradring.comm import threads
 from gradring.comm.registry import GROUPS
 from gradring.comm.transport import CollectiveError
 
@@ -47,6 +48,14 @@ T = TypeVar("T")
 
 #: Seconds one diagnostic store call (board, heartbeat, error paths) may take.
 CALL_S = 2.0
+
+
+#: Seconds an idle store helper thread waits for the next call before it ends.
+HELPER_LINGER_S = 10.0
+#: Timeout of a helper's own client connection: no store call of a helper blocks
+#: longer, so its thread can always be stopped and joined (see [Note: gradring's
+#: threads] in ``threads.py``).
+CLIENT_TIMEOUT_S = 5.0
 
 
 #: Longest pause between two polls of :func:`wait_keys`.
@@ -96,6 +105,15 @@ def address(store: Any) -> str:
     return f"(a {type(store).__name__})"
 
 
+def _bottom(store: Any) -> Any:
+    """The store beneath any prefix stores."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 16:
+        store = store.underlying_store
+        seen += 1
+    return store
+
+
 class StoreUnreachable(CollectiveError):
     """A store call got no answer within its deadline (see [Note: store calls with a
     deadline]); ``where`` is ``HOST:PORT``, ``silent_s`` how long nothing came back."""
@@ -123,7 +141,7 @@ class BoundedStore:
         # The call waiting for the helper thread, and the helper (started lazily).
         self._pending: tuple[Callable[[Any], Any], dict[str, Any], threading.Event] | None \
             = None
-        self._helper: threading.Thread | None = None
+        self._helper: threads.GradringThread | None = None
         self._helper_pid = 0
         # Since when calls fail (monotonic), None while the store answers.
         self.failing_since: float | None = None
@@ -131,6 +149,8 @@ class BoundedStore:
         self.last_error = ""
         # Whether the helper is inside a call (a stuck one makes later calls fail at once).
         self._busy = False
+        # Set by the helper's stop(): it ends after the call it is in.
+        self._stopping = False
 
     def run(self, fn: Callable[[Any], T]) -> T:
         """``fn(store)`` on the helper thread; its result, its exception, or
@@ -146,8 +166,11 @@ class BoundedStore:
             if self._busy:
                 raise self._unreachable("an earlier call is still waiting")
             if self._helper is None or not self._helper.is_alive():
-                self._helper = threading.Thread(target=self._serve, daemon=True,
-                                                name="gradring-store")
+                if threads.exiting.is_set():
+                    raise StoreUnreachable(self.where, 0.0, "this process is exiting")
+                self._stopping = False
+                self._helper = threads.GradringThread("gradring-store", self._serve,
+                                                      self._ask_stop)
                 self._helper.start()
             self._pending = (fn, box, done)
             self._busy = True
@@ -183,17 +206,41 @@ class BoundedStore:
         silent = time.monotonic() - since if since is not None else self.call_s
         return StoreUnreachable(self.where, silent, cause or self.last_error)
 
+    def _ask_stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+
+    def stop(self) -> None:
+        """Stop the helper thread (after the call it is in); return once it is dead."""
+        helper = self._helper
+        if helper is not None:
+            helper.stop()
+
     def _serve(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._lock:
+                idle_until = time.monotonic() + HELPER_LINGER_S
                 while self._pending is None:
-                    self._wake.wait()
+                    left = idle_until - time.monotonic()
+                    if self._stopping or left <= 0:
+                        if self._helper is me:
+                            self._helper = None
+                        return
+                    self._wake.wait(left)
                 fn, box, done = self._pending
                 self._pending = None
             try:
                 if self._client is None:
                     try:
-                        self._client = self._base.clone()
+                        client = self._base.clone()
+                        if _bottom(client) is not _bottom(self._base):
+                            # Its own connection: a short timeout bounds every call of it
+                            # (a store whose clone is itself, a HashStore, keeps its own).
+                            client.set_timeout(timedelta(seconds=max(CLIENT_TIMEOUT_S,
+                                                                     self.call_s)))
+                        self._client = client
                     except Exception:  # noqa: BLE001 - a store without clone: share it
                         self._client = self._base
                 box["value"] = fn(self._client)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from gradring.comm import desync, exits
+from gradring.comm import desync, exits, threads
 from gradring.comm.board import (
     BOARD_AFTER_S,
     POLL_S,
@@ -98,7 +98,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._watched: list[_Watched] = []
-        self._thread: threading.Thread | None = None
+        self._thread: threads.GradringThread | None = None
         self._stop = False
 
     def watch(self, entry: Entry, native: torch.futures.Future, timeout: float,
@@ -110,10 +110,11 @@ class Watchdog:
         w = _Watched(entry, fut, value, timeout, board, rank, world_size, on_fail, owner)
         with self._lock:
             self._watched.append(w)
-            if self._thread is None:  # it polls every POLL_S: no wake-up per collective
+            if self._thread is None and not threads.exiting.is_set():
+                # It polls every POLL_S: no wake-up per collective.
                 self._stop = False
-                self._thread = threading.Thread(target=self._loop, name="gradring-watchdog",
-                                                daemon=True)
+                self._thread = threads.GradringThread("gradring-watchdog", self._loop,
+                                                      self._ask_stop)
                 self._thread.start()
         native.add_done_callback(lambda f: self._native_done(w, f))
         return fut
@@ -254,16 +255,22 @@ class Watchdog:
         for w in pending:
             self._settle(w, w.on_fail(RuntimeError(reason)))
 
-    def stop(self) -> None:
-        """Stop the thread (``comm.shutdown()``); the next watch starts a new one."""
+    def _ask_stop(self) -> None:
         with self._lock:
             self._stop = True
             self._wake.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(2.0)
+
+    def stop(self) -> None:
+        """Stop the thread (``comm.shutdown()``, exit, or its ``stop()``); return once it
+        is dead. The next watch starts a new one."""
+        thread = self._thread
+        if thread is not None:
+            thread.stop()
+
+    def pending(self) -> list[str]:
+        """The collectives still watched, in words."""
         with self._lock:
-            self._stop = False
+            return [w.entry.describe() for w in self._watched]
 
 
 #: The process's one watchdog thread (started on the first watched collective).

@@ -22,7 +22,7 @@ def test_defaults_when_nothing_is_set() -> None:
 
 
 def test_every_field_has_a_variable() -> None:
-    assert len(config.VARIABLES) == 10 and len(set(config.VARIABLES)) == 10
+    assert len(config.VARIABLES) == 12 and len(set(config.VARIABLES)) == 12
     assert all(v.startswith("GRADRING_") for v in config.VARIABLES)
 
 

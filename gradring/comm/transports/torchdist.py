@@ -16,8 +16,11 @@ ahead of the first message to each peer, and the receiver compares it
 before it consumes any data: the error then names both sides at once.
 
 A blocked gloo wait cannot be interrupted (a timed-out wait closes the pair),
-so each wait runs to gradring's deadline; failing the caller's future early,
-when a peer died elsewhere or left, is the watchdog's job (``watchdog.py``).
+so each wait runs to gradring's deadline, marked as a wait nothing can wake
+(``threads.uninterruptible``: a process that exits meanwhile does not finalize
+beside it, see [Note: how a gradring process exits] in ``leaving.py``);
+failing the caller's future early, when a peer died elsewhere or left, is
+the watchdog's job (``watchdog.py``).
 After a failure the transport refuses further work: unmatched messages may
 still sit in gloo. Each transport instance of a group uses its own message
 tag, so a new one (after ``comm.shutdown()``) never receives them.
@@ -25,6 +28,7 @@ tag, so a new one (after ``comm.shutdown()``) never receives them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import defaultdict
@@ -35,8 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradring.comm import desync, ops
+from gradring.comm import desync, ops, peers
 from gradring.comm.ops import Op
+from gradring.comm.threads import uninterruptible
 from gradring.comm.transport import Collective, CollectiveError
 
 #: Per group name, the tag of the next transport instance (same order on every rank).
@@ -108,8 +113,14 @@ class TorchTransport:
     def _error(self, verb: str, peer: int, exc: BaseException) -> CollectiveError:
         desc = self._info.describe() if self._info else "collective"
         self._broken = f"could not {verb} rank {peer}"
+        note = ""
+        if "closed" in str(exc).lower() and self.group is not None:
+            # gloo names no one: say which peer on this host has exited, and how.
+            with contextlib.suppress(Exception):
+                found = peers.explain(self.group, None, desc)
+                note = f" ({found})" if found and "has exited" in found else ""
         return CollectiveError(f"gradring {desc} failed on rank {self.rank}: could not {verb} "
-                               f"rank {peer}: {exc}")
+                               f"rank {peer}{note}: {exc}")
 
     def isend(self, buf: torch.Tensor, dst: int) -> Any:
         if not buf.numel():
@@ -145,7 +156,8 @@ class TorchTransport:
         try:
             if left <= 0:
                 raise TimeoutError(f"deadline of {self._timeout:g}s passed")
-            work.wait(timedelta(seconds=left))
+            with uninterruptible(f"a gloo wait to {verb} rank {peer}"):
+                work.wait(timedelta(seconds=left))
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise self._error(verb, peer, exc) from exc
 

@@ -33,14 +33,17 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from gradring.comm import threads
 
 #: How often the watcher compares the parent pid (seconds).
 POLL_S = 0.2
 
 _watching: int | None = None  # pid whose watcher thread runs
+_stop = threading.Event()  # set by the watcher's stop()
+_thread: Any = None  # the watcher (a GradringThread)
 
 
 def launched_by_torchrun() -> bool:
@@ -57,14 +60,29 @@ def watch(transports: Callable[[], Iterable[Any]], rank: int = -1) -> None:
     parent = os.getppid()
     if parent <= 1:
         return  # already orphaned before anything was watched: nothing to compare
+    if threads.exiting.is_set():
+        return
+    global _thread
     _watching = os.getpid()
-    threading.Thread(target=_loop, args=(parent, transports, rank),
-                     name="gradring-orphan-watch", daemon=True).start()
+    _stop.clear()
+    _thread = threads.GradringThread("gradring-orphan-watch",
+                                     lambda: _loop(parent, transports, rank), _stop.set)
+    _thread.start()
+
+
+def stop() -> None:
+    """Stop the watcher; return once it is dead (the next group context starts it again)."""
+    thread = _thread
+    if thread is not None and _watching == os.getpid():
+        thread.stop()
 
 
 def _loop(parent: int, transports: Callable[[], Iterable[Any]], rank: int) -> None:
+    global _watching
     while os.getppid() == parent:
-        time.sleep(POLL_S)
+        if _stop.wait(POLL_S):
+            _watching = None  # the next watch() starts a new watcher
+            return
     _orphaned(parent, transports, rank)
 
 
