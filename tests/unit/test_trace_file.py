@@ -250,7 +250,7 @@ def test_trace_files_of_a_file_and_of_a_profiler_folder(tmp_path) -> None:
     assert trace_files(str(single)) == [str(single)]
     run = tmp_path / "run"
     names = ["host_2.1700000000002.pt.trace.json.gz", "host_1.1700000000001.pt.trace.json",
-             "rank1.json", "rank0.json"]
+             "rank1.json", "rank0.json", "rank-3.json.gz"]  # the last: HTA's folder layout
     for name in names:
         _write(run / name, TEXT)
     _write(run / "notes.txt", b"not a trace")
