@@ -21,18 +21,15 @@ def _needs_matplotlib() -> None:
 
 
 def train_steps(rank: int, world: int, out_dir: str, steps: int, width: int) -> str:
-    with environ(GRADRING_OVERLAP="0"):
-        return _train_steps(rank, world, out_dir, steps, width)
-
-
-def _train_steps(rank: int, world: int, out_dir: str, steps: int, width: int) -> str:
-    """``steps`` full training steps (forward, loss, backward, optimizer), buckets
-    reduced after the backward so that every step has exposed communication."""
+    """``steps`` full training steps (forward, loss, backward, optimizer), buckets launched
+    when ready; every step has exposed communication (the last bucket's, the largest)."""
     import gradring
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+    # The first layer, whose bucket is the last to launch, is the widest: its
+    # all-reduce outlasts what is left of the backward.
+    model = nn.Sequential(nn.Linear(width, 16 * width), nn.ReLU(), nn.Linear(16 * width, width))
     ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.1)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x = torch.randn(4, width)

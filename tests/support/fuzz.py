@@ -11,10 +11,9 @@ compression comm hook) and a training pattern (``zero_grad`` with
 backward after one forward, Join with uneven inputs). Every rank builds the
 same scenario from the seed.
 
-The scenario then runs once per reducer configuration (``GRADRING_FAST_PATHS``
-``none``, the core; ``all``, the default; each fast path alone; and the core
-and the default with every bucket reduced at the end of the backward,
-``GRADRING_OVERLAP=0``), and, where torch's DDP can run it on this
+The scenario then runs once per reducer configuration
+(``GRADRING_FAST_PATHS`` ``none``, the core; ``all``, the default; each
+fast path alone), and, where torch's DDP can run it on this
 backend, once under torch's DDP. Each run records, per step, every
 parameter's ``.grad`` and, after the optimizer step, the parameters, or the
 error that stopped it (its type and first line). Every configuration must
@@ -38,9 +37,8 @@ import gradring
 from tests.support.env import environ
 
 #: The reducer configurations every scenario runs under, the core first:
-#: GRADRING_FAST_PATHS, and GRADRING_OVERLAP ("" launches when ready).
-CONFIGS = (("none", ""), ("all", ""), ("homed", ""), ("packed", ""), ("all", "0"),
-           ("none", "0"))
+#: GRADRING_FAST_PATHS's value.
+CONFIGS = ("none", "all", "homed", "packed")
 
 
 @dataclass
@@ -173,9 +171,9 @@ class FuzzNet(nn.Module):
         return total
 
 
-def _config(config: tuple[str, str]) -> contextlib.AbstractContextManager[None]:
-    """GRADRING_FAST_PATHS and GRADRING_OVERLAP set to ``config`` inside the block."""
-    return environ(GRADRING_FAST_PATHS=config[0], GRADRING_OVERLAP=config[1])
+def _config(config: str) -> contextlib.AbstractContextManager[None]:
+    """GRADRING_FAST_PATHS set to ``config`` inside the block."""
+    return environ(GRADRING_FAST_PATHS=config)
 
 
 def _hook(name: str | None) -> Any:
@@ -256,7 +254,7 @@ def torch_can_run(sc: Scenario) -> bool:
 
 
 def run_seed(rank: int, world_size: int, seed: int, max_numel: int,
-             configs: tuple[tuple[str, str], ...] = CONFIGS) -> list[str]:
+             configs: tuple[str, ...] = CONFIGS) -> list[str]:
     """Every rank: run ``seed``'s scenario under each configuration (and torch's
     DDP where it can), and return the mismatches against the core."""
     torch.set_num_threads(1)
@@ -267,7 +265,7 @@ def run_seed(rank: int, world_size: int, seed: int, max_numel: int,
 
 
 def _run_seed(rank: int, world_size: int, seed: int, max_numel: int,
-              configs: tuple[tuple[str, str], ...]) -> list[str]:
+              configs: tuple[str, ...]) -> list[str]:
     sc = make(seed, world_size=world_size, max_numel=max_numel)
     out = []
     with _config(configs[0]):
@@ -277,8 +275,7 @@ def _run_seed(rank: int, world_size: int, seed: int, max_numel: int,
             got = _train(sc, rank, gradring.DistributedDataParallel)
         d = _diff(got, core)
         if d is not None:
-            out.append(f"rank {rank} GRADRING_FAST_PATHS={cfg[0]} "
-                       f"GRADRING_OVERLAP={cfg[1]!r}: {d}")
+            out.append(f"rank {rank} GRADRING_FAST_PATHS={cfg}: {d}")
     if torch_can_run(sc):
         try:
             got = _train(sc, rank, nn.parallel.DistributedDataParallel)
