@@ -1,6 +1,8 @@
 """The differential fuzzer: random scenarios under the reducer's core, the
 default and each fast path alone, and torch's DDP (see [Note: the
-differential fuzzer] in tests/support/fuzz.py).
+differential fuzzer] in tests/support/fuzz.py). The default suite runs world
+2; the slow suite runs more seeds, and worlds 3 and 4 (a pool of each size
+costs seconds to start).
 
 A failing seed replays alone with
 ``GRADRING_FUZZ_SEEDS=<seed> pytest -q tests/ranks/test_reducer_fuzz.py -m ''``.
@@ -17,6 +19,8 @@ from tests.support.fuzz import run_seed
 #: Seeds the default suite runs (a few seconds each); the slow suite runs more.
 DEFAULT_SEEDS = range(12)
 SLOW_SEEDS = range(1000, 1150)
+#: Seeds the slow suite runs at world 3 and at world 4.
+WIDE_SEEDS = range(2000, 2030)
 
 
 def _seeds(default: range) -> list[int]:
@@ -29,8 +33,8 @@ def _seeds(default: range) -> list[int]:
     return [int(v) for v in chosen.split(",")]
 
 
-def _check(pools, seed: int, max_numel: int) -> None:
-    found = pools.run(2, run_seed, seed, max_numel, timeout=600)
+def _check(pools, seed: int, max_numel: int, world: int = 2) -> None:
+    found = pools.run(world, run_seed, seed, max_numel, timeout=600)
     problems = [line for rank_lines in found for line in rank_lines]
     assert not problems, (
         "\n".join(problems) + f"\nreplay: GRADRING_FUZZ_SEEDS={seed} "
@@ -46,3 +50,11 @@ def test_fast_paths_match_the_core_and_torch(pools, seed: int) -> None:
 @pytest.mark.parametrize("seed", _seeds(SLOW_SEEDS))
 def test_fast_paths_match_the_core_and_torch_more_seeds(pools, seed: int) -> None:
     _check(pools, seed, max_numel=1_000_000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("seed", _seeds(WIDE_SEEDS))
+def test_fast_paths_match_the_core_and_torch_at_world_3_and_4(pools, seed: int,
+                                                              world: int) -> None:
+    _check(pools, seed, max_numel=300_000, world=world)
