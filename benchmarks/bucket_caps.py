@@ -9,9 +9,6 @@ Each rank builds one model per set-up, seeded alike: the model alone (the
 gradring's DDP at each ``--caps`` value (``auto`` is ``bucket_cap_mb="auto"``,
 ``default`` leaves it unset: 25 MiB with torch's 1 MiB first bucket; an
 explicit cap is also the first bucket's, as in torch). A value ending in
-``@end`` (``default@end``, ``25@end``) builds that set-up with
-``GRADRING_OVERLAP=0``: its buckets are reduced when the backward ends, on
-the training thread, instead of as they become ready. A value ending in
 ``@si<us>`` (``default@si500``) takes its steps with Python's GIL switch
 interval (``sys.setswitchinterval``) at that many µs instead of the 5 ms
 default: how long a thread that wants the GIL waits before it asks the
@@ -29,20 +26,16 @@ little: ``--twice`` builds every gradring set-up twice to show how much.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from gradring.tools.bench.load import competing_load
 from gradring.tools.bench.ranks import run_ranks
 
-#: A cap ending in this reduces its buckets when the backward ends (GRADRING_OVERLAP=0).
-_AT_END = "@end"
 #: A cap ending in this and a number of µs steps with that GIL switch interval.
 _SWITCH = "@si"
 
@@ -51,23 +44,6 @@ def _switch_s(name: str) -> float | None:
     """The GIL switch interval (seconds) set-up ``name`` steps with; None: Python's."""
     _, found, us = name.rpartition(_SWITCH)
     return float(us) * 1e-6 if found else None
-
-
-@contextlib.contextmanager
-def _overlap_off(on: bool) -> Iterator[None]:
-    """GRADRING_OVERLAP=0 while a set-up is built and rebuilt (the reducer reads it then)."""
-    if not on:
-        yield
-        return
-    old = os.environ.get("GRADRING_OVERLAP")
-    os.environ["GRADRING_OVERLAP"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("GRADRING_OVERLAP", None)
-        else:
-            os.environ["GRADRING_OVERLAP"] = old
 
 
 def _setups(caps: list[str], twice: bool) -> list[tuple[str, Any]]:
@@ -102,8 +78,7 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         elif name == "torch":
             m = torch.nn.parallel.DistributedDataParallel(model)
         else:
-            with _overlap_off(_AT_END in name):
-                m = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
+            m = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
         built[name] = (m, torch.optim.SGD(m.parameters(), lr=1e-4), make(batch))
 
     def step(m: Any, opt: Any, x: Any) -> None:
@@ -111,10 +86,9 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         m(x).float().pow(2).mean().backward()
         opt.step()
 
-    for name, (m, opt, x) in built.items():  # warm-up, and the rebuild (auto decides there)
-        with _overlap_off(_AT_END in name):
-            for _ in range(4):
-                step(m, opt, x)
+    for m, opt, x in built.values():  # warm-up, and the rebuild (auto decides there)
+        for _ in range(4):
+            step(m, opt, x)
     switch = {name: _switch_s(name) for name in built}
     python_s = sys.getswitchinterval()
     times: dict[str, list[float]] = {name: [] for name in built}
@@ -137,9 +111,7 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
         caps = {name: getattr(m, "bucket_bytes_cap", 0) for name, (m, _, _) in built.items()}
         buckets = {name: len(m.reducer.buckets) for name, (m, _, _) in built.items()
                    if name.startswith("gradring")}
-        at_end = [name for name, (m, _, _) in built.items()
-                  if name.startswith("gradring") and not m.reducer.overlap]
-        queue.put({"times": times, "caps": caps, "buckets": buckets, "at_end": at_end})
+        queue.put({"times": times, "caps": caps, "buckets": buckets})
     dist.destroy_process_group()
 
 
@@ -159,8 +131,7 @@ def report(model: str, res: dict[str, Any]) -> str:
         extra = ""
         if name in res["buckets"]:
             extra = (f"  {res['buckets'][name]} bucket(s), cap {res['caps'][name] / 2**20:g} MiB"
-                     f", {med / torch_ovh:.2f}x torch's"
-                     + (", reduced when the backward ends" if name in res["at_end"] else ""))
+                     f", {med / torch_ovh:.2f}x torch's")
         lines.append(f"  {name:28s} {med:7.2f} [{min(quarters):.2f}-{max(quarters):.2f}]{extra}")
     return "\n".join(lines)
 

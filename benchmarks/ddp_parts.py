@@ -83,8 +83,9 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
                             world_size=nproc)
     from gradring.buckets import SlotKind, slot_io
+    from gradring.buckets.homed import HomedPath
+    from gradring.buckets.packed import PackedPath
     from gradring.comm import runner
-    from gradring.reducer import bucket_set
     from gradring.reducer import reducer as reducer_mod
     from gradring.tools.bench import ddp_step
 
@@ -102,13 +103,12 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     launcher = red._launcher
     launcher.launch_ready = _timed(acc, "launching buckets", launcher.launch_ready)
     launcher.result = _timed(acc, "waiting for the buckets", launcher.result)
-    puts = {SlotKind.HOMED: "puts: homed", SlotKind.COPIED: "puts: copied",
-            SlotKind.VIEW: "puts: view"}
-    for k, part in puts.items():
-        if bucket_set.PUT_AT_HOOK.get(k) is not None:
-            bucket_set.PUT_AT_HOOK[k] = _timed(acc, part, bucket_set.PUT_AT_HOOK[k])
-    red._set._build_routes()  # the routes hold the put functions
-    reducer_mod.put_deferred = _timed(acc, "puts: packed, per bucket", slot_io.put_deferred)
+    # The core's puts, and each fast path's (see gradring/fast_paths.py).
+    for k, part in {SlotKind.COPIED: "puts: copied", SlotKind.VIEW: "puts: view"}.items():
+        slot_io.CORE_PUTS[k] = _timed(acc, part, slot_io.CORE_PUTS[k])
+    HomedPath.put = _timed(acc, "puts: homed", HomedPath.put)
+    PackedPath.on_full = _timed(acc, "puts: packed, per bucket", PackedPath.on_full)
+    red._set.install([b.param_indices for b in red.buckets], red.fast)  # routes and paths anew
     reducer_mod.write_grads = _timed(acc, "writing .grad", slot_io.write_grads)
     runner.run = _timed(acc, "collectives (training thread)", runner.run, main_only=True)
     dist.barrier()

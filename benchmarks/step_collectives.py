@@ -8,12 +8,13 @@ data: how far the rung's denominator is from what a step can get.
 ``benchmarks/ddp_rung.py`` divides the DDP overhead by one all-reduce of the
 model's gradient bytes, resident in shared memory and timed back to back, so
 its data sits in the caches. A step's collectives never find it so. Per
-model, with the buckets reduced when the backward ends
-(``GRADRING_OVERLAP=0``, so that each collective runs alone on the training
-thread), rank 0 times:
+model, rank 0 times:
 
 - ``in the step``: each bucket's collective during training steps, as DDP
-  issues it (with the fast path ``homed``, the all-reduce with external parts);
+  issues it (with the fast path ``homed``, the all-reduce with external parts),
+  from its launch until it is done: the launch waits for it, so that each
+  collective runs alone (its CPU time is then the waiting thread's, not the
+  comm thread's);
 - ``hot``: a plain all-reduce of the same bucket buffer, back to back;
 - ``cold``: the same, after writing 128 MiB elsewhere before each call;
 - ``just written``: the same, after each rank rewrote its buffer in place
@@ -55,7 +56,6 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
 
     torch.set_num_threads(1)
     os.environ["GRADRING_QUIET"] = "1"
-    os.environ["GRADRING_OVERLAP"] = "0"
     dist.init_process_group("gloo", store=dist.FileStore(store, nproc), rank=rank,
                             world_size=nproc)
     from gradring import comm
@@ -67,12 +67,14 @@ def _rank_main(rank: int, nproc: int, store: str, model_name: str, steps: int,
     buckets = ddp.reducer.buckets
     calls: list[tuple[float, float]] = []
     launcher = ddp.reducer._launcher
-    reduce = launcher.reduce  # a bucket's collective, as the finalize issues it
+    reduce = launcher.reduce  # a bucket's collective, as the launch issues it
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            return reduce(*args, **kwargs)
+            fut = reduce(*args, **kwargs)
+            fut.wait()  # alone: nothing else of the step runs meanwhile
+            return fut
         finally:
             calls.append((time.perf_counter() - t0, time.thread_time() - c0))
 

@@ -14,7 +14,7 @@ its own variables' raw values with what it saw last (lookups in
 ``os.environ``'s backing dict: ~50 ns each against ~1 us through
 ``os.environ``'s encoding layer) and re-reads the configuration only when one
 changed. The rest are read where their effect starts: ``GRADRING_TIMEOUT``
-when a group's state is made, ``GRADRING_OVERLAP`` when a DDP is built,
+when a group's state is made,
 ``GRADRING_FAST_PATHS`` when it is built and when its buckets are rebuilt,
 ``GRADRING_QUIET`` at a wrapper's first forward,
 ``GRADRING_FLIGHT_RECORDER`` when the recorder writes, ``GRADRING_DEBUG`` and
@@ -81,14 +81,6 @@ def _switch(var: str, text: str) -> bool:
 def _switch_on(var: str, text: str) -> bool:
     """A switch that is on unless set to one of the "no" spellings."""
     return True if not text.strip() else _switch(var, text)
-
-
-def _overlap(var: str, text: str) -> str:
-    value = text.strip().lower()
-    if value and value not in _YES + _NO + ("auto",):
-        raise _bad(var, text, f"expected one of {', '.join(_YES + _NO)}, or auto or unset "
-                              "(the host decides)")
-    return value
 
 
 def _number(var: str, text: str, low: float, high: float, *, low_open: bool,
@@ -172,10 +164,6 @@ class Config:
     flight_recorder: str | None = _knob("GRADRING_FLIGHT_RECORDER", _directory, None)
     #: ``GRADRING_FLIGHT_SIZE=<n>``, 1 to 1000000: collectives the flight recorder keeps.
     flight_size: int = _knob("GRADRING_FLIGHT_SIZE", _flight_size, 256)
-    #: ``GRADRING_OVERLAP``: "1"/"on"/"true"/"yes" launches buckets as they become ready,
-    #: "0"/"off"/"false"/"no" at the end of the backward, "" or "auto": the host decides
-    #: (``overlap_policy.py``). Kept as spelled (lower case): the choice's reason quotes it.
-    overlap: str = _knob("GRADRING_OVERLAP", _overlap, "")
     #: ``GRADRING_SHM_YIELD_US=<us>``, 0 to 1000000: how long a shared-memory wait polls with
     #: sched_yield before sleeping in the kernel (see [Note: spin, then block]).
     shm_yield_us: float = _knob("GRADRING_SHM_YIELD_US", _yield_us, 50.0)

@@ -13,7 +13,9 @@ path alone to check it.
 
 A fast path is a special case that won a paired measurement beyond the
 spread (``benchmarks/ablation.py``; the figures are in docs/design.md,
-"Fast paths, measured"). Each is one name in ``GRADRING_FAST_PATHS``:
+"Fast paths, measured"). Each is one name in ``GRADRING_FAST_PATHS``, one
+object per bucket in its own file that owns its state (``buckets/homed.py``,
+``buckets/packed.py``), and one line of ``TABLE`` below:
 
 - ``homed``: a CPU bucket's gradient stays in ``.grad``; only the part the
   peers read is copied into the bucket, and the collective writes the result
@@ -39,29 +41,63 @@ rank takes the same paths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from typing import Any
+
+from gradring.buckets.homed import HomedPath
+from gradring.buckets.packed import PackedPath
+
+#: Every fast path: its name and its class, in the order slots are offered to
+#: them (see [Note: slot kinds] in ``buckets/bucket.py``). Removing a fast
+#: path is deleting its file and its line here.
+TABLE: tuple[tuple[str, Any], ...] = (
+    ("packed", PackedPath),
+    ("homed", HomedPath),
+)
 
 #: Every fast path's name, in the order of the bits rank 0 broadcasts.
-NAMES = ("homed", "packed")
+NAMES = tuple(name for name, _ in TABLE)
 
 
-@dataclass(frozen=True)
 class FastPaths:
-    """Which fast paths are on (see [Note: the core and its fast paths])."""
+    """Which fast paths are on (see [Note: the core and its fast paths]):
+    ``FastPaths(packed=False)``; ``.homed`` says whether one is on."""
 
-    homed: bool = True
-    packed: bool = True
+    __slots__ = ("on",)
+
+    def __init__(self, **on: bool) -> None:
+        unknown = [n for n in on if n not in NAMES]
+        if unknown:
+            raise TypeError(f"unknown fast path(s) {', '.join(unknown)}")
+        self.on = frozenset(n for n in NAMES if on.get(n, True))
+
+    def __getattr__(self, name: str) -> bool:
+        if name in NAMES:
+            return name in self.on
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FastPaths) and self.on == other.on
+
+    def __hash__(self) -> int:
+        return hash(self.on)
+
+    def __repr__(self) -> str:
+        return f"FastPaths({self.describe()})"
+
+    def classes(self) -> list[Any]:
+        """The classes of the fast paths that are on, in offering order."""
+        return [cls for name, cls in TABLE if name in self.on]
 
     def bits(self) -> int:
         """The set as an integer (bit k: ``NAMES[k]`` is on), for a broadcast."""
-        return sum(1 << k for k, f in enumerate(fields(self)) if getattr(self, f.name))
+        return sum(1 << k for k, name in enumerate(NAMES) if name in self.on)
 
     @classmethod
     def from_bits(cls, bits: int) -> FastPaths:
         return cls(**{name: bool(bits >> k & 1) for k, name in enumerate(NAMES)})
 
     def describe(self) -> str:
-        on = [name for name in NAMES if getattr(self, name)]
+        on = [name for name in NAMES if name in self.on]
         return "all" if len(on) == len(NAMES) else ",".join(on) or "none"
 
 

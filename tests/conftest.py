@@ -1,53 +1,8 @@
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.support.env import run_with_environ
 from tests.support.rankpool import RankPool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# [Note: both policies]
-# The suite runs gradring's default, buckets launched as they become ready
-# (see [Note: overlap needs a free core] in gradring/reducer/overlap_policy.py).
-# The files that compare gradring's DDP against torch's run twice, once per
-# policy: [ready], the default, and [at_end] with GRADRING_OVERLAP=0, every
-# bucket reduced on the training thread when the backward ends. Their rank
-# bodies get the variable through the pools (Pools.environ).
-BOTH_POLICIES = {
-    "tests/ranks/test_ddp_buckets.py", "tests/ranks/test_ddp_buffers.py",
-    "tests/ranks/test_ddp_constructor.py", "tests/ranks/test_ddp_create_graph.py",
-    "tests/ranks/test_ddp_diagnostics.py", "tests/ranks/test_ddp_forward_backward_patterns.py",
-    "tests/ranks/test_ddp_inputs_and_outputs.py", "tests/ranks/test_ddp_nesting_and_rewrapping.py",
-    "tests/ranks/test_ddp_no_sync.py", "tests/ranks/test_ddp_post_accumulate_hooks.py",
-    "tests/ranks/test_ddp_semi_private.py", "tests/ranks/test_ddp_state_dict_and_pickling.py",
-    "tests/ranks/test_ddp_unused_parameters.py", "tests/ranks/test_ddp_identity.py",
-    "tests/ranks/test_ddp_oracle.py",
-    "tests/ranks/test_grad_layout.py", "tests/ranks/test_small_params.py",
-    "tests/ranks/test_no_sync_unused.py", "tests/ranks/test_join.py",
-    "tests/ranks/test_hooks.py", "tests/ranks/test_sparse_grads.py",
-    "tests/ranks/test_skip_unused_buckets.py", "tests/ranks/test_irregular.py",
-    "tests/ranks/test_reducer_fast_path.py", "tests/ranks/test_mixed_precision.py",
-}
-POLICIES = {"ready": {}, "at_end": {"GRADRING_OVERLAP": "0"}}
-
-
-def pytest_generate_tests(metafunc) -> None:  # noqa: ANN001
-    path = os.path.relpath(str(metafunc.definition.path), ROOT)
-    if path in BOTH_POLICIES and "pools" in metafunc.fixturenames:
-        metafunc.fixturenames.append("policy")
-        metafunc.parametrize("policy", list(POLICIES), indirect=True)
-
-
-@pytest.fixture
-def policy(request, pools):  # noqa: ANN001
-    """Set the pools' environment for the test (see [Note: both policies])."""
-    pools.environ = POLICIES[request.param]
-    yield request.param
-    pools.environ = {}
-
 
 # [Note: the default suite and the slow one]
 # `pytest -q` (the README's command) runs what needs at most the shared rank
@@ -99,16 +54,11 @@ class Pools:
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
-        # Environment variables set around every rank body (see [Note: both policies]).
-        self.environ: dict[str, str] = {}
 
     def run(self, world_size: int, fn, *args, timeout: float = 120, **kwargs):
         pool = self._pools.get(world_size)
         if pool is None:
             pool = self._pools[world_size] = RankPool(world_size)
-        if self.environ:
-            return pool.run(run_with_environ, self.environ, fn, *args, timeout=timeout,
-                            **kwargs)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:

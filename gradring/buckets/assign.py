@@ -15,17 +15,22 @@ where each bucket's first tensor sits in the walk. DDP calls this twice:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from gradring import errors
+
 #: First bucket's cap after a rebuild: small, so the first all-reduce starts early.
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 #: bucket_cap_mb's default.
 DEFAULT_BUCKET_CAP_MB = 25
 MIB = 1024 * 1024
+#: A cap no bucket reaches: what a negative bucket_cap_mb means (see BucketCaps.parse).
+NO_CAP = 1 << 62
 
 
 def assign_buckets(
@@ -77,18 +82,51 @@ def assign_buckets(
 
 @dataclass(frozen=True)
 class BucketCaps:
-    """The byte caps DDP's constructor arguments imply, for both assignments.
+    """The byte caps DDP's constructor arguments imply, for both assignments:
+    the one owner of the bucket cap, from the constructor to the rebuild.
 
     As in torch 2.13: ``bucket_cap_mb`` left at None means a 25 MiB cap with a
     1 MiB first bucket (so the first all-reduce starts early); an explicit
     ``bucket_cap_mb`` is also the first bucket's cap; ``bucket_cap_mb_list``
     gives every bucket its own cap (the last repeats), at construction and at
-    the rebuild alike.
+    the rebuild alike. ``bucket_cap_mb="auto"`` starts as the default and is
+    replaced at the rebuild by the caps it chose (``chosen``).
     """
 
     cap: int  # bucket_cap_mb in bytes (the largest of bucket_cap_mb_list)
     first: int  # the first bucket's cap after the rebuild
     per_bucket: tuple[int, ...] = ()  # bucket_cap_mb_list in bytes
+    auto: bool = False  # bucket_cap_mb="auto": the rebuild picks the cap
+
+    @classmethod
+    def parse(cls, bucket_cap_mb: object,
+              bucket_cap_mb_list: Sequence[float] | None = None) -> BucketCaps:
+        """Every form of the constructor's arguments: None, a number, "auto"
+        (any case), or bucket_cap_mb_list (which wins over "auto"). Where
+        torch raises (NaN, an infinity, a string other than "auto", a bool
+        is taken as a number by torch but never meant as one) a ValueError
+        names the value. As torch: a cap under one byte puts every tensor in
+        a bucket of its own, and a negative one (which torch's C++ reads as a
+        huge unsigned size) puts every tensor of a dtype and device in one
+        bucket."""
+        auto = is_auto(bucket_cap_mb)
+        if auto:
+            bucket_cap_mb = None
+        if bucket_cap_mb is not None and (
+                isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                or not math.isfinite(bucket_cap_mb)):
+            raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
+        if bucket_cap_mb is not None and int(bucket_cap_mb * MIB) <= 0:
+            cap = 1 if int(bucket_cap_mb * MIB) == 0 else NO_CAP
+            return cls(cap, cap)
+        caps = cls.from_args(bucket_cap_mb, bucket_cap_mb_list)
+        return cls(caps.cap, caps.first, caps.per_bucket, auto=auto and not bucket_cap_mb_list)
+
+    def chosen(self, cap: int, first: int | None) -> BucketCaps:
+        """The caps bucket_cap_mb="auto" chose at the rebuild (``first``
+        defaults to torch's 1 MiB, and is at most ``cap``)."""
+        first = min(DEFAULT_FIRST_BUCKET_BYTES if first is None else first, cap)
+        return BucketCaps(cap, first, self.per_bucket)
 
     @classmethod
     def from_args(cls, bucket_cap_mb: float | None,
@@ -110,17 +148,24 @@ class BucketCaps:
             return list(self.per_bucket)
         if not find_unused:
             return [sys.maxsize]  # one bucket until the rebuild has seen a backward
+        if self.cap == NO_CAP:
+            # torch's DDP assigns these buckets at once, and its assignment takes
+            # unsigned sizes: a negative cap is a TypeError there.
+            raise TypeError("bucket_cap_mb is negative: with find_unused_parameters=True "
+                            "torch's DDP rejects it too (its bucket assignment takes sizes "
+                            "of 0 or more); pass a positive bucket_cap_mb")
         return [self.first, self.cap] if self.first < self.cap else [self.cap]
 
-    def rebuild(self, cap: int | None = None, first: int | None = None) -> list[int]:
-        """Caps of the rebuild; ``cap`` and ``first`` replace the cap and the first
-        bucket's (bucket_cap_mb="auto"; ``first`` defaults to torch's 1 MiB)."""
+    def rebuild(self) -> list[int]:
+        """Caps of the rebuild."""
         if self.per_bucket:
             return list(self.per_bucket)
-        if cap is not None:
-            first = min(DEFAULT_FIRST_BUCKET_BYTES if first is None else first, cap)
-            return [first, cap] if first < cap else [cap]
         return [self.first, self.cap] if self.first < self.cap else [self.cap]
+
+
+def is_auto(value: object) -> bool:
+    """Whether ``bucket_cap_mb`` is "auto" (any case, spaces around allowed)."""
+    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def bucket_key(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:

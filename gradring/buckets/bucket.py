@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
-from gradring.buckets.packing import SMALL_SLOT_NUMEL, Run, packed_runs
 
 
 class SlotKind(enum.Enum):
@@ -16,8 +14,9 @@ class SlotKind(enum.Enum):
 
     [Note: slot kinds]
     Decided once per bucket, when it is installed (and again if a comm hook is
-    registered), so the per-gradient hook follows a stored decision. The
-    core's two kinds (see [Note: the core and its fast paths] in
+    registered), so the per-gradient hook follows a stored decision: each
+    fast path (in ``gradring/fast_paths.py``'s order) claims the slots it
+    takes, the core the rest. The core's two kinds (see [Note: the core and its fast paths] in
     ``gradring/fast_paths.py``):
 
     - ``COPIED``: copied into the slot by its hook and the result copied back
@@ -34,7 +33,8 @@ class SlotKind(enum.Enum):
       time when the bucket is ready ([Note: packed slots] in ``packing.py``).
 
     PACKED slots are *deferred*: their hooks only count, and the tensor work
-    is done for the whole bucket when its last gradient arrives.
+    is done for the whole bucket when its last gradient arrives. Each fast
+    path's state and code is its own object (``homed.py``, ``packed.py``).
 
     A gradient that does not fit its slot's kind at run time (no gradient,
     a non-contiguous or sparse one) falls back to ``COPIED``.
@@ -85,11 +85,10 @@ class Bucket:
         # [Note: a bucket's transitions]
         # Within one backward a bucket goes FILLING -> READY -> LAUNCHED and back
         # to FILLING at reset(). Only its own methods change the fields below:
-        # arrive() counts a gradient in, mark_ready(), launch() or
-        # leave_to_finalize(), start_at_finalize() when the finalize reduces it,
+        # arrive() counts a gradient in, mark_ready(), launch(),
         # complete() once its results are written, reset() for the next
-        # backward; write_back(), home() and unpack() record how this backward's
-        # slots went in. The others read them.
+        # backward; write_back() records the slots the core writes back. The
+        # others read them.
         # Gradients still missing in this backward, out of ``size``.
         self.size = len(params)
         self.pending = self.size
@@ -97,21 +96,10 @@ class Bucket:
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
         self.future: Any = None
-        # Left to be reduced by the finalize on its own thread (see [Note: buckets
-        # left to the finalize] in reducer/launcher.py).
-        self.at_finalize = False
-        # The part of the buffer this rank reduces itself (comm.own_range), set by
-        # the reducer, and this backward's homed gradients: (offset, flat .grad)
-        # pairs and their slots (see [Note: external parts] in comm/external.py).
-        self.own = (0, 0)
-        # Whether gradients may stay in .grad (CPU, floating point, world > 1, not view mode).
-        self.homable = False
-        self.homes: list[tuple[int, torch.Tensor]] = []
-        self.homed_slots: set[int] = set()
-        # This backward's slots whose result the reducer copies back into .grad
-        # at the end (copied in, or no gradient); the others already hold it.
-        # The list is cleared in place, never replaced, so that write_back stays
-        # its bound append.
+        # This backward's slots whose result the core copies back into .grad
+        # at the end (copied in, or no gradient); the fast paths write their
+        # own. The list is cleared in place, never replaced, so that
+        # write_back stays its bound append.
         self.to_write: list[int] = []
         # Records a slot in to_write: the list's own append, so that a put
         # costs no Python call more per gradient (see [Note: the per-gradient
@@ -119,19 +107,11 @@ class Bucket:
         self.write_back: Callable[[int], None] = self.to_write.append
         # Per slot, how its gradient travels (see [Note: slot kinds]).
         self.kinds: list[SlotKind] = [SlotKind.COPIED] * len(params)
-        # Whether some slots are deferred (PACKED): the reducer puts them in
-        # when the bucket's last gradient arrives.
-        self.deferred = False
-        # The PACKED slots, as runs of neighbours (see [Note: packed slots]).
-        self.runs: tuple[Run, ...] = ()
-        # Every packed slot's parameter and view, in slot order, for the
-        # bucket-wide copies (see [Note: packed slots]); views follow reallocate().
-        self.packed_params: list[torch.Tensor] = []
-        self.packed_views: list[torch.Tensor] = []
-        # Whether the bucket's packed slots are one run of 1-D slots (a torch.cat).
-        self.packed_flat = False
-        # This backward's runs (by position in ``runs``) that went slot by slot.
-        self.unpacked: set[int] = set()
+        # The fast paths that hold some of its slots, and what of theirs runs
+        # when the bucket is full, reduces it, and writes back (see place()).
+        self.paths: tuple[Any, ...] = ()
+        self.on_full: tuple[Callable[[Bucket, float], None], ...] = ()
+        self.path_writes: tuple[Callable[[Bucket, list[int] | None], None], ...] = ()
 
     # ------------------------------------------------- one backward's transitions
     def arrive(self) -> bool:
@@ -149,66 +129,31 @@ class Bucket:
         self.state = BucketState.LAUNCHED
         self.future = future
 
-    def leave_to_finalize(self) -> None:
-        """Counted as launched, but the finalize reduces it on its own thread
-        (see [Note: buckets left to the finalize] in reducer/launcher.py)."""
-        self.state = BucketState.LAUNCHED
-        self.at_finalize = True
-
-    def start_at_finalize(self) -> None:
-        """The finalize (or a drain) now reduces the bucket left to it."""
-        self.at_finalize = False
-
-    def home(self, start: int, flat: torch.Tensor, slot: int) -> None:
-        """Slot ``slot``'s gradient stays in ``.grad`` (``flat``, at element
-        ``start``): the collective reads and writes it there."""
-        self.homes.append((start, flat))
-        self.homed_slots.add(slot)
-
-    def homed_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """This backward's homed gradients, by offset, for the homed all-reduce."""
-        return sorted(self.homes, key=_offset)
-
-    def unpack(self, run: int) -> None:
-        """Packed run ``run`` went slot by slot in this backward (so will its write-back)."""
-        self.unpacked.add(run)
-
     def complete(self) -> None:
         """The results are written: drop this backward's references to old gradients."""
-        self.homes.clear()
-        self.homed_slots.clear()
         self.to_write.clear()
+        for path in self.paths:
+            path.reset()
 
-    def place(self, own: tuple[int, int], *, homable: bool, view_mode: bool,
-              hooked: bool, pack: bool) -> None:
-        """Set the own chunk and whether the bucket may be homed, then decide
-        every slot's kind (see [Note: slot kinds])."""
-        self.own = own
-        self.homable = homable
-        self.decide_kinds(view_mode=view_mode, hooked=hooked, pack=pack)
-
-    def decide_kinds(self, *, view_mode: bool, hooked: bool, pack: bool) -> None:
-        """Decide each slot's kind: a comm hook sees plain copies, never homes.
-        ``pack``: the fast path ``packed`` is on."""
+    def place(self, ctx: Any, path_classes: Sequence[Any]) -> None:
+        """Decide every slot's kind (see [Note: slot kinds]): the fast paths in
+        ``path_classes`` (in order) that are offered this bucket under ``ctx``
+        claim slots, the core takes the rest; make the paths' objects."""
+        offered = [c for c in path_classes if c.offered(self, ctx)]
         for s in range(len(self.params)):
-            if view_mode:
-                kind = SlotKind.VIEW
-            elif pack and self.numels[s] <= SMALL_SLOT_NUMEL:
-                kind = SlotKind.PACKED
-            elif hooked or not self.homable or not self.params[s].is_contiguous():
-                kind = SlotKind.COPIED  # homing moves row-major memory
-            else:
-                kind = SlotKind.HOMED
-            self.kinds[s] = kind
-        self.runs = packed_runs([k is SlotKind.PACKED for k in self.kinds], self.offsets,
-                                self.numels, self.params, self.param_indices)
-        self.deferred = bool(self.runs)
-        self.packed_params = [p for run in self.runs for p in run.params]
-        self.packed_flat = len(self.runs) == 1 and self.runs[0].flat
-        self._view_packed()
+            if ctx.view_mode:
+                self.kinds[s] = SlotKind.VIEW
+                continue
+            self.kinds[s] = next((c.kind for c in offered if c.claims(self, s)), SlotKind.COPIED)
+        taken = set(self.kinds)
+        self.paths = tuple(c(self, ctx) for c in offered if c.kind in taken)
+        self.on_full = tuple(p.on_full for p in self.paths if p.on_full is not None)
+        self.path_writes = tuple(p.write_back for p in self.paths if p.write_back is not None)
 
-    def _view_packed(self) -> None:
-        self.packed_views = [self.views[s] for run in self.runs for s in range(run.lo, run.hi)]
+    def path_of(self, s: int) -> Any:
+        """The fast path that holds slot ``s``, or None (the core)."""
+        kind = self.kinds[s]
+        return next((p for p in self.paths if p.kind is kind), None)
 
     def _make_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer the collective reduces, and per-slot views shaped like
@@ -227,11 +172,9 @@ class Bucket:
         self.pending = self.size
         self.state = BucketState.FILLING
         self.future = None
-        self.at_finalize = False
-        self.homes.clear()
-        self.homed_slots.clear()
         self.to_write.clear()
-        self.unpacked.clear()
+        for path in self.paths:
+            path.reset()
 
 
 # [Note: the gradient layout contract]
@@ -274,7 +217,3 @@ def slot_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.T
     shaped and strided as its gradient is (see [Note: the gradient layout contract])."""
     span = buffer.narrow(0, offset, param.numel())
     return span.as_strided(param.shape, layout_strides(param))
-
-
-def _offset(piece: tuple[int, torch.Tensor]) -> int:
-    return piece[0]

@@ -1,43 +1,32 @@
-"""How gradients go into bucket slots and their results back into ``.grad``.
+"""The core's way for gradients into bucket slots and their results back into ``.grad``.
 
-One function per slot kind (see [Note: slot kinds] in ``bucket.py``): the
-per-hook puts of VIEW, HOMED and COPIED slots, the deferred put of a ready
-bucket's PACKED slots (see [Note: packed slots] in ``packing.py``),
-and the write-back at the end of the backward. Plain functions of a bucket
-and a slot: the parameter is the bucket's, the scale the caller's; what a
-put leaves to be done later it records through the bucket's own methods.
+One put per core slot kind (see [Note: slot kinds] in ``bucket.py``), VIEW
+and COPIED, and the write-back at the end of the backward, which then hands
+each fast path's slots to the path (``homed.py``, ``packed.py``). Plain
+functions of a bucket and a slot: the parameter is the bucket's, the scale
+the caller's; what a put leaves to be written back it records in the
+bucket's ``to_write``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from gradring.buckets.bucket import Bucket, SlotKind
-from gradring.buckets.packing import copy_in, copy_in_all, copy_out, copy_out_all, scale_tensor
+from gradring.buckets.packing import scale_tensor
 
 
-def put_deferred(bucket: Bucket, scale: float) -> None:
-    """The bucket's last gradient arrived: put in its PACKED slots (see
-    [Note: packed slots] in ``packing.py``)."""
-    grad_mode = torch.is_grad_enabled()  # on only under backward(create_graph=True)
-    if grad_mode:
-        torch._C._set_grad_enabled(False)
-    try:
-        if not grad_mode and not bucket.packed_flat and \
-                copy_in_all(bucket.packed_views, bucket.packed_params, scale):
-            return
-        buffer, views = bucket.buffer, bucket.views
-        for r, run in enumerate(bucket.runs):
-            # create_graph: slot by slot, so that .grad is written with autograd on.
-            if grad_mode or not copy_in(buffer, views, run, scale):
-                bucket.unpack(r)
-                for s in range(run.lo, run.hi):
-                    put_copied(bucket, s, scale)
-    finally:
-        if grad_mode:
-            torch._C._set_grad_enabled(True)
+class SlotContext(NamedTuple):
+    """What decides a bucket's slot kinds besides its parameters."""
+
+    view_mode: bool   # gradient_as_bucket_view
+    hooked: bool      # a comm hook is set: slots are plain copies
+    shared: bool      # another live reducer acts on these parameters
+    world_size: int
+    own: tuple[int, int]  # the part of the buffer this rank reduces (comm.own_range)
 
 
 def put_nothing(bucket: Bucket, s: int) -> None:
@@ -71,36 +60,6 @@ def put_view(bucket: Bucket, s: int, scale: float) -> None:
             if st is not None:
                 view.mul_(st)
         p.grad = view
-
-
-# How a gradient goes into its slot, one function per kind (called by the
-# hook); each falls back to COPIED when the gradient does not fit its own kind.
-def put_homed(bucket: Bucket, s: int, scale: float) -> None:
-    """Copy in (scaled) only what the peers read, the part outside this rank's
-    own chunk; the collective reads the rest from ``.grad`` and writes the
-    whole result back into it."""
-    grad = bucket.params[s].grad
-    view = bucket.views[s]
-    # A gradient that requires grad (backward(create_graph=True)) is
-    # copied: the collective's thread would record autograd history on it.
-    # No gradient, or a sparse one, is copied too. Homing moves the gradient
-    # as flat memory: only where the gradient and its slot are both row-major
-    # ([Note: the gradient layout contract] in bucket.py).
-    if not (grad is not None and grad.layout is torch.strided and grad.is_contiguous()
-            and view.is_contiguous()
-            and not grad.requires_grad
-            and grad.dtype == view.dtype and grad.device == view.device
-            and grad.numel() == view.numel()):
-        put_copied(bucket, s, scale)
-        return
-    flat = grad.view(-1)
-    start, n = bucket.offsets[s], bucket.numels[s]
-    lo, hi = bucket.own
-    for a, b in ((start, min(start + n, lo)), (max(start, hi), start + n)):
-        if a < b:
-            torch.mul(flat[a - start:b - start], scale_tensor(scale, flat.dtype),
-                      out=bucket.buffer[a:b])
-    bucket.home(start, flat, s)
 
 
 # [Note: sparse gradients]
@@ -140,29 +99,16 @@ def put_copied(bucket: Bucket, s: int, scale: float) -> None:
 
 def write_grads(bucket: Bucket, used: list[int] | None) -> None:
     """Write the bucket's reduced values where ``.grad`` needs them; ``used``
-    (per global parameter index) leaves alone the parameters no rank used."""
-    # Only the slots whose put left the result to be written back (copied in,
-    # or no gradient), and the packed runs: homed and view slots already
-    # hold it in .grad.
-    homed = bucket.homed_slots
+    (per global parameter index) leaves alone the parameters no rank used.
+    The core writes the slots its puts left to it (copied in, or no
+    gradient); each fast path writes its own."""
     for slot in bucket.to_write:
-        if slot not in homed:  # else the collective wrote the result into .grad
-            _write_slot(bucket, slot, used)
-    runs, unpacked, views = bucket.runs, bucket.unpacked, bucket.views
-    if runs and not unpacked and (used is None or all(
-            used[i] for run in runs for i in run.indices)) and \
-            copy_out_all(bucket.packed_params, bucket.packed_views):
-        return
-    for r, run in enumerate(runs):
-        if r in unpacked:
-            continue  # its slots went one by one, into to_write
-        if (used is None or all(used[i] for i in run.indices)) and copy_out(views, run):
-            continue
-        for slot in range(run.lo, run.hi):
-            _write_slot(bucket, slot, used)
+        write_slot(bucket, slot, used)
+    for write_back in bucket.path_writes:
+        write_back(bucket, used)
 
 
-def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
+def write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
     if used is not None and used[bucket.param_indices[slot]] == 0:
         return  # unused on every rank: leave .grad untouched
     p = bucket.params[slot]
@@ -188,9 +134,7 @@ def _write_slot(bucket: Bucket, slot: int, used: list[int] | None) -> None:
         grad.copy_(view)
 
 
-#: Per slot kind, what its hook puts in with (see [Note: slot kinds]); None
-#: for the kind that is always deferred (see [Note: packed slots]).
-PUT_AT_HOOK: dict[SlotKind, Callable[[Bucket, int, float], None] | None] = {
-    SlotKind.VIEW: put_view, SlotKind.PACKED: None,
-    SlotKind.HOMED: put_homed, SlotKind.COPIED: put_copied,
+#: Per core slot kind, what its hook puts in with (see [Note: slot kinds]).
+CORE_PUTS: dict[SlotKind, Callable[[Bucket, int, float], None]] = {
+    SlotKind.VIEW: put_view, SlotKind.COPIED: put_copied,
 }

@@ -28,9 +28,8 @@ second, where this wait used to last the group's whole timeout.
 
 The other knobs may differ per rank: ``GRADRING_TIMEOUT`` is each rank's own
 deadline, the flight recorder's folder and size and ``GRADRING_SHM_YIELD_US``
-only concern the rank itself, and ``GRADRING_OVERLAP``'s choice and
-``GRADRING_FAST_PATHS``' fast paths travel with rank 0's bucket assignment
-(``reducer/overlap_policy.py``, ``reducer/rebuild.py``).
+only concern the rank itself, and ``GRADRING_FAST_PATHS``' fast paths
+travel with rank 0's bucket assignment (``reducer/rebuild.py``).
 
 The three are re-read per collective (benchmarks switch them between calls,
 see [Note: when the environment is read] in ``config.py``); the agreement

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +43,7 @@ from torch.nn.parallel import distributed as _torch_distributed
 from gradring import compile as compile_split
 from gradring import errors, pytree
 from gradring.announce import announce_first_forward, notice
-from gradring.buckets import DEFAULT_BUCKET_CAP_MB, MIB, BucketCaps
+from gradring.buckets import DEFAULT_BUCKET_CAP_MB, BucketCaps
 from gradring.comm import peers
 from gradring.ddp import join, logging_data, reducer_params
 from gradring.ddp.buffers import BufferCommHookLocation, BufferSync
@@ -56,43 +55,21 @@ from gradring.fused_optim import FusedOptimizer
 from gradring.graph import GraphMode
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import profiled
-from gradring.reducer import CommHook, Reducer, autocap
+from gradring.reducer import CommHook, Reducer
 
-__all__ = ["DistributedDataParallel", "TorchDDP", "bucket_cap_bytes", "bucket_caps"]
+__all__ = ["DistributedDataParallel", "TorchDDP", "bucket_cap_bytes"]
 
 #: torch's class, captured at import time (``gradring.install()`` may later
 #: rebind the public names; this stays the original).
 TorchDDP = _torch_distributed.DistributedDataParallel
 
 
-#: The cap of a negative bucket_cap_mb: larger than any model.
-_NO_CAP = 1 << 62
-
-
-def bucket_caps(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
-                ) -> tuple[BucketCaps, bool]:
-    """The constructor's caps, and whether ``"auto"`` picks the cap at the rebuild."""
-    auto = autocap.is_auto(bucket_cap_mb) and not bucket_cap_mb_list
-    if autocap.is_auto(bucket_cap_mb):
-        bucket_cap_mb = None
-    if bucket_cap_mb is not None and (
-            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-            or not math.isfinite(bucket_cap_mb)):
-        raise ValueError(errors.bad_bucket_cap(bucket_cap_mb))
-    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
-        # As torch: a cap under one byte puts every tensor in a bucket of its own,
-        # and a negative one (which torch's C++ reads as a huge unsigned size) puts
-        # every tensor of a dtype and device in one bucket.
-        cap = 1 if int(bucket_cap_mb * MIB) == 0 else _NO_CAP
-        return BucketCaps(cap, cap), auto
-    return BucketCaps.from_args(bucket_cap_mb, bucket_cap_mb_list), auto
-
 
 def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
                      ) -> tuple[int, bool]:
     """The constructor's cap in bytes, and whether ``"auto"`` picks it at the rebuild."""
-    caps, auto = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
-    return caps.cap, auto
+    caps = BucketCaps.parse(bucket_cap_mb, bucket_cap_mb_list)
+    return caps.cap, caps.auto
 
 
 def _group_of(process_group: Any, device_mesh: Any) -> Any:
@@ -116,6 +93,13 @@ def _not_supported(name: str) -> Any:
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"torch-internal ``{name}``: gradring has no counterpart (raises)."
     return method
+
+
+def _check_supported(**given: bool) -> None:
+    """Arguments of torch's that gradring does not implement: an error if set."""
+    for name, value in given.items():
+        if value:
+            raise NotImplementedError(errors.unsupported_argument(name))
 
 
 class DistributedDataParallel(TorchDDP):
@@ -152,17 +136,40 @@ class DistributedDataParallel(TorchDDP):
         # torch's DDP.__init__ is never called (see [Note: type identity]).
         nn.Module.__init__(self)
         join.Joinable.__init__(self)
-        unsupported = {
-            "batched_grad_copy": bool(batched_grad_copy),
-        }
-        for name, given in unsupported.items():
-            if given:
-                raise NotImplementedError(errors.unsupported_argument(name))
+        # [Note: the constructor's steps]
+        # Each step owns one concern and sets the attributes of that concern;
+        # an error in a step is raised before any later step has run.
+        _check_supported(batched_grad_copy=batched_grad_copy)
+        self._init_records()
+        self._check_argument_pairs(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        self._use_group(process_group, device_mesh, device_ids, check_reduction=check_reduction)
+        named = self._choose_parameters(module, delay_all_reduce_named_params)
+        self._place(module, named, device_ids, output_device, dim)
+        init_sync_buffers = self._set_sync_options(
+            broadcast_buffers, forward_sync_buffers, find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params)
+        self._set_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self._keep_parameters(module, named)
+        if self._delay_all_reduce_params:
+            self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce,
+                                                 device_ids)
+            if self._delay_all_reduce_all_params:
+                # Nothing for the buckets: no reducer, no other sync (as torch means
+                # it to; docs/ddp-differences.md).
+                return
+        if init_sync:
+            self._verify_same_model(self._module_parameters)
+            self._sync_params_and_buffers(0, buffers=init_sync_buffers)
+        self._set_up_reduction(static_graph, mixed_precision)
+        if static_graph:
+            self._declare_static_graph(stacklevel=3)
+
+    # ------------------------------------------------------ the constructor's steps
+    def _init_records(self) -> None:
+        """What DDP records about itself for the logging data and torch's helpers."""
         # The error DDP last raised, for _get_ddp_logging_data (as torch's logger keeps it).
         self._error: str | None = None
-        half_given = check_given_together(delay_all_reduce_named_params, param_to_hook_all_reduce)
-        if half_given is not None:
-            self._log_and_throw(ValueError, half_given)
         # The sampled runtime statistics and the comm hook's name, for the logging data.
         self._runtime_stats = logging_data.RuntimeStats()
         self._comm_hook_name: str | None = None
@@ -174,15 +181,30 @@ class DistributedDataParallel(TorchDDP):
         self._join_used = False
         # torch's C++ Logger, for torch's helpers that take DDP's logger (made on first use).
         self._torch_logger = logging_data.TorchLogger()
-        # Group the gradients are averaged over.
+
+    def _check_argument_pairs(self, delay_all_reduce_named_params: Any,
+                              param_to_hook_all_reduce: Any) -> None:
+        """Arguments that only make sense together."""
+        half_given = check_given_together(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        if half_given is not None:
+            self._log_and_throw(ValueError, half_given)
+
+    def _use_group(self, process_group: Any, device_mesh: Any, device_ids: Any, *,
+                   check_reduction: bool) -> None:
+        """The group the gradients are averaged over."""
         self.process_group = _group_of(process_group, device_mesh)
         if device_mesh is not None:
             # The 1-D mesh the group came from (torch keeps it too).
             self.device_mesh = device_mesh
-        if check_reduction:
-            warnings.warn(errors.check_reduction_deprecated(), FutureWarning, stacklevel=2)
+        if check_reduction:  # pointed at the constructor's caller
+            warnings.warn(errors.check_reduction_deprecated(), FutureWarning, stacklevel=3)
         if device_ids is not None and len(device_ids) > 1:
             self._log_and_throw(ValueError, errors.too_many_device_ids())
+
+    def _choose_parameters(self, module: nn.Module,
+                           delay_all_reduce_named_params: Any) -> list[tuple[str, Any]]:
+        """The parameters the buckets average (named), the ones DDP leaves alone
+        and the delayed ones; every parameter on one device."""
         # Names (module-relative) of parameters and buffers DDP leaves alone.
         self.parameters_to_ignore: set[str] = set(
             getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -206,12 +228,19 @@ class DistributedDataParallel(TorchDDP):
                                                                   for _, p in named]))
         if devices == {"meta"}:
             self._log_and_throw(RuntimeError, errors.meta_parameters(type(module).__name__))
+        return named
+
+    def _place(self, module: nn.Module, named: list[tuple[str, Any]], device_ids: Any,
+               output_device: Any, dim: int) -> None:
+        """The wrapped module, the device it lives on, and torch's device arguments."""
         # The wrapped module; state_dict keys get the usual "module." prefix.
         self.module = module
         # The single device every parameter lives on, and its type (torch's names).
         self.device = (named[0][1] if named else self._delay_all_reduce_params[0]).device
         self.device_type = self.device.type
         if device_ids is not None and self.device.type == "cpu":
+            devices = {str(p.device) for _, p in named or
+                       [("", p) for p in self._delay_all_reduce_params]}
             self._log_and_throw(ValueError,
                                 errors.device_ids_on_cpu(device_ids, output_device, devices))
         self._passing_sync_batchnorm_handle(module)
@@ -220,6 +249,13 @@ class DistributedDataParallel(TorchDDP):
         # torch's arguments, kept as given (gradring never scatters or gathers).
         self.output_device = output_device
         self.dim = dim
+
+    def _set_sync_options(self, broadcast_buffers: bool | None,
+                          forward_sync_buffers: bool | None, *, find_unused_parameters: bool,
+                          gradient_as_bucket_view: bool,
+                          skip_all_reduce_unused_params: bool) -> bool:
+        """The group's collectives, the buffers' sync and torch's flags; whether
+        the constructor broadcasts the buffers too."""
         # The collectives of the group (reducer, buffers, Join, init and final sync).
         self._comm = GroupComm(self.process_group)
         # Buffers: broadcast rank 0's before each forward (forward_sync_buffers;
@@ -235,36 +271,37 @@ class DistributedDataParallel(TorchDDP):
         self.require_backward_grad_sync = True
         # Whether the next forward syncs buffers (torch's require_forward_param_sync).
         self.require_forward_param_sync = True
-        # Bucket caps as torch 2.13 derives them; the byte cap is reported by the reducer.
-        self._caps, self._auto_cap = bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        return init_sync_buffers
+
+    def _set_caps(self, bucket_cap_mb: float | str | None,
+                  bucket_cap_mb_list: list[int] | None) -> None:
+        """The bucket caps, as torch 2.13 derives them."""
+        # The byte cap is reported by the reducer.
+        self._caps = BucketCaps.parse(bucket_cap_mb, bucket_cap_mb_list)
         # The per-bucket caps in bytes (torch's attribute).
         self.bucket_bytes_cap_list = list(self._caps.per_bucket)
         # Bucket size of the buffer and init broadcasts (torch's attribute; ours
         # coalesces per dtype).
         self.broadcast_bucket_size = 250 * 1024 * 1024
+
+    def _keep_parameters(self, module: nn.Module, named: list[tuple[str, Any]]) -> None:
+        """The parameters the reducer averages and their names; the buffers to sync."""
         # The parameters the reducer averages, and their module-relative names.
         self._param_names = [n for n, _ in named]
         self._module_parameters = [p for _, p in named]
         self._buffer_sync.refresh(module)
         # Whether the first forward's one-time setup (_lazy_init) ran.
         self._lazy_init_ran = False
-        if self._delay_all_reduce_params:
-            self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce,
-                                                 device_ids)
-            if self._delay_all_reduce_all_params:
-                # Nothing for the buckets: no reducer, no other sync (as torch means
-                # it to; docs/ddp-differences.md).
-                return
-        if init_sync:
-            self._verify_same_model(self._module_parameters)
-            self._sync_params_and_buffers(0, buffers=init_sync_buffers)
+
+    def _set_up_reduction(self, static_graph: bool, mixed_precision: Any) -> None:
+        """The reducer, what consumes its buckets, and mixed precision."""
         # What the reducer is built with again after unpickling.
         self._static_at_init = static_graph
         # torch's _MixedPrecision as given (None: everything in the parameters' dtype).
         self.mixed_precision = mixed_precision
         # gradring's reducer: buckets, gradient hooks, the all-reduces.
         self.reducer = self._build_reducer(static_graph=static_graph)
-        if self._auto_cap and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
+        if self._caps.auto and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
             notice(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB))  # gradring's own
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
@@ -272,8 +309,6 @@ class DistributedDataParallel(TorchDDP):
         self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
         # The precision switches ([Note: mixed precision] in mixed_precision.py), or None.
         self._mixed = self._setup_mixed_precision()
-        if static_graph:
-            self._declare_static_graph(stacklevel=3)
 
     def _build_reducer(self, *, static_graph: bool) -> Reducer:
         find_unused = self.find_unused_parameters and not static_graph
@@ -283,7 +318,6 @@ class DistributedDataParallel(TorchDDP):
             mode=GraphMode.of(find_unused=self.find_unused_parameters, static_graph=False),
             # Under mixed precision .grad is never a bucket view ([Note: mixed precision]).
             gradient_as_bucket_view=self.gradient_as_bucket_view and self.mixed_precision is None,
-            auto_cap=self._auto_cap,
             skip_unused_buckets=bool(self.skip_all_reduce_unused_params),
         )
 
@@ -367,7 +401,7 @@ class DistributedDataParallel(TorchDDP):
     @property
     def bucket_bytes_cap(self) -> int:
         """The bucket cap in bytes (what bucket_cap_mb="auto" chose, once it has)."""
-        return self.reducer.bucket_cap_bytes
+        return self.reducer.caps.cap
 
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (docs/design.md)."""

@@ -4,8 +4,8 @@
 launches, the finalize); the rest are pieces it owns or calls: the
 iteration's states (``state.py``), the rebuild (``rebuild.py``), the owner
 registry (``owners.py``), static_graph's first iteration
-(``static_graph.py``), the end-of-backward callback (``engine_callback.py``),
-the overlap choice (``overlap_policy.py``) and ``bucket_cap_mb="auto"``
+(``static_graph.py``), the end-of-backward callback (``engine_callback.py``)
+and ``bucket_cap_mb="auto"``
 (``autocap.py``).
 """
 

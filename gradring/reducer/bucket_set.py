@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradring.buckets import Bucket
-from gradring.buckets.slot_io import PUT_AT_HOOK
+from gradring.buckets.slot_io import CORE_PUTS, SlotContext
 from gradring.fast_paths import FastPaths
 from gradring.group_comm import GroupComm
 
@@ -82,19 +82,18 @@ class BucketSet:
                         p.grad = view
 
     def _place(self, bucket: Bucket) -> None:
-        fast, comm = self._fast, self._comm
-        homable = (fast.homed and comm.world_size > 1 and not self._view_mode
-                   and not self._shared and bucket.buffer.dtype.is_floating_point
-                   and bucket.buffer.device.type == "cpu")
-        bucket.place(comm.own_range(bucket.buffer.numel()), homable=homable,
-                     view_mode=self._view_mode, hooked=self._hooked,
-                     pack=fast.packed)
+        comm = self._comm
+        ctx = SlotContext(view_mode=self._view_mode, hooked=self._hooked, shared=self._shared,
+                          world_size=comm.world_size,
+                          own=comm.own_range(bucket.buffer.numel()))
+        bucket.place(ctx, self._fast.classes())
 
     def _build_routes(self) -> None:
         routes: list[Route] = []
         for b, s in self._locator:
             bucket = self.buckets[b]
-            routes.append((bucket, s, PUT_AT_HOOK[bucket.kinds[s]]))
+            path = bucket.path_of(s)
+            routes.append((bucket, s, CORE_PUTS[bucket.kinds[s]] if path is None else path.put))
         self.routes = routes
 
     # --------------------------------------------------- what changes the kinds

@@ -17,8 +17,7 @@ def queue_engine_callback(fn: Callable[[], None], *, needs_backward_end: bool = 
     Under compiled autograd the backward runs as one compiled function; the
     gradient hooks (modules Dynamo never traces, see ``gradring/compile/never_traced.py``)
     are graph breaks inside it and run eagerly, in backward order, so the
-    buckets still launch while later pieces of the backward compute (where
-    the reducer overlaps at all, see [Note: overlap needs a free core]). The
+    buckets still launch while later pieces of the backward compute. The
     engine's final callbacks are not available there (Dynamo only accepts
     ``queue_callback`` in a full graph), so the finalize runs as soon as the
     last bucket has launched: every parameter's gradient is in by then, and

@@ -8,16 +8,6 @@ pair up whatever order the gradients arrived in. A launch is asynchronous:
 the group's comm thread runs the collective while autograd computes the
 earlier layers. Each is labelled ``DDP bucket <k>`` for errors, desync checks
 and the flight recorder.
-
-[Note: buckets left to the finalize]
-With ``GRADRING_OVERLAP=0`` (see [Note: overlap needs a free core] in
-``overlap_policy.py``) a ready bucket is only marked launched, and the
-finalize reduces every bucket on its own thread, in index order, when the
-backward ends. This does not apply with a comm hook (it returns futures), a
-fused optimizer (it steps earlier buckets while later ones are in flight)
-or ``find_unused_parameters`` (its usage map follows the last bucket).
-Every rank follows rank 0's choice, so collectives still pair up in the
-same order.
 """
 
 from __future__ import annotations
@@ -50,10 +40,8 @@ class Launcher:
         # Next bucket index to launch in this backward.
         self.next_bucket = 0
         # Indices of this backward's buckets that are not reduced ([Note: skipped buckets]
-        # in reducer.py), and whether the finalize reduces them all ([Note: buckets
-        # left to the finalize]).
+        # in unused.py).
         self._skipped: frozenset[int] = frozenset()
-        self._leave_all = False
         # Profiler events named as torch's process group names its collectives
         # (see [Note: torch's collective events] in observe/trace.py) ...
         self._events = CollectiveEvents()
@@ -68,11 +56,10 @@ class Launcher:
         """The profiler name of a broadcast over this group."""
         return self._event_names[1]
 
-    def begin(self, *, skipped: frozenset[int], leave_all: bool) -> None:
-        """A new backward: which buckets are skipped, and whether the finalize reduces all."""
+    def begin(self, *, skipped: frozenset[int]) -> None:
+        """A new backward: which buckets are skipped."""
         self.next_bucket = 0
         self._skipped = skipped
-        self._leave_all = leave_all
 
     def launch_ready(self, buckets: list[Bucket], scale: float) -> list[int]:
         """Launch every ready bucket whose lower buckets have launched; the
@@ -87,71 +74,58 @@ class Launcher:
                 bucket.launch(_holding(bucket.buffer))
                 continue
             reduced.append(k)
-            if self._leave_all:
-                bucket.leave_to_finalize()
-            else:
-                bucket.launch(self.reduce(bucket, scale, async_op=True, is_last=k == last))
+            bucket.launch(self.reduce(bucket, scale, is_last=k == last))
         return reduced
 
     def use(self, comm: GroupComm) -> None:
         """Issue later collectives through ``comm`` (the reducer's changed)."""
         self._comm = comm
 
-    def reduce(self, bucket: Bucket, scale: float, *, async_op: bool,
-               is_last: bool = False) -> Any:
-        """Issue the bucket's collective: a future (``async_op``), or the
-        reduced flat buffer once done (the finalize's own thread)."""
+    def reduce(self, bucket: Bucket, scale: float, *, is_last: bool = False) -> Any:
+        """Issue the bucket's collective; the future resolves to the reduced flat buffer."""
         index, trace = bucket.index, self._trace
         trace.mark("launch", index)
         label = f"DDP bucket {index}"
         if profiling():
             self._events.open(self._event_names[0])
         comm = self._comm
-        if not async_op:
-            bucket.start_at_finalize()
         try:
             with profiled(f"gradring::bucket_all_reduce#{index}"):
-                if bucket.homes:
-                    out = comm.all_reduce_homed(bucket.buffer, bucket.homed_pieces(), scale,
-                                                label=label, async_op=async_op)
+                out = None
+                for path in bucket.paths:  # a fast path may reduce it its own way
+                    out = path.reduce(comm, bucket, scale, label)
+                    if out is not None:
+                        break
+                if out is not None:
+                    pass
                 elif self.comm_hook is None:
-                    out = comm.all_reduce(bucket.buffer, label=label, async_op=async_op)
+                    out = comm.all_reduce(bucket.buffer, label=label, async_op=True)
                 else:
                     gb = GradBucket(bucket, is_last=is_last)
                     with comm.labelled(label):
                         out = self.comm_hook(self.comm_hook_state, gb)
         except Exception as exc:
             raise self._on_failure(bucket, exc) from exc
-        if not async_op:
-            trace.mark("comm_done", index)
-            return bucket.buffer
         # The completion is marked by the thread that completes the collective,
         # and the future the finalize waits for completes only after that mark:
         # a done-callback on ``out`` itself could still be running when the wait
         # returns, and the iteration's trace would miss its end.
         return out.then(functools.partial(_mark_done, trace, index, trace.iteration))
 
-    def result(self, bucket: Bucket, scale: float) -> torch.Tensor:
-        """The finalize: the bucket's reduced values (reducing it here if it
-        was left to the finalize); a failure names the bucket."""
-        if bucket.at_finalize:
-            with profiled(f"gradring::bucket_all_reduce#{bucket.index}"):
-                return self.reduce(bucket, scale, async_op=False)
+    def result(self, bucket: Bucket) -> torch.Tensor:
+        """The finalize: the bucket's reduced values; a failure names the bucket."""
         try:
             value = bucket.future.wait()
         except Exception as exc:
             raise self._on_failure(bucket, exc) from exc
         return value[0] if isinstance(value, (list, tuple)) else value
 
-    def drain(self, buckets: list[Bucket], scale: float) -> None:
-        """Finish every collective this backward issued or owes, ignoring
-        failures, so that none is left dangling for the peers (a bucket left
-        to the finalize is still issued: the peers issue it too)."""
+    def drain(self, buckets: list[Bucket]) -> None:
+        """Finish every collective this backward issued, ignoring failures, so
+        that none is left dangling for the peers."""
         for b in buckets:
             try:
-                if b.at_finalize:
-                    self.reduce(b, scale, async_op=False)
-                elif b.future is not None:
+                if b.future is not None:
                     b.future.wait()
             except Exception:  # noqa: BLE001 - the caller reports what matters
                 pass

@@ -8,8 +8,8 @@ everything ready at once) records the order in which gradients arrive. At
 the next synchronised forward the buckets are assigned again over that
 order, with the rebuild's caps (``BucketCaps.rebuild``), and installed. Every
 rank must bucket identically, so rank 0's walk order and assignment travel
-to the others in one broadcast (``rank0_groups``), with rank 0's overlap
-choice. With ``bucket_cap_mb="auto"`` the recorded backward is also timed
+to the others in one broadcast (``rank0_groups``), with rank 0's fast
+paths. With ``bucket_cap_mb="auto"`` the recorded backward is also timed
 and the cap chosen at the rebuild ([Note: automatic bucket cap] in
 ``autocap.py``).
 """
@@ -24,7 +24,7 @@ import torch
 
 from gradring.buckets import BucketCaps
 from gradring.fast_paths import FastPaths
-from gradring.reducer import autocap, overlap_policy
+from gradring.reducer import autocap
 
 
 class Rebuild:
@@ -90,14 +90,13 @@ class Rebuild:
 
     # -------------------------------------------------------------- the rebuild
     def caps(self, comm: Any, names: list[str], sizes: list[int], keys: list[Any],
-             caps: BucketCaps) -> tuple[list[int], int | None]:
-        """The rebuild's caps, and with "auto" the cap it chose (None otherwise)."""
-        if self._stamps is None:
-            return caps.rebuild(), None
+             caps: BucketCaps) -> BucketCaps:
+        """The rebuild's caps: ``caps``, or with "auto" the caps it chose."""
+        if not caps.auto or self._stamps is None:
+            return caps
         self.auto_cap = autocap.choose_cap(comm, names, sizes, keys, *self._stamps.parts())
         self._stamps = None
-        cap = self.auto_cap.cap_bytes
-        return caps.rebuild(cap, self.auto_cap.first_bytes), cap
+        return caps.chosen(self.auto_cap.cap_bytes, self.auto_cap.first_bytes)
 
     def done(self, groups: Sequence[Sequence[int]], sizes: Sequence[int]) -> None:
         """The rebuilt buckets are installed: report ``groups`` (the buckets
@@ -109,34 +108,28 @@ class Rebuild:
 
 
 def rank0_groups(comm: Any, groups: list[list[int]], order: list[int],
-                 mine: overlap_policy.OverlapChoice, fast: FastPaths
-                 ) -> tuple[list[list[int]], overlap_policy.OverlapChoice, FastPaths]:
-    """Rank 0's bucket assignment, overlap choice and fast paths, on every rank.
+                 fast: FastPaths) -> tuple[list[list[int]], FastPaths]:
+    """Rank 0's bucket assignment and fast paths, on every rank.
 
     ``groups`` (this rank's assignment) was built by walking ``order``, so
     each bucket lists its parameters in walk order; one broadcast of the
     walk order and of each parameter's bucket number rebuilds rank 0's.
-    Rank 0's overlap choice (``mine`` there) and fast paths (see [Note: the
-    core and its fast paths] in ``gradring/fast_paths.py``) travel in the
-    same broadcast and become every rank's (see [Note: overlap needs a free
-    core]).
+    Rank 0's fast paths (see [Note: the core and its fast paths] in
+    ``gradring/fast_paths.py``) travel in the same broadcast and become
+    every rank's.
     """
     n = len(order)
     if comm.world_size == 1:
-        return groups, mine, fast
-    plan = torch.empty(2 * n + 2, dtype=torch.int64)
+        return groups, fast
+    plan = torch.empty(2 * n + 1, dtype=torch.int64)
     plan[:n] = torch.tensor(order, dtype=torch.int64)
     for g, idxs in enumerate(groups):
         plan[n + torch.tensor(idxs, dtype=torch.int64)] = g
-    plan[2 * n] = int(mine.overlap)  # rank 0's overlap choice travels along
-    plan[2 * n + 1] = fast.bits()  # and its fast paths
+    plan[2 * n] = fast.bits()  # rank 0's fast paths travel along
     comm.broadcast_coalesced([plan])
-    overlap = bool(plan[2 * n])
-    fast = FastPaths.from_bits(int(plan[2 * n + 1]))
-    why = mine.why if overlap == mine.overlap else \
-        f"rank 0's choice (this rank would have chosen otherwise: {mine.why})"
+    fast = FastPaths.from_bits(int(plan[2 * n]))
     walk, bucket_of = plan[:n].tolist(), plan[n:2 * n].tolist()
     out: list[list[int]] = [[] for _ in range(max(bucket_of) + 1)]
     for i in walk:
         out[bucket_of[i]].append(i)
-    return out, overlap_policy.OverlapChoice(overlap, why), fast
+    return out, fast

@@ -25,8 +25,7 @@ The Reducer coordinates; each concept lives with a collaborator that owns
 its state: the installed buckets and routes (``bucket_set.py``), launching
 and ending collectives (``launcher.py``), the rebuild (``rebuild.py``),
 static_graph's first iteration (``static_graph.py``), the hooks
-(``grad_hooks.py``), the owner registry (``owners.py``) and the overlap
-choice (``overlap_policy.py``). What the core does and which fast paths
+(``grad_hooks.py``) and the owner registry (``owners.py``). What the core does and which fast paths
 exist is in [Note: the core and its fast paths] (``gradring/fast_paths.py``).
 """
 
@@ -41,14 +40,13 @@ from typing import Any
 import torch
 
 from gradring import config, errors
-from gradring.announce import notice, stderr_warning_once
+from gradring.announce import notice
 from gradring.buckets import Bucket, BucketCaps, assign_buckets, bucket_key
-from gradring.buckets.slot_io import put_deferred, write_grads
+from gradring.buckets.slot_io import write_grads
 from gradring.fast_paths import FastPaths
-from gradring.graph import GraphMode, reachable_params
+from gradring.graph import GraphMode
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import Trace, profiled
-from gradring.reducer import overlap_policy
 from gradring.reducer.bucket_set import BucketSet
 from gradring.reducer.engine_callback import queue_engine_callback
 from gradring.reducer.grad_hooks import GradHooks
@@ -57,6 +55,7 @@ from gradring.reducer.owners import OWNERS
 from gradring.reducer.rebuild import Rebuild, rank0_groups
 from gradring.reducer.state import IterationState
 from gradring.reducer.static_graph import StaticGraph
+from gradring.reducer.unused import UnusedTracker
 
 __all__ = ["CommHook", "Reducer"]
 
@@ -87,7 +86,6 @@ class Reducer:
         initial_caps: Sequence[int],
         mode: GraphMode,
         gradient_as_bucket_view: bool,
-        auto_cap: bool = False,
         skip_unused_buckets: bool = False,
     ) -> None:
         # This process's count of reducers so far: the same on every rank (DDPs are
@@ -102,10 +100,9 @@ class Reducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         # Collectives over the DDP process group (``comm``; the launcher holds it too).
         self._comm = comm
-        # The caps the constructor arguments imply (see BucketCaps).
+        # The caps in force (see BucketCaps): the constructor's, replaced at the
+        # rebuild by what bucket_cap_mb="auto" chose.
         self.caps = caps
-        # The cap in force: bucket_cap_mb in bytes, or what "auto" chose at the rebuild.
-        self.bucket_cap_bytes = caps.cap
         # How parameters' participation is learnt (see GraphMode); the one
         # place static_graph is stored.
         self.mode = mode
@@ -114,29 +111,27 @@ class Reducer:
         self.find_unused_asked = mode is GraphMode.FIND_UNUSED
         # gradient_as_bucket_view: .grad is the bucket slot.
         self.grad_as_view = gradient_as_bucket_view
-        # skip_all_reduce_unused_params: see [Note: skipped buckets].
-        self.skip_unused_buckets = skip_unused_buckets
         # Sizes in bytes, fixed for the module's life (the bucket assignment's input).
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         # (dtype, device) keys: tensors of different keys never share a bucket.
         self._keys = [bucket_key(p) for p in self.params]
         # The recorded arrival order and what the rebuild made (see [Note: the rebuild]).
-        self._rebuild = Rebuild(len(self.params), auto_cap=auto_cap)
+        self._rebuild = Rebuild(len(self.params), auto_cap=caps.auto)
         # What static_graph's first iteration learnt (see [Note: static_graph's
         # first iteration]); unused in the other modes.
         self._static = StaticGraph(len(self.params))
+        # find_unused_parameters' state (see [Note: used since the last
+        # reduction] in unused.py); unused in the other modes.
+        self._find_unused = UnusedTracker(len(self.params),
+                                          skip_unused_buckets=skip_unused_buckets)
         # Ring buffer of timestamped events (overlap statistics, timelines).
         self.trace = Trace()
         # Launching and ending the buckets' collectives (and the comm hook).
         self._launcher = Launcher(comm, self.trace, self._bucket_failed)
         # The installed buckets and each parameter's route into them.
         self._set = BucketSet(self.params, comm, view_mode=gradient_as_bucket_view)
-        # Whether ready buckets launch at once or wait for the end of the
-        # backward, and why; and the fast paths in force: rank 0's, set with
-        # every bucket assignment (see [Note: overlap needs a free core] in
-        # overlap_policy.py and [Note: the core and its fast paths]).
-        self.overlap = True
-        self.overlap_why = ""
+        # The fast paths in force: rank 0's, set with every bucket assignment
+        # (see [Note: the core and its fast paths]).
         self.fast = FastPaths()
         # Ranks may pass different bucket caps; torch's DDP then follows rank
         # 0's assignment, and so does this one.
@@ -164,38 +159,11 @@ class Reducer:
         self._ready = [False] * len(self.params)
         # The first hook of a backward marks unused parameters ready.
         self._first_hook_done = False
-        # FIND_UNUSED: parameters the forward did not reach.
-        self._unused: list[int] = []
         # Buckets reduced in the last backward (torch's logging key num_buckets_reduced).
         self.num_buckets_reduced = 0
-        # FIND_UNUSED: 1 where this rank produced a gradient since the usage map
-        # was last sent, no_sync backwards included (see [Note: used since the
-        # last reduction]; a bytearray: setting an item of a tensor in every hook
-        # costs microseconds).
-        self._local_used = bytearray(len(self.params))
-
-        # [Note: used since the last reduction]
-        # Under no_sync, gradients accumulate in .grad and nothing is reduced; the
-        # synchronised backward that follows reduces the whole accumulated .grad.
-        # So "used" means "had a gradient on this rank in any backward since the
-        # usage map was last all-reduced", as in torch: the map is filled by every
-        # hook, no_sync's included, and started afresh only once it is sent. A
-        # parameter that this forward did not reach but an earlier no_sync step
-        # did is marked ready with its accumulated .grad (see _mark_ready), and a
-        # parameter used on any rank gets the reduced gradient on every rank,
-        # even where its .grad was None (tests/ranks/test_no_sync_unused.py).
         # The in-flight all-reduce of a usage map (find_unused, or static_graph's
         # first iteration), waited for by the finalize.
         self._used_future: Any = None
-        # FIND_UNUSED: the last all-reduced usage map, int32 ranks-per-parameter
-        # (what torch's _get_local_used_map returns after a backward).
-        self._global_used: torch.Tensor | None = None
-        # FIND_UNUSED: the previous forward's unused set, and whether it has been
-        # the same every iteration so far (torch's _ddp_graph_static).
-        self._prev_unused: list[int] | None = None
-        self._graph_static = True
-        # Whether "find_unused_parameters found nothing unused" was said (once).
-        self._warned_nothing_unused = False
         # Whether a second backward after one forward was reported (once).
         self._warned_second_backward = False
         # STATIC: hook firings each parameter still expects in this backward.
@@ -319,6 +287,11 @@ class Reducer:
         return self._rebuild.param_indices
 
     @property
+    def bucket_cap_bytes(self) -> int:
+        """The cap in force: bucket_cap_mb in bytes, or what "auto" chose at the rebuild."""
+        return self.caps.cap
+
+    @property
     def auto_cap(self) -> Any:
         """bucket_cap_mb="auto": the decision and its predictions (None before the rebuild)."""
         return self._rebuild.auto_cap
@@ -337,7 +310,7 @@ class Reducer:
 
     def unused_in_last_forward(self) -> list[int]:
         """find_unused_parameters: the parameters the last forward did not reach."""
-        return list(self._unused)
+        return list(self._find_unused.unused)
 
     def grad_bytes_outside_buckets(self) -> int:
         """Bytes of gradient memory that is not bucket memory (every ``.grad``
@@ -346,11 +319,8 @@ class Reducer:
 
     # ------------------------------------------------------------------ buckets
     def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
-        """Rank 0's assignment on every rank; rank 0's overlap choice and fast paths
-        become ours."""
-        groups, choice, self.fast = rank0_groups(
-            self.comm, groups, order, overlap_policy.choose(), config.current().fast_paths)
-        self.overlap, self.overlap_why = choice
+        """Rank 0's assignment on every rank; rank 0's fast paths become ours."""
+        groups, self.fast = rank0_groups(self.comm, groups, order, config.current().fast_paths)
         return groups
 
     def rebuild_if_needed(self) -> bool:
@@ -360,9 +330,8 @@ class Reducer:
         if self.order_is_final or not rebuild.complete():
             return False
         order = rebuild.order()
-        caps, cap = rebuild.caps(self.comm, self.names, self._sizes, self._keys, self.caps)
-        if cap is not None:
-            self.bucket_cap_bytes = cap
+        self.caps = rebuild.caps(self.comm, self.names, self._sizes, self._keys, self.caps)
+        caps = self.caps.rebuild()
         # Every rank must bucket identically: rank 0's order and caps win.
         with profiled(self._launcher.broadcast_event):  # torch broadcasts here too
             groups = self._rank0_groups(
@@ -371,18 +340,12 @@ class Reducer:
         rebuild.done(groups, self._sizes)
         return True
 
-    def _finalize_may_reduce(self) -> bool:
-        """Whether the finalize may reduce buckets itself (see [Note: buckets
-        left to the finalize] in launcher.py): not with a comm hook, a fused optimizer
-        (post_reduce) or find_unused's map."""
-        return self.comm_hook is None and self.post_reduce is None \
-            and self.mode is not GraphMode.FIND_UNUSED
-
-    @property
-    def launches_when_ready(self) -> bool:
-        """Whether this backward's buckets (all but the last) launch as they become
-        ready, rather than all at the end of the backward."""
-        return self.overlap or not self._finalize_may_reduce()
+    # Buckets always launch as they become ready. Read by gradring/observe,
+    # gradring/tools and step_model (which once also knew buckets reduced at the
+    # end of the backward); plain facts, to be deleted with those readers.
+    overlap = True
+    overlap_why = "buckets launch as they become ready, as in torch's DDP"
+    launches_when_ready = True
 
     # ---------------------------------------------------------------- ownership
     def _claim(self, *, again: bool = False) -> None:
@@ -406,7 +369,7 @@ class Reducer:
         (it forgets a half-done backward) until its own next forward."""
         self._superseded = True
         self._end_iteration(finalized=False)
-        self._launcher.drain(self.buckets, self.scale)
+        self._launcher.drain(self.buckets)
         self._set.reset()
 
     # ---------------------------------------------------------------- iteration
@@ -455,45 +418,14 @@ class Reducer:
         self._hooks.follow()
         if self.order_is_final or self.num_backward >= 2:
             self._hooks.settle()  # see [Note: where the hooks sit]
-        if not self.overlap and not self.comm.on_shared_memory():
-            # Shared memory was given up since (every rank at once): overlap again.
-            self.overlap, self.overlap_why = True, "shared memory was given up"
         skipped: frozenset[int] = frozenset()
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
         elif self.mode is GraphMode.FIND_UNUSED:
-            with profiled("torch.distributed.ddp.reducer::search_unused_parameters"):
-                reached = reachable_params(outputs or [], self._index_of)
-            self._unused = [i for i in range(len(self.params)) if i not in reached]
-            if self._prev_unused is not None and self._unused != self._prev_unused:
-                self._graph_static = False  # for good, as torch's flag
-            self._prev_unused = self._unused
-            if not self._unused and not self._warned_nothing_unused:
-                self._warned_nothing_unused = True
-                # torch's C++ reducer says it on stderr, once per process.
-                stderr_warning_once("nothing_unused", errors.nothing_unused())
-            if self.skip_unused_buckets:
-                skipped = self._unused_buckets()
-        self._launcher.begin(skipped=skipped,
-                             leave_all=not self.overlap and self._finalize_may_reduce())
+            skipped = self._find_unused.begin_backward(
+                outputs, self._index_of, [b.param_indices for b in self.buckets])
+        self._launcher.begin(skipped=skipped)
         self.num_buckets_reduced = 0
-
-    # [Note: skipped buckets]
-    # skip_all_reduce_unused_params=True (with find_unused_parameters), as in
-    # torch: a bucket all of whose parameters this rank's forward did not
-    # reach is not reduced at all. Its "launch" is a future that already
-    # holds the bucket, and the finalize writes nothing of it, since the
-    # usage map says no rank used those parameters: torch's contract for the
-    # option is that the unused parameters are the same on every rank (a rank
-    # that breaks it pairs the wrong collectives, in torch as here).
-    # A parameter this forward did not reach but an earlier no_sync backward gave
-    # a gradient (see [Note: used since the last reduction]) still has an
-    # accumulated .grad to reduce: its bucket is not skipped.
-    def _unused_buckets(self) -> frozenset[int]:
-        local = self._local_used
-        unused = {i for i in self._unused if not local[i]}
-        return frozenset(k for k, b in enumerate(self.buckets)
-                         if all(i in unused for i in b.param_indices))
 
     @staticmethod
     def _on_grad(ref: weakref.ref, i: int, *_args: Any) -> None:
@@ -507,8 +439,8 @@ class Reducer:
             if reducer.mode is _FIND_UNUSED and reducer.params[i].grad is not None:
                 # no_sync: the gradient stays local, but the parameter counts as
                 # used at the next reduction (see [Note: used since the last
-                # reduction]).
-                reducer._local_used[i] = 1
+                # reduction] in unused.py).
+                reducer._find_unused.local_used[i] = 1
             if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
                 # torch, say so once (docs/ddp-differences.md), as gradring's
@@ -545,13 +477,13 @@ class Reducer:
         if mode is _FIND_UNUSED and reducer.params[i].grad is not None:
             # A hook can fire with no gradient (its output was not used in the
             # loss); such a parameter is not "used" and its .grad stays put.
-            reducer._local_used[i] = 1
+            reducer._find_unused.local_used[i] = 1
         reducer._mark_ready(i)
 
     def _unused_for_iteration(self) -> list[int]:
         if self.mode is GraphMode.STATIC:
             return self._static.unused()
-        return self._unused if self.mode is GraphMode.FIND_UNUSED else []
+        return self._find_unused.unused if self.mode is GraphMode.FIND_UNUSED else []
 
     # [Note: the per-gradient path]
     # _on_grad and _mark_ready run once per parameter per backward, so they do
@@ -565,8 +497,8 @@ class Reducer:
     # an ordinary backward; on under create_graph), the scale is multiplied as
     # a cached 0-dim tensor (see packing.scale_tensor), and tracing marks
     # buckets, never parameters. A deferred slot (PACKED) has
-    # no put function: its hook only counts, and put_deferred does the tensor
-    # work for the whole bucket once its last gradient has arrived.
+    # no put function: its hook only counts, and its path's on_full does the
+    # tensor work for the whole bucket once its last gradient has arrived.
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
@@ -590,8 +522,8 @@ class Reducer:
         if note is not None:
             note(i)
         if full:
-            if bucket.deferred:
-                put_deferred(bucket, self._scale)
+            for on_full in bucket.on_full:  # the fast paths' bucket-wide puts
+                on_full(bucket, self._scale)
             bucket.mark_ready()
             self.trace.mark("ready", bucket.index)
             self._launch_ready()
@@ -602,10 +534,7 @@ class Reducer:
         self.num_buckets_reduced += len(launcher.launch_ready(buckets, self.scale))
         if launcher.next_bucket == len(buckets):
             if self.mode is GraphMode.FIND_UNUSED:
-                used = torch.frombuffer(self._local_used, dtype=torch.uint8)
-                self._used_future = self.comm.all_reduce(used.to(torch.int32),
-                                                         label="DDP unused-parameter map")
-                self._local_used = bytearray(len(self.params))  # sent: start afresh
+                self._used_future = self._find_unused.send(self.comm)
             if not self._delayed:
                 queue_engine_callback(self._finalize)
 
@@ -620,18 +549,18 @@ class Reducer:
             used_t = self._used_future.wait()
             used_t = used_t[0] if isinstance(used_t, (list, tuple)) else used_t
             if self.mode is GraphMode.FIND_UNUSED:
-                self._global_used = used_t
+                self._find_unused.global_used = used_t
             used = used_t.tolist()
             self._used_future = None
             if self.mode is GraphMode.STATIC and len(used) == 2 * len(self.params):
                 used = self._static.keep_used(used)
-        launcher, scale = self._launcher, self.scale
+        launcher = self._launcher
         try:
             with torch.no_grad():
                 for bucket in self.buckets:
                     # Bucket by bucket: the later ones may still be in flight meanwhile.
                     with profiled(f"gradring::bucket_wait#{bucket.index}"):
-                        value = launcher.result(bucket, scale)
+                        value = launcher.result(bucket)
                     with profiled(f"gradring::bucket_write_grads#{bucket.index}"):
                         if value is not bucket.buffer:
                             bucket.buffer.copy_(value.reshape(-1))
@@ -680,7 +609,7 @@ class Reducer:
             # .grad lives in the bucket (view mode), it is put back after.
             kept.append(bucket.buffer.clone() if self.grad_as_view else None)
             bucket.buffer.zero_()
-            bucket.launch(launcher.reduce(bucket, self.scale, async_op=True,
+            bucket.launch(launcher.reduce(bucket, self.scale,
                                           is_last=bucket.index == len(self.buckets) - 1))
         for bucket, saved in zip(self.buckets, kept):
             bucket.future.wait()
@@ -689,12 +618,7 @@ class Reducer:
             bucket.reset()
         launcher.close_events()
         if self.mode is GraphMode.FIND_UNUSED:
-            # As torch's joined rank: the last map it holds (the global one of its last
-            # backward), all-reduced in place, so a parameter any rank used before stays
-            # "used" for the ranks still training (its gradient becomes zeros, not None).
-            if self._global_used is None:
-                self._global_used = torch.zeros(len(self.params), dtype=torch.int32)
-            self.comm.all_reduce(self._global_used, label="DDP unused-parameter map").wait()
+            self._find_unused.shadow(self.comm)
         if not (self.order_is_final or self.in_static_first_iteration):
             self._rebuild.stand_in()  # rebuild in step with the others
         self.num_backward += 1
@@ -711,7 +635,7 @@ class Reducer:
         missing = [i for i, r in enumerate(self._ready) if not r]
         per_rank = {self.comm.rank: missing}
         per_rank.update(self._peer_missing(missing))
-        self._launcher.drain(self.buckets, self.scale)
+        self._launcher.drain(self.buckets)
         self._end_iteration(finalized=False)
         raise self._fail(
             errors.unfinished_reduction(per_rank, self.names, static_graph=self.static_graph,
@@ -745,15 +669,13 @@ class Reducer:
     def _get_local_used_map(self) -> torch.Tensor:
         """torch's name: after a find_unused_parameters backward, how many ranks
         used each parameter since the map was last sent (int32, one per parameter)."""
-        if self._global_used is None:
-            return torch.zeros(len(self.params), dtype=torch.int32)
-        return self._global_used
+        return self._find_unused.local_used_map()
 
     def _ddp_graph_static(self) -> bool:
         """torch's name: whether the set of parameters the forward left unused
         has been the same in every iteration so far (always, without
         find_unused_parameters)."""
-        return self._graph_static
+        return self._find_unused.graph_static
 
     def _run_allreduce_hook(self, bucket: Any) -> torch.futures.Future:
         """torch's name, called by its mixed-precision and optimizer-in-backward

@@ -22,16 +22,14 @@ from torch import nn
 from gradring.observe.trace import Event
 from gradring.tools import explain_record as ex
 from gradring.tools import timeline
-from tests.support.env import environ
 from tests.support.explain_rows import assert_rows_add_up, printed_rows
 
 STEPS = 14
 
 
-def record_run(rank: int, world: int, out_dir: str, overlap: str, cap_mb: float) -> dict:
+def record_run(rank: int, world: int, out_dir: str, cap_mb: float) -> dict:
     """Train an MLP (with an optimizer), then collect every report's figure."""
-    with environ(GRADRING_OVERLAP=overlap):
-        return _record_run(rank, out_dir, cap_mb)
+    return _record_run(rank, out_dir, cap_mb)
 
 
 def _record_run(rank: int, out_dir: str, cap_mb: float) -> dict:
@@ -76,14 +74,13 @@ def _printed(pattern: str, text: str) -> str:
 
 
 @pytest.mark.parametrize("cap_mb", [25.0, 0.2], ids=["one-bucket", "many-buckets"])
-@pytest.mark.parametrize("overlap", ["1", "0"], ids=["launch-when-ready", "at-the-end"])
-def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, overlap, cap_mb,
+def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, cap_mb,
                                                               capsys) -> None:
-    res = pools.run(2, record_run, str(tmp_path), overlap, cap_mb, timeout=180)
+    res = pools.run(2, record_run, str(tmp_path), cap_mb, timeout=180)
     merged = str(tmp_path / "merged.json")
     one = cap_mb == 25.0
     assert (res[0]["buckets"] == 1) if one else (res[0]["buckets"] >= 3)
-    assert res[0]["overlap"] == (overlap == "1")
+    assert res[0]["overlap"]
     offline = ex.analyse(ex.load(merged))
     from gradring.tools import explain as cli
     from gradring.tools.demo import _overlap_summary
@@ -145,16 +142,10 @@ def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, ov
     assert "exposed" in demo.splitlines()[2]
     # the live answer is the file's answer
     assert res[0]["live_text"].splitlines()[1:12] == offline.text.splitlines()[1:12]
-    # reduced after the backward: explain says so, as a finding or as a note, and the
-    # figures it quotes are the table's
+    # launched when ready: explain does not say they were reduced after the backward
     said = [f.evidence for f in offline.findings if f.key == "at_the_end"] + \
         [n for n in offline.notes if n.startswith("buckets were reduced after the backward")]
-    if overlap == "0":
-        assert len(said) == 1, offline.text
-        assert f"exposed comm {offline.parts[0]['exposed_comm']:.2f} ms/step" in said[0]
-        assert "would be left exposed" in said[0]
-    else:
-        assert said == [], offline.text
+    assert said == [], offline.text
 
 
 def test_at_the_end_finding_names_the_reason_and_the_saving() -> None:

@@ -21,7 +21,6 @@ from gradring.observe.overlap import (
     summarize,
 )
 from gradring.observe.trace import Event
-from tests.support.env import environ
 from tests.support.overlap_probe import (
     HeldEarly,
     event_order,
@@ -199,33 +198,26 @@ def test_ddp_overlap_stats_reads_the_reducer() -> None:
 
 
 # --------------------------------------------------------------- real runs (2 gloo ranks)
-def run_held(rank: int, world: int, overlap: str) -> dict:
+def run_held(rank: int, world: int) -> dict:
     """Two rebuilding steps, then one whose early layer is held until bucket 0's
-    all-reduce is done (overlap "1"), or not held (overlap "0", buckets reduced
-    at the end of the backward). See [Note: overlap by events, not durations]."""
+    all-reduce is done. See [Note: overlap by events, not durations]."""
     import gradring
 
-    # GRADRING_OVERLAP is read at the rebuild (the 2nd forward).
-    with environ(GRADRING_OVERLAP=overlap):
-        ddp = gradring.DistributedDataParallel(HeldEarly())
-        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    ddp = gradring.DistributedDataParallel(HeldEarly())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
 
-        def step() -> None:
-            ddp(x).sum().backward()
+    def step() -> None:
+        ddp(x).sum().backward()
 
-        for _ in range(2):  # iteration 1 uses one bucket; the 2nd forward rebuilds
-            step()
+    for _ in range(2):  # iteration 1 uses one bucket; the 2nd forward rebuilds
+        step()
     late = ddp.reducer.bucket_of(2)  # late.weight
     it = ddp.reducer.trace.iteration
-    if overlap == "1":
-        held_backward(ddp, step, late)
-    else:
-        step()
+    held_backward(ddp, step, late)
     with torch.no_grad():
         ddp(x)  # the next forward ends the step: overlap_stats summarises whole steps
     stats = ddp_overlap_stats(ddp, last_n=1)
     return {"late_bucket": late, "n_buckets": len(ddp.reducer.buckets),
-            "launch_when_ready": ddp.reducer.overlap,
             "order": event_order(ddp, it), "stats": stats}
 
 
@@ -235,26 +227,13 @@ def test_overlap_is_real(pools) -> None:
     # ran: before the early layer's bucket was ready, before backward_end. The
     # statistics say so too. Fails when buckets wait for the end of the
     # backward (the hold gives up, the order is the other way round).
-    for r in pools.run(2, run_held, "1"):
+    for r in pools.run(2, run_held):
         assert r["n_buckets"] == 2 and r["late_bucket"] == 0, r
         assert launched_and_done_during_backward(r["order"], 0, 1), r["order"]
         s = r["stats"]
         assert s["iterations"] == 1, s
         assert s["buckets"][0]["finished_before_backward_end"], s
         assert s["buckets"][0]["hidden_fraction"] == 1.0 and s["overlap_ratio"] > 0, s
-
-
-def test_without_overlap_the_statistics_show_none(pools) -> None:
-    # GRADRING_OVERLAP=0: every bucket launches after backward_end, and the
-    # statistics count all of the communication as exposed.
-    for r in pools.run(2, run_held, "0"):
-        order = r["order"]
-        assert r["n_buckets"] == 2 and not r["launch_when_ready"], r
-        assert order.index(("backward_end", -1)) < order.index(("launch", 0)), order
-        assert not launched_and_done_during_backward(order, 0, 1), order
-        s = r["stats"]
-        assert [b["finished_before_backward_end"] for b in s["buckets"]] == [False, False], s
-        assert s["overlap_ratio"] == 0.0 and s["exposed_ms"] == pytest.approx(s["comm_ms"]), s
 
 
 def test_export_makes_its_folder_and_merge_waits_for_late_ranks(tmp_path) -> None:

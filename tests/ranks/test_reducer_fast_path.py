@@ -22,6 +22,8 @@ from torch import nn
 
 import gradring
 from gradring.buckets import SlotKind
+from gradring.buckets.homed import HomedPath
+from gradring.buckets.packed import PackedPath
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,9 +136,12 @@ def _packed_small(rank: int, world: int) -> dict:
                 out["packed"] += b.kinds[s] is SlotKind.PACKED
                 grad = b.params[s].grad
                 out["in_bucket"] += grad is not None and lo <= grad.data_ptr() < hi
-        out["unpacked"] += len(b.unpacked)
-        out["runs"] += len(b.runs)
-        out["homes_left"] += len(b.homes)
+        for path in b.paths:  # each fast path's own state
+            if isinstance(path, PackedPath):
+                out["unpacked"] += len(path.unpacked)
+                out["runs"] += len(path.runs)
+            elif isinstance(path, HomedPath):
+                out["homes_left"] += len(path.homes)
     torch.distributed.barrier()
     return out
 
@@ -155,7 +160,7 @@ def test_small_slots_are_packed_and_keep_their_own_grad(pools):
 def _view_half_reset(rank: int, world: int) -> tuple[bool, bool]:
     """gradient_as_bucket_view with half the .grad set to None and half zeroed in
     place each step: a bucket then holds slots autograd summed into and new
-    gradients side by side (see SlotIO._put_views)."""
+    gradients side by side (see put_view in gradring/buckets/slot_io.py)."""
     torch.set_num_threads(1)
     base = _ManySmall(skip=False)
     ours = gradring.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)

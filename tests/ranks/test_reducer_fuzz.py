@@ -1,6 +1,8 @@
 """The differential fuzzer: random scenarios under the reducer's core, the
 default and each fast path alone, and torch's DDP (see [Note: the
-differential fuzzer] in tests/support/fuzz.py).
+differential fuzzer] in tests/support/fuzz.py). The default suite runs world
+2; the slow suite runs more seeds, and worlds 3 and 4 (a pool of each size
+costs seconds to start).
 
 A failing seed replays alone with
 ``GRADRING_FUZZ_SEEDS=<seed> pytest -q tests/ranks/test_reducer_fuzz.py -m ''``.
@@ -12,11 +14,13 @@ import os
 
 import pytest
 
-from tests.support.fuzz import run_seed
+from tests.support.fuzz import CONFIGS, run_seed
 
 #: Seeds the default suite runs (a few seconds each); the slow suite runs more.
 DEFAULT_SEEDS = range(12)
 SLOW_SEEDS = range(1000, 1150)
+#: Seeds the slow suite runs at world 3 and at world 4.
+WIDE_SEEDS = range(2000, 2030)
 
 
 def _seeds(default: range) -> list[int]:
@@ -29,8 +33,21 @@ def _seeds(default: range) -> list[int]:
     return [int(v) for v in chosen.split(",")]
 
 
-def _check(pools, seed: int, max_numel: int) -> None:
-    found = pools.run(2, run_seed, seed, max_numel, timeout=600)
+#: Where 1/world is not a power of two, the homed path's own-chunk reduction
+#: (``torch.add(peer, grad, alpha=1/world)`` in comm/external.py's reduce_own)
+#: rounds once where the core's multiply-then-add rounds twice, so its bits
+#: differ from the core's in the last place (world 3: about 1 element in 5).
+#: Until that is fixed those worlds compare the configurations without homed,
+#: and test_homed_matches_the_core_at_world_3 keeps the seed that shows it.
+NOT_HOMED = tuple(c for c in CONFIGS if c in ("none", "packed"))
+
+
+def _configs(world: int) -> tuple[str, ...]:
+    return CONFIGS if world & (world - 1) == 0 else NOT_HOMED
+
+
+def _check(pools, seed: int, max_numel: int, world: int = 2) -> None:
+    found = pools.run(world, run_seed, seed, max_numel, _configs(world), timeout=600)
     problems = [line for rank_lines in found for line in rank_lines]
     assert not problems, (
         "\n".join(problems) + f"\nreplay: GRADRING_FUZZ_SEEDS={seed} "
@@ -46,3 +63,22 @@ def test_fast_paths_match_the_core_and_torch(pools, seed: int) -> None:
 @pytest.mark.parametrize("seed", _seeds(SLOW_SEEDS))
 def test_fast_paths_match_the_core_and_torch_more_seeds(pools, seed: int) -> None:
     _check(pools, seed, max_numel=1_000_000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("seed", _seeds(WIDE_SEEDS))
+def test_fast_paths_match_the_core_and_torch_at_world_3_and_4(pools, seed: int,
+                                                              world: int) -> None:
+    _check(pools, seed, max_numel=300_000, world=world)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "homed's own chunk is reduced with torch.add(peer, grad, alpha=1/3) "
+    "(comm/external.py reduce_own), one rounding where the core multiplies by 1/3 "
+    "and then adds: last-bit differences from the core at world 3"))
+def test_homed_matches_the_core_at_world_3(pools) -> None:
+    found = pools.run(3, run_seed, 2002, 300_000, CONFIGS, timeout=600)
+    problems = [line for rank_lines in found for line in rank_lines]
+    assert not problems, "\n".join(problems)

@@ -2,7 +2,7 @@
 
 With find_unused_parameters, a bucket all of whose parameters the forward
 did not reach is not reduced ([Note: skipped buckets] in
-gradring/reducer/reducer.py). Compared with torch's DDP: the number of
+gradring/reducer/unused.py). Compared with torch's DDP: the number of
 buckets reduced (torch's logging key ``num_buckets_reduced``), and the
 parameters and gradients after a few SGD steps, bit for bit (world 2).
 """

@@ -93,24 +93,6 @@ def test_ddp_report_never_runs_two_figures_together() -> None:
     assert row.count("±") == 6, row
 
 
-def test_overlap_table_compares_the_policy_round_by_round() -> None:
-    # pair 10, torch +4: default +1 (0.25), =1 +2 (0.50), =0 +1 (0.25).
-    res = _rounds([10.0, 10.0, 10.0], [14.0, 14.0, 14.0], [11.0, 11.0, 11.0])
-    res["m"].update(overlap_on=[12.0, 12.0, 12.0], overlap_off=[11.0, 11.2, 10.8],
-                    _why={"gradring": "2 core(s) for 2 rank(s): no core is free"})
-    text = ddp_step.report(res, 2)
-    row = next(line for line in text.splitlines()[text.splitlines().index(
-        next(ln for ln in text.splitlines() if ln.startswith("overlap policy"))):]
-        if line.startswith("m "))
-    assert "0.25 [0.25-0.25]" in row and "0.50 [0.50-0.50]" in row
-    assert "0.25 [0.20-0.30]" in row  # each round's own ratio
-    cols = row.split()[:-len("2 core(s) for 2 rank(s): no core is free".split())]
-    assert cols[-3:] == ["1.00", "0/3", "=0"]  # =1 slower by 1 ms, in every round
-    assert row.endswith("no core is free")
-    # Without --overlap's set-ups there is no such table.
-    assert "overlap policy" not in ddp_step.report(_rounds([10.0], [14.0], [11.0]), 2)
-
-
 def test_competing_load_spins_while_the_block_runs_and_never_after() -> None:
     import os
     import time

@@ -17,12 +17,12 @@ def test_defaults_when_nothing_is_set() -> None:
     c = config.parse({})
     assert c == config.Config()
     assert (c.transport, c.algo, c.timeout, c.check) == (None, None, None, False)
-    assert (c.flight_recorder, c.flight_size, c.overlap, c.shm_yield_us) == (None, 256, "", 50.0)
+    assert (c.flight_recorder, c.flight_size, c.shm_yield_us) == (None, 256, 50.0)
     assert c.fast_paths == FastPaths() and c.quiet is False
 
 
 def test_every_field_has_a_variable() -> None:
-    assert len(config.VARIABLES) == 12 and len(set(config.VARIABLES)) == 12
+    assert len(config.VARIABLES) == 11 and len(set(config.VARIABLES)) == 11
     assert all(v.startswith("GRADRING_") for v in config.VARIABLES)
 
 
@@ -31,11 +31,11 @@ def test_good_values(tmp_path) -> None:
         "GRADRING_TRANSPORT": " SHM ", "GRADRING_ALGO": "Hierarchical",
         "GRADRING_TIMEOUT": "2.5", "GRADRING_CHECK": "on",
         "GRADRING_FLIGHT_RECORDER": str(tmp_path / "fr"), "GRADRING_FLIGHT_SIZE": "16",
-        "GRADRING_OVERLAP": "Off", "GRADRING_SHM_YIELD_US": "0",
+        "GRADRING_SHM_YIELD_US": "0",
         "GRADRING_FAST_PATHS": " -Packed", "GRADRING_QUIET": "yes"})
     assert (c.transport, c.algo, c.timeout, c.check) == ("shm", "hierarchical", 2.5, True)
     assert c.flight_recorder == str(tmp_path / "fr") and c.flight_size == 16
-    assert c.overlap == "off" and c.shm_yield_us == 0.0
+    assert c.shm_yield_us == 0.0
     assert c.fast_paths == FastPaths(packed=False) and c.quiet is True
     # Empty means unset.
     assert config.parse({v: "" for v in config.VARIABLES}) == config.Config()
@@ -61,11 +61,10 @@ BAD = [
     ("GRADRING_FLIGHT_SIZE", "many", "[1, 1000000]"),
     ("GRADRING_FLIGHT_SIZE", "0", "[1, 1000000]"),
     ("GRADRING_FLIGHT_SIZE", "2.5", "[1, 1000000]"),
-    ("GRADRING_OVERLAP", "sometimes", "auto"),
     ("GRADRING_SHM_YIELD_US", "-1", "[0, 1e+06]"),
     ("GRADRING_SHM_YIELD_US", "fast", "[0, 1e+06]"),
     ("GRADRING_SHM_YIELD_US", "nan", "[0, 1e+06]"),
-    ("GRADRING_FAST_PATHS", "fast", "the names are homed, packed"),
+    ("GRADRING_FAST_PATHS", "fast", "the names are packed, homed"),
     ("GRADRING_FAST_PATHS", "homed,-packed", "not both"),
     ("GRADRING_QUIET", "shh", "1, true, yes, on, 0, false, no, off"),
 ]

@@ -6,16 +6,12 @@
 Each rank runs, round after round, the same model under these set-ups:
 ``pair`` (no DDP: every rank computes, nobody communicates), torch's DDP over
 the process group, gradring's DDP, gradring's with gradient_as_bucket_view,
-and gradring's with its always-on trace switched off (``notrace``); with
-``--overlap`` also gradring's DDP with ``GRADRING_OVERLAP=1`` (``overlap_on``:
-buckets launch when ready, on the comm thread) and ``=0`` (``overlap_off``:
-every bucket reduced at the end of the backward), beside the default, which
-decides per host (see docs/overlap.md). Rounds interleave the set-ups step by
-step (every set-up takes one step in turn, in an order shuffled anew each
-step, the ranks starting each step together), so that a slow stretch of the
-machine hits all of them alike. A round's figure is the median of its steps,
-each timed on its own; the tables give medians over rounds. One intra-op
-thread per rank.
+and gradring's with its always-on trace switched off (``notrace``). Rounds
+interleave the set-ups step by step (every set-up takes one step in turn, in
+an order shuffled anew each step, the ranks starting each step together), so
+that a slow stretch of the machine hits all of them alike. A round's figure
+is the median of its steps, each timed on its own; the tables give medians
+over rounds. One intra-op thread per rank.
 
 Models: ``mlp64``/``mlp8`` (12 x Linear(1024), batch 64 / 8 per rank),
 ``transformer`` (4 torch encoder layers, d 256, seq 128), ``gpt`` (GPT-shaped:
@@ -48,7 +44,7 @@ differences over the whole run. On a machine whose speed drifts from second
 to second (a shared VM), this moves far less than a difference of medians
 over rounds, so it is the figure to quote there; its ``halves`` column gives
 the ratio over the first and the second half of the steps, which shows how
-much the figure itself moved. ``--overlap`` uses it too.
+much the figure itself moved.
 
 ``--load N`` runs N processes that spin on the CPU beside the ranks for the
 whole run: the same comparison on a host that another job is using.
@@ -62,22 +58,18 @@ overhead in units of one all-reduce).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-OVERLAP_ENV = "GRADRING_OVERLAP"  # see gradring/reducer/overlap_policy.py
 
 MODELS = {
     # name: (builder, per-rank batch)
@@ -260,26 +252,6 @@ def grad_bytes_outside_buckets(ddp: Any) -> tuple[int, int]:
             sum(b.nbytes for b in ddp.reducer.buckets))
 
 
-@contextlib.contextmanager
-def _overlap_env(value: str | None) -> Iterator[None]:
-    """``GRADRING_OVERLAP`` set to ``value`` (unset for None) inside the block."""
-    old = os.environ.get(OVERLAP_ENV)
-    if value is None:
-        os.environ.pop(OVERLAP_ENV, None)
-    else:
-        os.environ[OVERLAP_ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(OVERLAP_ENV, None)
-        else:
-            os.environ[OVERLAP_ENV] = old
-
-
-#: --overlap's set-ups and the GRADRING_OVERLAP each is built and rebuilt under.
-OVERLAP_SETUPS = {"overlap_on": "1", "overlap_off": "0"}
-
 #: The set-ups every run steps (see the module docstring).
 BASE_SETUPS = ("pair", "torch", "gradring", "gradring_view", "notrace")
 
@@ -319,15 +291,6 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
             setups[key] = factory(copy.deepcopy(base))
         for m in setups.values():
             time_steps(m, x, 2)  # warm-up; also triggers the bucket rebuild
-        why = {"gradring": setups["gradring"].reducer.overlap_why}
-        for key, value in OVERLAP_SETUPS.items() if getattr(args, "overlap", False) else ():
-            with _overlap_env(value):  # the choice is made at construction and rebuild
-                setups[key] = gradring.DistributedDataParallel(copy.deepcopy(base))
-                time_steps(setups[key], x, 2)
-            if setups[key].reducer.overlap != (value == "1"):
-                raise RuntimeError(f"{key}: GRADRING_OVERLAP={value} did not hold "
-                                   f"({setups[key].reducer.overlap_why})")
-            why[key] = setups[key].reducer.overlap_why
         res: dict[str, list[float]] = {k: [] for k in setups}
         res.update({"_cpu_" + k: [] for k in setups})
         res["_pair_steps"] = []  # every pair step's wall ms, round after round
@@ -345,7 +308,6 @@ def worker(rank: int, world: int, store_path: str, args: Any, out_q: Any) -> Non
         if args.probe is not None:
             res.update(args.probe(base))
         if rank == 0:
-            res["_why"] = why  # type: ignore[assignment]
             results[name]["_mem"] = [float(v) for v in
                                      grad_bytes_outside_buckets(setups["gradring"])
                                      + grad_bytes_outside_buckets(setups["gradring_view"])]
@@ -471,7 +433,6 @@ def report(results: dict[str, dict[str, list[float]]], world: int) -> str:
                 f"buckets {buck_plain / mib:.1f}); with gradient_as_bucket_view "
                 f"{(out_view + buck_view) / mib:.1f} MiB")
     lines += _paired_table(results)
-    lines += _overlap_table(results)
     if notes:
         lines += ["", "NOT TRUSTWORTHY on this machine now (rerun with more --rounds/--steps, "
                   "or on a quieter machine):", *("  " + n for n in notes)]
@@ -514,46 +475,8 @@ def _paired_table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _overlap_table(results: dict[str, dict[str, Any]]) -> list[str]:
-    """--overlap: the default's overhead against GRADRING_OVERLAP=1 and =0, each
-    against torch's, with what the default chose and why. Paired per step where
-    the steps were kept (see paired()), else per round."""
-    rows = [name for name, res in results.items() if "overlap_on" in res]
-    if not rows:
-        return []
-    lines = ["", "overlap policy: gradring's overhead / torch's, default against "
-             "GRADRING_OVERLAP=1 (launch when ready) and =0 (all at the end), paired per "
-             "step [ratio over the first/second half of the steps]; =1 - =0: their step "
-             "times' difference, median, and the steps (or rounds) =1 was faster in",
-             f"{'model':<12}{'default':>18}{'=1 (on)':>18}{'=0 (off)':>18}{'=1 - =0 ms':>12}"
-             f"{'=1 won':>8}{'best':>6}  default chose"]
-    for name in rows:
-        res = results[name]
-        cells, meds = [], {}
-        for key in ("gradring", "overlap_on", "overlap_off"):
-            r = _paired_ratio(res, key)
-            if r is not None:
-                meds[key] = r
-                cells.append(f"{r:.2f} [{_halves(res, key)}]")
-                continue
-            per = [(s - p) / (t - p) for p, t, s in zip(res["pair"], res["torch"], res[key])
-                   if t > p]
-            meds[key] = statistics.median(per) if per else float("nan")
-            cells.append(f"{meds[key]:.2f} [{min(per):.2f}-{max(per):.2f}]" if per else "noisy")
-        # Paired (both saw the same machine): the step-time difference, and in how many
-        # steps (or rounds) launching when ready was the faster of the two.
-        diffs = paired(res, "overlap_on", "overlap_off") or [
-            a - b for a, b in zip(res["overlap_on"], res["overlap_off"])]
-        won = f"{sum(d < 0 for d in diffs)}/{len(diffs)}"
-        best = "=1" if meds["overlap_on"] < meds["overlap_off"] else "=0"
-        why = res.get("_why", {}).get("gradring", "")
-        lines.append(f"{name:<12}" + "".join(f"{c:>18}" for c in cells)
-                     + f"{statistics.median(diffs):>12.2f}{won:>8}{best:>6}  {why}")
-    return lines
-
-
 def measure(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
-            rounds: int = 5, *, overlap: bool = False, load: int = 0,
+            rounds: int = 5, *, load: int = 0,
             extra_setups: dict[str, SetupFactory] | None = None,
             probe: ModelProbe | None = None) -> dict[str, dict[str, list[float]]]:
     """Run the bench's rounds on ``nproc`` fresh rank processes and return, per
@@ -570,14 +493,14 @@ def measure(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
     if unknown:
         raise ValueError(f"unknown models {unknown}; choose from {list(MODELS)}")
     extra = dict(extra_setups or {})
-    taken = set(BASE_SETUPS) | (set(OVERLAP_SETUPS) if overlap else set())
+    taken = set(BASE_SETUPS)
     clash = sorted(k for k in extra if k in taken or k.startswith("_"))
     if clash:
         raise ValueError(f"extra set-ups {clash} clash with the bench's own names "
                          f"{sorted(taken)} (or start with '_')")
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    args = argparse.Namespace(models=models, steps=steps, rounds=rounds, overlap=overlap,
+    args = argparse.Namespace(models=models, steps=steps, rounds=rounds,
                               extra_setups=extra, probe=probe)
     with competing_load(load):
         per_rank = dict(run_ranks(worker, nproc, (args,), results=nproc))
@@ -585,11 +508,11 @@ def measure(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
 
 
 def run(nproc: int = 2, models: list[str] | None = None, steps: int = 5,
-        rounds: int = 5, overlap: bool = False, load: int = 0) -> str:
+        rounds: int = 5, load: int = 0) -> str:
     """Run the bench (see the module docstring) and return its tables."""
     from gradring.tools.bench.load import load_note
 
-    results = measure(nproc, models, steps, rounds, overlap=overlap, load=load)
+    results = measure(nproc, models, steps, rounds, load=load)
     return load_note(load) + report(results, nproc)
 
 
@@ -619,12 +542,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog or "gradring bench ddp", description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     add_run_arguments(ap)
-    ap.add_argument("--overlap", action="store_true",
-                    help="also step gradring with GRADRING_OVERLAP=1 and =0 beside the "
-                         "default (default: off)")
     a = ap.parse_args(argv)
     check_run_arguments(ap, a)
-    print(run(a.nproc, a.models, a.steps, a.rounds, a.overlap, a.load))
+    print(run(a.nproc, a.models, a.steps, a.rounds, a.load))
     return 0
 
 
