@@ -976,7 +976,7 @@ def _buffer_flags(broadcast_buffers: bool | None,
     torch 2.13 derives them from its two arguments."""
     if broadcast_buffers is not None:
         warnings.warn(errors.broadcast_buffers_deprecated(
-            both=forward_sync_buffers is not None), FutureWarning, stacklevel=3)
+            both=forward_sync_buffers is not None), FutureWarning, stacklevel=4)
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
     effective = True if broadcast_buffers is None else bool(broadcast_buffers)
