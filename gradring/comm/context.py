@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import itertools
 import multiprocessing
 import multiprocessing.util
@@ -173,6 +174,12 @@ class GroupContext:
         if not self.failures.failed:  # a failure stays on the board: peers must see why
             self.board.post("left", self.last_seq, f"#{self.last_seq}")
         self.board.stop()
+        # Break the cycles through this context (its small path, its failures' progress
+        # callback): once the registry lets go of it, it -- and the process group it
+        # holds, with gloo's threads -- goes at once, not at some later collection or
+        # while the interpreter finalizes (see [Note: how a gradring process exits]).
+        self.small = None
+        self.failures.progress = None
         if self.engine.alive():
             return  # still inside a collective (gloo wait): unmapping now could crash it
         self.transports.close()
@@ -292,12 +299,13 @@ def _destroy_default() -> None:
     """Step 4 of [Note: how a gradring process exits]: destroy what remains of torch's
     process groups (the default group and every group made after it). Never a group a
     forked child (a DataLoader worker) inherited: its gloo threads are the parent's."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    default = dist.distributed_c10d.GroupMember.WORLD
-    if default is None or default is _inherited_default:
-        return
-    _torch_destroy()
+    if dist.is_available() and dist.is_initialized():
+        default = dist.distributed_c10d.GroupMember.WORLD
+        if default is not None and default is not _inherited_default:
+            _torch_destroy()
+    # A group the program destroyed (or the one above) still held in a reference cycle:
+    # freed now, with its gloo threads, rather than while the interpreter finalizes.
+    gc.collect()
 
 
 def _exit_sequence() -> None:
@@ -330,7 +338,11 @@ def destroy_process_group(group: Any = None) -> None:
     if not GROUPS.values():
         WATCHDOG.stop()
         HEARTBEAT.stop()
+    del victims
     _torch_destroy(group)
+    # Whatever still holds the group in a reference cycle (a model's wrapper the program
+    # dropped): collected now, so gloo's threads are joined before this returns.
+    gc.collect()
 
 
 dist.destroy_process_group = destroy_process_group

@@ -74,21 +74,29 @@ def _step(ddp: nn.Module, rank: int) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in ddp.parameters()]
 
 
+def _tasks() -> int:
+    """The process's threads, Python's and native ones (gloo's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def _threads_rank(rank: int, world_size: int, transport: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     with _transport(transport):
+        for t in threads.live():
+            t.stop()
+        tasks_before = _tasks()
         group = dist.new_group(list(range(world_size)))
         torch.manual_seed(0)
         base = nn.Linear(4, 4).double().float()
         model = {"ours": gradring.DistributedDataParallel(copy.deepcopy(base),
                                                           process_group=group)}
-        theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
-                                                           process_group=group)
+        model["theirs"] = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                                    process_group=group)
         out["ours"], out["stopped_step"] = _police(lambda: _step(model["ours"], rank))
         # Its threads were stopped: the next step starts them again.
         out["ours_again"], out["stopped_again"] = _police(lambda: _step(model["ours"], rank))
-        out["theirs"] = _step(theirs, rank)
+        out["theirs"] = _step(model["theirs"], rank)
 
         t = torch.arange(6, dtype=torch.float32) * (rank + 1)
         work, out["stopped_comm"] = _police(lambda: comm.all_reduce(t, group=group,
@@ -103,8 +111,14 @@ def _threads_rank(rank: int, world_size: int, transport: str) -> dict[str, Any]:
         name = f"gradring-comm-{group.group_name}"
         out["alive_before_destroy"] = [x.name for x in threads.live() if x.name == name]
         model.clear()
-        dist.destroy_process_group(group)
+        out["tasks_with_group"] = _tasks()
+        model["group"], group = group, None
+        dist.destroy_process_group(model.pop("group"))  # this frame keeps no reference
         out["alive_after_destroy"] = [x.name for x in threading.enumerate() if x.name == name]
+        # Nothing of gradring keeps the destroyed group: gloo's own threads are gone too.
+        for t in threads.live():
+            t.stop()
+        out["tasks"] = (tasks_before, _tasks())
     return out
 
 
@@ -125,6 +139,8 @@ def test_threads_stop_like_lightning_wants_and_start_again(pools, transport: str
         torch.testing.assert_close(r["comm"], r["comm_oracle"])
         assert r["alive_before_destroy"], r
         assert r["alive_after_destroy"] == [], r
+        assert r["tasks_with_group"] > r["tasks"][0], r
+        assert r["tasks"][1] == r["tasks"][0], r
 
 
 def _child_sleeps() -> None:
