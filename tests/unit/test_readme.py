@@ -98,16 +98,16 @@ def test_torch_internal_method_count() -> None:
 
 
 def _unsupported_in_code() -> list[str]:
-    """The keys of the ``unsupported`` dict in DDP's ``__init__``, read from the source."""
+    """The keyword names DDP's ``__init__`` passes to ``_check_supported``, read
+    from the source."""
     source = inspect.getsource(gradring.DistributedDataParallel.__init__)
     tree = ast.parse(source.strip().replace("\n    ", "\n") if source.startswith("    ")
                      else source)
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
-                and any(isinstance(t, ast.Name) and t.id == "unsupported"
-                        for t in node.targets)):
-            return [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
-    raise AssertionError("no `unsupported = {...}` in DistributedDataParallel.__init__")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "_check_supported"):
+            return [k.arg for k in node.keywords if k.arg is not None]
+    raise AssertionError("no `_check_supported(...)` call in DistributedDataParallel.__init__")
 
 
 def test_unsupported_arguments_match_the_code() -> None:
