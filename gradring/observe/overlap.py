@@ -26,11 +26,10 @@ Per iteration, with times taken from the reducer's events:
 - bucket k's ``exposed`` = the part of its run after backward_end,
   ``max(0, done_k - max(start_k, backward_end))``.
 - ``exposed_ms``   = the sum of the buckets' ``exposed``: the communication
-  the backward did not hide. Whether the buckets launched during the
-  backward or all after it (``GRADRING_OVERLAP=0``), it is the time after
-  backward_end during which a collective ran, without the write-back between
-  two collectives. (Communication launched before backward_start cannot
-  happen in a synchronised iteration and is not counted.)
+  the backward did not hide: the time after backward_end during which a
+  collective ran, without the write-back between two collectives.
+  (Communication launched before backward_start cannot happen in a
+  synchronised iteration and is not counted.)
 - ``overlap_ratio`` = (comm_ms - exposed_ms) / comm_ms: the hidden fraction of
   the communication (1.0 when nothing was communicated).
 - ``tail_ms``      = last written - backward_end: everything ``backward()`` spent
@@ -403,14 +402,9 @@ def bucket_infos(ddp: Any) -> list[BucketInfo]:
 
 def ddp_overlap_stats(ddp: Any, last_n: int = STEADY_LAST_N) -> dict[str, Any]:
     """``summarize`` over a gradring DDP model's ``steady_steps`` (what
-    ``ddp.overlap_stats()`` returns), with ``launch_when_ready`` and ``launch_why``:
-    whether buckets were launched as they became ready or all at the end of the
-    backward (``GRADRING_OVERLAP=0``), and why."""
+    ``ddp.overlap_stats()`` returns)."""
     chosen = steady_steps(list(ddp.reducer.trace.events), last_n)
-    stats = summarize(chosen, bucket_infos(ddp), 0)
-    stats["launch_when_ready"] = bool(getattr(ddp.reducer, "launches_when_ready", True))
-    stats["launch_why"] = str(getattr(ddp.reducer, "overlap_why", ""))
-    return stats
+    return summarize(chosen, bucket_infos(ddp), 0)
 
 
 def format_table(stats: dict[str, Any], *, max_names: int = 3) -> str:

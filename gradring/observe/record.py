@@ -66,8 +66,6 @@ def facts_of(ddp: Any) -> dict[str, Any]:
         "bucket_params": [list(b.param_indices) for b in r.buckets],
         "bucket_bytes": [int(b.nbytes) for b in r.buckets],
         "grad_bytes_outside_buckets": int(outside),
-        "overlap": bool(getattr(r, "launches_when_ready", True)),
-        "overlap_why": str(getattr(r, "overlap_why", "")),
         # bucket_cap_mb="auto": why it chose the cap ([Note: one rule for picking a cap])
         "auto_cap_why": str(getattr(getattr(r, "auto_cap", None), "why", "") or ""),
         # Whether a core was free for the collectives ([Note: auto on a host with no

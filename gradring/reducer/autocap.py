@@ -79,8 +79,6 @@ from gradring.step_model import (  # noqa: F401 (pick, predict, CapPick, has_fre
     predict,
 )
 
-AUTO = "auto"
-
 
 class AutoCap(NamedTuple):
     """What ``bucket_cap_mb="auto"`` decided, and from what (rank 0's view)."""
@@ -92,10 +90,6 @@ class AutoCap(NamedTuple):
     backward_ms: float
     why: str = ""                    # the pick's reason ([Note: one rule for picking a cap])
     first_bytes: int = DEFAULT_FIRST_BUCKET_BYTES  # the first bucket's cap after the rebuild
-
-
-def is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.strip().lower() == AUTO
 
 
 def decide(profile: Profile, curve: CommCurve,

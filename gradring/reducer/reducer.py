@@ -340,13 +340,6 @@ class Reducer:
         rebuild.done(groups, self._sizes)
         return True
 
-    # Buckets always launch as they become ready. Read by gradring/observe,
-    # gradring/tools and step_model (which once also knew buckets reduced at the
-    # end of the backward); plain facts, to be deleted with those readers.
-    overlap = True
-    overlap_why = "buckets launch as they become ready, as in torch's DDP"
-    launches_when_ready = True
-
     # ---------------------------------------------------------------- ownership
     def _claim(self, *, again: bool = False) -> None:
         """Become the owner of this reducer's parameters (see [Note: owners]).

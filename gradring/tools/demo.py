@@ -158,9 +158,6 @@ def _overlap_summary(result: dict[str, Any]) -> list[str]:
         f"{ov['overlap_ratio']:.0%} of it during the backward; backward() ran "
         f"{ov['tail_ms']:.2f} ms past autograd (waiting + copying into .grad)",
         *("  " + line for line in format_table(ov).splitlines()),
-        *([] if ov.get("launch_when_ready", True) else [
-            f"  every bucket was reduced after the backward ({ov.get('launch_why', '')}); "
-            "unset GRADRING_OVERLAP to launch them as they become ready"]),
     ]
 
 

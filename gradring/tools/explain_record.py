@@ -44,9 +44,9 @@ Each finding is reported only when its condition holds *and* the saving it
 predicts, computed from this run's numbers, is at least ``MIN_SAVING_MS``
 and ``MIN_SAVING_FRACTION`` of the step (settings that cost nothing to
 change when their condition holds, ``NO_TRADEOFF``: ``NO_TRADEOFF_MIN_MS``
-alone). A fact worth knowing whose predicted saving misses the bar (buckets
-reduced after the backward, with nothing to gain from launching them when
-ready) is said as a note, not as a finding. docs/explain.md lists each rule.
+alone). Facts worth knowing that are no finding (a cap pick inside the
+run's noise, the reason for an "auto" cap) are said as notes. docs/explain.md
+lists each rule.
 """
 
 from __future__ import annotations
@@ -486,18 +486,6 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
             f"results into .grad (the copy into .grad row); {mib:.1f} MiB of gradients live "
             "outside the buckets"))
     buckets = _bucket_stats(events, last_n)
-    if buckets and not facts.get("overlap", True):
-        finding = _at_the_end_finding(p, facts, buckets)
-        out.append(finding)
-        step = max(q["step"] for q in parts.values())
-        if not _worth(finding.saving_ms, step):
-            notes.append(f"{finding.title}: launching them when ready would save "
-                         f"{finding.saving_ms:.2f} ms/step, less than a finding needs "
-                         f"({MIN_SAVING_MS} ms and {MIN_SAVING_FRACTION:.0%} of the step); "
-                         f"{finding.evidence}")
-        notes.append(f"the bucket-size findings are left out: every bucket was reduced "
-                     f"after the backward ({facts.get('overlap_why', '')}), and the step "
-                     "model assumes that buckets launch during it")
     if buckets and facts["bucket_params"]:
         measured = curve is not None
         use = curve if curve is not None else _run_curve(facts, buckets)
@@ -510,16 +498,15 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
             if small else (use.times_ms[0], "smallest all-reduce")
         # The last bucket's exposure is clearest on the rank that waited least for others.
         p_last = max(parts.values(), key=lambda q: q["last_bucket"])
-        if facts.get("overlap", True):  # the step model's buckets overlap the backward
-            out += _fitted_cap_finding(facts, events, last_n, steps, notes)
-            out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
-            keyed = {f.key: f for f in out}
-            if "bucket_cap" in keyed and "last_bucket" in keyed and \
-                    keyed["bucket_cap"].change.split("=")[-1] == \
-                    keyed["last_bucket"].change.split("=")[-1].split(":")[0]:
-                worse = min((keyed["bucket_cap"], keyed["last_bucket"]),
-                            key=lambda f: f.saving_ms)
-                out = [f for f in out if f is not worse]  # one change, said once
+        out += _fitted_cap_finding(facts, events, last_n, steps, notes)
+        out += _cap_findings(p, p_last, facts, profile, use, measured, per_bucket)
+        keyed = {f.key: f for f in out}
+        if "bucket_cap" in keyed and "last_bucket" in keyed and \
+                keyed["bucket_cap"].change.split("=")[-1] == \
+                keyed["last_bucket"].change.split("=")[-1].split(":")[0]:
+            worse = min((keyed["bucket_cap"], keyed["last_bucket"]),
+                        key=lambda f: f.saving_ms)
+            out = [f for f in out if f is not worse]  # one change, said once
         if facts["comm_hook"] and curve is not None:
             hook = sum(b["run"] for b in buckets)
             plain = sum(curve.time_ms(facts["bucket_bytes"][b["bucket"]]) for b in buckets)
@@ -530,37 +517,6 @@ def _findings(parts: dict[int, dict[str, float]], facts: dict[str, Any],
                 f"its {len(buckets)} bucket(s) take {hook:.2f} ms/step from start to done; "
                 f"plain all-reduces of the same bytes measured {plain:.2f} ms on this link"))
     return out, notes
-
-
-def overlapped_exposed_ms(buckets: Sequence[dict[str, float]], backward_ms: float) -> float:
-    """Exposed time had each bucket launched when ready: bucket k starts at the
-    later of its ready time and bucket k-1's end and runs its measured ``run``;
-    what ends after ``backward_ms`` is exposed (``buckets`` as ``_bucket_stats``)."""
-    end = 0.0
-    for b in buckets:
-        end = max(b["ready"], end) + b["run"]
-    return max(0.0, end - backward_ms)
-
-
-def _at_the_end_finding(p: dict[str, float], facts: dict[str, Any],
-                        buckets: Sequence[dict[str, float]]) -> Finding:
-    """Every bucket was reduced after the backward (``GRADRING_OVERLAP=0``, see [Note:
-    overlap needs a free core] in reducer/overlap_policy.py): what launching them when
-    ready would save, from the table's own rows."""
-    why = facts.get("overlap_why", "") or "GRADRING_OVERLAP=0"
-    own = p["last_bucket"] + p["earlier_buckets"]  # the exposed time less waiting for peers
-    pred = overlapped_exposed_ms(buckets, p["backward"])
-    ready = ", ".join(f"{b['ready']:.2f}" for b in buckets)
-    return Finding(
-        "at_the_end", f"buckets were reduced after the backward ({why})",
-        "unset GRADRING_OVERLAP (or set it to 1): buckets then launch as they become "
-        "ready, as in torch's DDP",
-        max(0.0, own - pred),
-        f"exposed comm {p['exposed_comm']:.2f} ms/step, of which {p['wait']:.2f} waiting for "
-        f"peers and {own:.2f} the {len(buckets)} bucket(s)' own collectives (the last bucket "
-        f"and earlier buckets rows); launched when ready (at {ready} ms of a "
-        f"{p['backward']:.2f} ms backward) with the same run times, {pred:.2f} ms would be "
-        "left exposed")
 
 
 def _cap_findings(p: dict[str, float], p_last: dict[str, float], facts: dict[str, Any],

@@ -23,7 +23,7 @@ class Finding(NamedTuple):
     """One finding of ``gradring explain``: what to change and what it saves per step."""
 
     key: str           # find_unused | bucket_cap | last_bucket | comm_hook | bucket_view |
-                       # forward_sync_buffers | straggler | at_the_end | first_bucket |
+                       # forward_sync_buffers | straggler | first_bucket |
                        # gradring_collectives
     title: str
     change: str

@@ -41,11 +41,7 @@ ratio. The tuner does exactly that, then simulates the reducer:
    least well measured).
 5. DDP then really trains with the chosen cap and with the 25 MiB default
    (or every candidate), in rounds interleaved with the plain model, and both
-   predicted and measured step times are shown. Where that DDP reduced every
-   bucket when the backward ended (``GRADRING_OVERLAP=0``, see [Note:
-   overlap needs a free core] in ``reducer/overlap_policy.py``), no cap
-   could hide anything: the report says so and keeps the default, whatever
-   the clock said.
+   predicted and measured step times are shown.
 
 The model leaves out what the reducer itself costs per byte (copying each
 gradient into its bucket, writing the results back into ``.grad``) and that
@@ -168,9 +164,7 @@ def measure_ddp(make: Callable[[], Workload], caps_mb: Sequence[float], *, steps
         stats = ddp_overlap_stats(ddp, last_n=steps)
         out[cap] = {"step_ms": statistics.median(times[cap]), "exposed_ms": stats["exposed_ms"],
                     "buckets": float(len(ddp.reducer.buckets)),
-                    "spread_ms": max(per_round[cap]) - min(per_round[cap]),
-                    "launch_when_ready": float(bool(stats["launch_when_ready"])),
-                    "launch_why": stats["launch_why"]}
+                    "spread_ms": max(per_round[cap]) - min(per_round[cap])}
     return out, statistics.median(times["plain"])
 
 
@@ -184,7 +178,7 @@ class TuneResult(NamedTuple):
     predictions: list[Prediction]
     chosen: Prediction
     default: Prediction
-    # cap -> step_ms, exposed_ms, buckets, spread_ms, launch_when_ready, launch_why
+    # cap -> step_ms, exposed_ms, buckets, spread_ms
     measured: dict[float, dict[str, Any]]
     per_bucket_ms: float  # the per-bucket cost c the predictions charged
     why: str = ""         # the step model's pick in words (autocap.pick, as "auto" picks)
@@ -313,27 +307,9 @@ def report(r: TuneResult, *, nproc: int, name: str = "") -> str:
     return "\n".join(lines)
 
 
-def at_the_end(r: TuneResult) -> str:
-    """Why the measured DDP reduced every bucket when the backward ended, or ""
-    if it launched buckets as they became ready (what the predictions model)."""
-    for m in r.measured.values():
-        if not m.get("launch_when_ready", 1.0):
-            return str(m.get("launch_why", "")) or "the overlap policy"
-    return ""
-
-
 def recommendation(r: TuneResult) -> str:
     """The verdict line: a cap other than the default only for a measured gain
-    beyond the round-to-round spread of both measurements, and never when the
-    DDP it ran reduced every bucket at the end of the backward (then the cap
-    changes nothing that can be hidden)."""
-    why = at_the_end(r)
-    if why:
-        return (f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB}): "
-                f"gradring reduced every bucket when the backward ended "
-                f"({why}), so no cap can hide communication here; the predictions above "
-                f"assume buckets launched when ready (rerun without GRADRING_OVERLAP=0 to "
-                f"measure that)")
+    beyond the round-to-round spread of both measurements."""
     if r.chosen.buckets == r.default.buckets:
         return f"recommendation: keep the default (bucket_cap_mb={DEFAULT_BUCKET_CAP_MB})"
     c, d = r.measured[r.chosen.cap_mb], r.measured[r.default.cap_mb]

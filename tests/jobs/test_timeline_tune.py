@@ -15,7 +15,6 @@ from gradring import step_model
 from gradring.buckets import MIB
 from gradring.observe.overlap import export_chrome_trace, merge_traces
 from gradring.tools import timeline, tune, workloads
-from tests.support.env import environ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,10 +31,9 @@ def train_and_export(rank: int, world: int, out_dir: str, steps: int) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))
     x = torch.randn(4, 512)
-    with environ(GRADRING_OVERLAP="1"):  # four buckets, launched during the backward
-        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=1)
-        for _ in range(steps):
-            ddp(x).pow(2).mean().backward()
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=1)  # four buckets
+    for _ in range(steps):
+        ddp(x).pow(2).mean().backward()
     assert len(ddp.reducer.buckets) == 4
     return export_chrome_trace(ddp, os.path.join(out_dir, f"rank{rank}.json"))
 
@@ -147,22 +145,14 @@ def test_workloads_from_names_specs_and_parts() -> None:
         workloads.load_workload("no_such_model")
 
 
-def _tune_rank_launching_when_ready(rank: int, world: int, *args, **kwargs):
-    with environ(GRADRING_OVERLAP="1"):
-        return tune.tune_rank(rank, world, *args, **kwargs)
-
-
 def test_tune_rank_on_real_ranks(pools) -> None:
-    results = pools.run(2, _tune_rank_launching_when_ready, "tiny", (0.25, 1.0), steps=2,
-                        rounds=1)
+    results = pools.run(2, tune.tune_rank, "tiny", (0.25, 1.0), steps=2, rounds=1)
     r = results[0]
     assert results[1] is None
     assert [q.cap_mb for q in r.predictions] == [0.25, 1.0, 25.0]
     assert r.chosen.cap_mb in (0.25, 1.0, 25.0) and r.default.cap_mb == 25.0
     assert set(r.measured) == {r.chosen.cap_mb, 25.0}
     assert all(m["step_ms"] > 0 for m in r.measured.values())
-    # GRADRING_OVERLAP=1: buckets launched when ready, as predicted.
-    assert all(m["launch_when_ready"] == 1.0 for m in r.measured.values()), r.measured
     assert r.per_bucket_ms == r.curve.times_ms[0] > 0
     assert len(r.profile.ready_ms) == 8 and r.curve.sizes[-1] == MIB + 4 * 256 * 4
     text = tune.report(r, nproc=2, name="tiny")
@@ -173,8 +163,7 @@ def test_tune_rank_on_real_ranks(pools) -> None:
 def test_demo_small_end_to_end(tmp_path) -> None:
     _needs_matplotlib()
     png, trace = tmp_path / "demo.png", tmp_path / "demo.json"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "GRADRING_OVERLAP": "1"}  # the picture is of launches during the backward
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, "-m", "gradring.tools.demo", "--small", "--timeline", str(png),
          "--trace", str(trace)],
@@ -225,19 +214,6 @@ def test_iteration_labels_never_collide() -> None:
         [" it 7", " it 8"]
 
 
-def test_demo_says_when_buckets_waited_for_the_end_of_the_backward() -> None:
-    from gradring.tools.demo import _overlap_summary
-
-    ov = {"iterations": 3, "exposed_ms": 2.0, "backward_ms": 10.0, "comm_ms": 2.0,
-          "overlap_ratio": 0.0, "tail_ms": 2.5, "buckets": [], "launch_when_ready": False,
-          "launch_why": "GRADRING_OVERLAP=0"}
-    said = "every bucket was reduced after the backward (GRADRING_OVERLAP=0)"
-    assert any(said in line for line in _overlap_summary({"overlap": ov, "step_ms": 20.0}))
-    ov["launch_when_ready"] = True
-    assert not any("reduced after" in line for line in
-                   _overlap_summary({"overlap": ov, "step_ms": 20.0}))
-
-
 def _fake_result(chosen_buckets, chosen_ms, default_ms, spread) -> tune.TuneResult:
     from gradring.step_model import Prediction
 
@@ -248,18 +224,6 @@ def _fake_result(chosen_buckets, chosen_ms, default_ms, spread) -> tune.TuneResu
                 1.0: {"step_ms": chosen_ms, "exposed_ms": 0.0, "buckets": 2.0,
                       "spread_ms": spread}}
     return tune.TuneResult(None, None, [chosen, default], chosen, default, measured, 0.1)
-
-
-def test_tune_keeps_the_default_when_every_bucket_waited_for_the_end() -> None:
-    # A gain beyond the spread, but the DDP measured reduced every bucket at the
-    # end of the backward: the cap could not have caused it.
-    r = _fake_result([[0], [1]], 5.0, 10.0, 0.5)
-    assert tune.recommendation(r).startswith("recommendation: bucket_cap_mb=1:")
-    for m in r.measured.values():
-        m.update(launch_when_ready=0.0, launch_why="GRADRING_OVERLAP=0")
-    said = tune.recommendation(r)
-    assert "keep the default" in said and "(GRADRING_OVERLAP=0)" in said, said
-    assert "without GRADRING_OVERLAP=0" in said, said
 
 
 def test_tune_recommends_only_a_gain_beyond_the_spread() -> None:

@@ -3,7 +3,6 @@ overlap, compiled autograd. Oracles: torch's own DDP (eager for gradients,
 compiled for the number of graphs) on the same model, inputs and caps."""
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from torch import nn
 
 import gradring
 from gradring import compile as compile_split
-from tests.support.env import environ
 from tests.support.overlap_probe import (
     HeldEarly,
     event_order,
@@ -105,17 +103,6 @@ def _dynamo_counters():
 # ---------------------------------------------------------------- rank bodies
 
 
-def _launched_when_ready(fn):
-    """Run the rank body with buckets launched when ready, at torch's bucket
-    boundaries, whatever the host."""
-    @functools.wraps(fn)
-    def body(*args):
-        with environ(GRADRING_OVERLAP="1"):
-            return fn(*args)
-    return body
-
-
-@_launched_when_ready
 def _graph_counts(rank, world_size, order, backend_name, n, d, cap, steps=6):
     import torch._dynamo
 
@@ -148,7 +135,6 @@ def _graph_counts(rank, world_size, order, backend_name, n, d, cap, steps=6):
             "buckets": len(ddp.reducer.buckets)}
 
 
-@_launched_when_ready
 def _graphs_per_bucket(rank, world_size, order, cap, steps=4):
     """6 x Linear(1024): the graphs handed to the backend once the buckets are
     rebuilt, against the buckets that run."""
@@ -175,7 +161,6 @@ def _graphs_per_bucket(rank, world_size, order, cap, steps=4):
             "piece_buckets": compile_split.splits(ddp)[-1].piece_buckets}
 
 
-@_launched_when_ready
 def _overlap_compiled(rank, world_size, order, compiled_backward=False):
     import contextlib
 
@@ -201,7 +186,6 @@ def _overlap_compiled(rank, world_size, order, compiled_backward=False):
             "order": event_order(ddp, it)}
 
 
-@_launched_when_ready
 def _variants(rank, world_size, variant):
     """static_graph, gradient_as_bucket_view, a comm hook: compiled gradients
     against torch's eager DDP with the same options."""

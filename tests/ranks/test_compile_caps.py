@@ -32,7 +32,6 @@ from torch import nn
 
 import gradring
 from gradring import compile as compile_split
-from tests.support.env import environ
 
 #: smaller than any parameter: one bucket per parameter
 _PER_PARAMETER = 1e-6
@@ -135,8 +134,7 @@ def _compiled_caps(rank, world_size, cap, steps=3):
     import torch._dynamo
 
     torch._dynamo.reset()
-    with environ(GRADRING_OVERLAP="1"):  # buckets launched when ready, whatever the host
-        return _train(cap, _batches(rank, steps))
+    return _train(cap, _batches(rank, steps))
 
 
 def _train(cap, batches):

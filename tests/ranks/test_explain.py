@@ -13,7 +13,6 @@ from torch import nn
 import gradring
 from gradring.observe.trace import Event
 from gradring.tools import explain_record as ex
-from tests.support.env import environ
 from tests.support.explain_rows import assert_rows_add_up, printed_rows
 
 STEPS = 12
@@ -116,32 +115,6 @@ def test_no_complete_step_is_a_clear_error() -> None:
         ex.analyse(rec)
 
 
-def test_buckets_reduced_at_the_end_are_said_so() -> None:
-    evs = [list(e) for e in _rank_events(100.0, 0.0)]
-    said = "every bucket was reduced after the backward (GRADRING_OVERLAP=0)"
-    quiet = ex.analyse([{"rank": 0, "facts": _facts(), "curve": None, "events": evs}])
-    assert not any(said in n for n in quiet.notes)
-    x = ex.analyse([{"rank": 0, "facts": _facts(overlap=False, overlap_why="GRADRING_OVERLAP=0"),
-                     "curve": None, "events": evs}])
-    assert any(said in n for n in x.notes), x.notes
-    assert said in x.text
-
-
-def test_a_fact_without_a_saving_is_a_note_not_a_finding() -> None:
-    # Buckets ready at 2 and 7.5 ms of an 8 ms backward, running 7 and 3 ms: launched
-    # when ready they would end at 12 ms, as they did. Nothing to gain: no finding with
-    # a saving of 0.00, a note that says why.
-    evs = [list(e) for e in _rank_events(100.0, 0.0)]
-    x = ex.analyse([{"rank": 0, "facts": _facts(overlap=False, overlap_why="GRADRING_OVERLAP=0"),
-                     "curve": None, "events": evs}])
-    assert "at_the_end" not in x.keys(), x.text
-    assert "expected saving 0.00" not in x.text
-    note = next(n for n in x.notes if n.startswith("buckets were reduced after the backward"))
-    assert "would save 0.00 ms/step, less than a finding needs" in note
-    for f in x.findings:  # the bar of docs/explain.md, for every finding
-        assert f.saving_ms >= ex.MIN_SAVING_MS
-
-
 # ----------------------------------------------------------------- real 2-rank runs
 class Sleepy(nn.Module):
     """Sleeps ``seconds`` in its forward on rank ``rank``: a straggler on demand."""
@@ -221,11 +194,6 @@ def _build(case: str) -> tuple[nn.Module, dict, torch.Tensor]:
 
 
 def explain_case(rank: int, world: int, case: str, out_dir: str | None = None) -> dict:
-    with environ(GRADRING_OVERLAP="1"):
-        return _explain_case(rank, world, case, out_dir)
-
-
-def _explain_case(rank: int, world: int, case: str, out_dir: str | None = None) -> dict:
     torch.set_num_threads(1)
     model, kw, x = _build(case)
     ddp = gradring.DistributedDataParallel(model, **kw)

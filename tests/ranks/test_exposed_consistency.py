@@ -19,7 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-from gradring.observe.trace import Event
 from gradring.tools import explain_record as ex
 from gradring.tools import timeline
 from tests.support.explain_rows import assert_rows_add_up, printed_rows
@@ -63,8 +62,7 @@ def _train_and_report(rank: int, ddp: nn.Module, out_dir: str) -> dict:
         merge_traces(paths, os.path.join(out_dir, "merged.json"))
     ddp.comm.all_gather_object(rank)  # rank 0 has merged before anyone returns
     return {"stats": stats, "live_parts": live.parts[rank], "live_text": live.text,
-            "live_keys": live.keys(), "buckets": len(ddp.reducer.buckets),
-            "overlap": ddp.reducer.launches_when_ready}
+            "live_keys": live.keys(), "buckets": len(ddp.reducer.buckets)}
 
 
 def _printed(pattern: str, text: str) -> str:
@@ -80,7 +78,6 @@ def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, ca
     merged = str(tmp_path / "merged.json")
     one = cap_mb == 25.0
     assert (res[0]["buckets"] == 1) if one else (res[0]["buckets"] >= 3)
-    assert res[0]["overlap"]
     offline = ex.analyse(ex.load(merged))
     from gradring.tools import explain as cli
     from gradring.tools.demo import _overlap_summary
@@ -142,42 +139,3 @@ def test_every_report_gives_the_same_figures_and_they_add_up(pools, tmp_path, ca
     assert "exposed" in demo.splitlines()[2]
     # the live answer is the file's answer
     assert res[0]["live_text"].splitlines()[1:12] == offline.text.splitlines()[1:12]
-    # launched when ready: explain does not say they were reduced after the backward
-    said = [f.evidence for f in offline.findings if f.key == "at_the_end"] + \
-        [n for n in offline.notes if n.startswith("buckets were reduced after the backward")]
-    assert said == [], offline.text
-
-
-def test_at_the_end_finding_names_the_reason_and_the_saving() -> None:
-    """Synthetic: three buckets ready at 2, 5 and 8 ms of a 10 ms backward, each
-    reduced after it for 2 ms. Launched when ready they would end at 4, 7 and 10:
-    nothing exposed; reduced at the end, 6 ms are: launching when ready would save 6 ms."""
-    evs: list[Event] = []
-    for it in range(4):
-        t = 100.0 + it * 0.03
-        ms = lambda x, t=t: t + x / 1e3  # noqa: E731
-        evs += [Event(it, "forward_start", -1, ms(0)), Event(it, "module_start", -1, ms(0.1)),
-                Event(it, "module_end", -1, ms(0.5)), Event(it, "forward_end", -1, ms(0.6)),
-                Event(it, "backward_start", -1, ms(1))]
-        evs += [Event(it, "ready", b, ms(1 + r)) for b, r in enumerate((2, 5, 8))]
-        evs.append(Event(it, "backward_end", -1, ms(11)))
-        for b in range(3):
-            evs += [Event(it, "launch", b, ms(11 + 2 * b)),
-                    Event(it, "comm_done", b, ms(13 + 2 * b)),
-                    Event(it, "written", b, ms(13 + 2 * b))]
-    why = "GRADRING_OVERLAP=0"
-    facts = {"rank": 0, "world_size": 2, "device": "cpu", "find_unused": False,
-             "unused_last": 0, "static_graph": False, "bucket_view": True, "comm_hook": "",
-             "sync_buffers": False, "buffers": [], "num_forward": 4,
-             "bucket_cap_bytes": 1 << 20, "sizes": [4096] * 3, "keys": ["f"] * 3,
-             "names": ["a", "b", "c"], "bucket_params": [[0], [1], [2]],
-             "bucket_bytes": [4096] * 3, "grad_bytes_outside_buckets": 0,
-             "overlap": False, "overlap_why": why}
-    x = ex.analyse([{"rank": 0, "facts": facts, "curve": None,
-                     "events": [list(e) for e in evs]}])
-    assert x.parts[0]["exposed_comm"] == pytest.approx(6.0)
-    [f] = [f for f in x.findings if f.key == "at_the_end"]
-    assert f.title == "buckets were reduced after the backward (GRADRING_OVERLAP=0)"
-    assert f.saving_ms == pytest.approx(6.0)
-    assert "0.00 ms would be left exposed" in f.evidence
-    assert "expected saving 6.00 ms/step" in x.text

@@ -12,7 +12,6 @@ from torch import nn
 
 from gradring.observe.overlap import export_chrome_trace, merge_traces
 from gradring.tools import timeline
-from tests.support.env import environ
 
 
 def _needs_matplotlib() -> None:
@@ -117,17 +116,16 @@ def train_many_buckets(rank: int, world: int, out_dir: str) -> str:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    with environ(GRADRING_OVERLAP="1"):
-        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
-        ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.2)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        x = torch.randn(4, 256)
-        for _ in range(8):
-            opt.zero_grad(set_to_none=True)
-            ddp(x).pow(2).mean().backward()
-            opt.step()
-        with torch.no_grad():
-            ddp(x)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=0.2)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(4, 256)
+    for _ in range(8):
+        opt.zero_grad(set_to_none=True)
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+    with torch.no_grad():
+        ddp(x)
     path = export_chrome_trace(ddp, os.path.join(out_dir, f"rank{rank}.json"))
     paths = ddp.comm.all_gather_object(path)
     if rank == 0:

@@ -87,15 +87,6 @@ ALLOWED = {
     "GRADRING_MH_SUBNET": "the multi-host test harness's own (tests/multihost/netns_harness.py)",
 }
 
-#: Names issue 56 deleted that files another helper owns still cite (the
-#: explain, tune and demo tools and gradring/observe): delete an entry with
-#: its last citation.
-RETIRED = {
-    "GRADRING_OVERLAP": "every bucket reduced at the end of the backward, deleted",
-    "reducer/overlap_policy.py": "the overlap choice, deleted with GRADRING_OVERLAP",
-    "overlap needs a free core": "its Note, deleted with GRADRING_OVERLAP",
-}
-
 #: first parts that name something else than gradring's module of that name
 FOREIGN_HEADS = {
     "nn": "torch.nn",
@@ -485,13 +476,13 @@ def _report(problems: list[str]) -> str:
 
 def test_cited_files_exist():
     problems = [f"{c.where}: `{c.text}`: {why}" for c in QUOTED
-                if _is_file(c.text) and c.text not in RETIRED
+                if _is_file(c.text)
                 and (why := resolve_file(c.text, c.source))]
     assert not problems, _report(problems)
 
 
 def test_cited_settings_are_gradrings():
-    known = _settings() | set(ALLOWED) | set(RETIRED)
+    known = _settings() | set(ALLOWED)
     problems = [f"{c.where}: `{c.text}`: {name} is not in gradring/config.py"
                 for c in QUOTED for name in _SETTING.findall(c.text) if name not in known]
     assert not problems, _report(problems)
@@ -509,7 +500,7 @@ def test_cited_python_names_resolve():
 
 
 def test_cited_notes_are_defined():
-    defined = _defined_notes() | set(RETIRED)
+    defined = _defined_notes()
     problems = [f"{c.where}: [Note: {c.text}] is defined nowhere" for c in NOTES
                 if c.text not in defined]
     assert not problems, _report(problems)

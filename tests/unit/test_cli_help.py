@@ -78,4 +78,4 @@ def test_the_check_can_fail() -> None:
     importlib.import_module("gradring.tools.timeline")
     found = _problems("Up to ``GANTT_MAX`` steps; one of ``PHASES`` (``step_segments``)")
     assert "identifier GANTT_MAX" in found and "internal name PHASES" in found, found
-    assert _problems("GRADRING_OVERLAP=0 and JSON, PNG") == []
+    assert _problems("GRADRING_FAST_PATHS=none and JSON, PNG") == []

@@ -204,7 +204,7 @@ def averaged(local: torch.Tensor, peer: torch.Tensor | None, world: int) -> torc
 def build(params: list[nn.Parameter], comm: FakeComm, *, mode: GraphMode = GraphMode.DEFAULT,
           cap_mb: float | None = None, view: bool = False, fast: str = "all") -> Reducer:
     caps = BucketCaps.from_args(cap_mb)
-    with environ(GRADRING_FAST_PATHS=fast, GRADRING_OVERLAP=""):
+    with environ(GRADRING_FAST_PATHS=fast):
         reducer = Reducer(params, [f"p{i}" for i in range(len(params))], comm, caps=caps,
                           initial_caps=caps.initial(find_unused=mode is GraphMode.FIND_UNUSED),
                           mode=mode, gradient_as_bucket_view=view)
@@ -216,7 +216,7 @@ def step(reducer: Reducer, params: list[nn.Parameter], c: list[torch.Tensor], *,
          order: Sequence[int] | None = None, skip: Sequence[int] = (), sync: bool = True,
          fast: str = "all") -> None:
     """One iteration as gradring's DDP drives the reducer around a forward."""
-    with environ(GRADRING_FAST_PATHS=fast, GRADRING_OVERLAP=""), warnings.catch_warnings():
+    with environ(GRADRING_FAST_PATHS=fast), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "find_unused_parameters found nothing unused"
         if sync:
             reducer.prepare_for_forward()
