@@ -79,6 +79,24 @@ def _tasks() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _task_names() -> list[str]:
+    """The kernel's names of the process's threads (for a failure's message)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return sorted(names)
+
+
+def _settled_tasks(want: int, wait_s: float = 5.0) -> int:
+    """The thread count once it has come down to ``want``, or after ``wait_s``: a
+    native thread that was told to end may take a moment to be gone from /proc."""
+    deadline = time.monotonic() + wait_s
+    while (n := _tasks()) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
 def _threads_rank(rank: int, world_size: int, transport: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -86,6 +104,7 @@ def _threads_rank(rank: int, world_size: int, transport: str) -> dict[str, Any]:
         for t in threads.live():
             t.stop()
         tasks_before = _tasks()
+        names_before = _task_names()
         group = dist.new_group(list(range(world_size)))
         torch.manual_seed(0)
         base = nn.Linear(4, 4).double().float()
@@ -118,7 +137,8 @@ def _threads_rank(rank: int, world_size: int, transport: str) -> dict[str, Any]:
         # Nothing of gradring keeps the destroyed group: gloo's own threads are gone too.
         for t in threads.live():
             t.stop()
-        out["tasks"] = (tasks_before, _tasks())
+        out["tasks"] = (tasks_before, _settled_tasks(tasks_before))
+        out["task_names"] = (names_before, _task_names())
     return out
 
 
@@ -140,7 +160,7 @@ def test_threads_stop_like_lightning_wants_and_start_again(pools, transport: str
         assert r["alive_before_destroy"], r
         assert r["alive_after_destroy"] == [], r
         assert r["tasks_with_group"] > r["tasks"][0], r
-        assert r["tasks"][1] == r["tasks"][0], r
+        assert r["tasks"][1] == r["tasks"][0], (r["tasks"], r["task_names"])
 
 
 def _child_sleeps() -> None:
