@@ -89,9 +89,14 @@ class Bucket:
         # complete() once its results are written, reset() for the next
         # backward; write_back() records the slots the core writes back. The
         # others read them.
-        # Gradients still missing in this backward, out of ``size``.
+        # Gradients still missing in this backward, out of ``size``, less the
+        # counted slots (see [Note: counted slots] in packed.py), which are
+        # counted by their path's list instead.
         self.size = len(params)
         self.pending = self.size
+        # The paths that count some slots without a Python hook, and how many.
+        self.counting: tuple[Any, ...] = ()
+        self.n_counted = 0
         # Lifecycle within one backward.
         self.state = BucketState.FILLING
         # Future of the in-flight collective; resolves to the reduced flat tensor.
@@ -118,7 +123,24 @@ class Bucket:
         """One more of this backward's gradients is in (its put follows); True
         when it was the last."""
         self.pending = pending = self.pending - 1
-        return pending == 0
+        return pending == 0 and (not self.n_counted or self.counted_in() == self.n_counted)
+
+    def all_in(self) -> bool:
+        """Whether every gradient of this backward is in, counted slots included."""
+        return self.pending == 0 and self.counted_in() == self.n_counted
+
+    def counted_in(self) -> int:
+        """How many counted arrivals this backward heard (one slot heard twice counts twice)."""
+        return sum(len(path.arrived) for path in self.counting)
+
+    def counted_params(self) -> list[Any]:
+        """The parameters the counted arrivals were heard from, in arrival order."""
+        return [p for path in self.counting for p in path.arrived]
+
+    def forget_counted(self) -> None:
+        """Drop arrivals heard outside a synchronised backward (no_sync)."""
+        for path in self.counting:
+            path.arrived.clear()
 
     def mark_ready(self) -> None:
         """Every gradient is in: launchable once the lower buckets launched."""
@@ -147,6 +169,10 @@ class Bucket:
             self.kinds[s] = next((c.kind for c in offered if c.claims(self, s)), SlotKind.COPIED)
         taken = set(self.kinds)
         self.paths = tuple(c(self, ctx) for c in offered if c.kind in taken)
+        was = self.n_counted
+        self.counting = tuple(p for p in self.paths if getattr(p, "counted", ()))
+        self.n_counted = sum(len(p.counted) for p in self.counting)
+        self.pending += was - self.n_counted
         self.on_full = tuple(p.on_full for p in self.paths if p.on_full is not None)
         self.path_writes = tuple(p.write_back for p in self.paths if p.write_back is not None)
 
@@ -169,7 +195,7 @@ class Bucket:
 
     def reset(self) -> None:
         """Back to FILLING, for the next backward."""
-        self.pending = self.size
+        self.pending = self.size - self.n_counted
         self.state = BucketState.FILLING
         self.future = None
         self.to_write.clear()

@@ -1,7 +1,30 @@
 """The fast path ``packed``: a bucket's small slots copied in and out at once
-(see [Note: packed slots] in ``packing.py``)."""
+(see [Note: packed slots] in ``packing.py``), and counted without a Python hook.
+
+[Note: counted slots]
+A packed slot's hook does no tensor work, only counts; what is left of its
+cost is the interpreter: a Python call from autograd per gradient, about as
+much as torch's C++ reducer spends on the whole parameter. So once the
+bucket order is final (the rebuild made the buckets in arrival order, the
+hooks sit on the tensors, no find_unused_parameters or static_graph, no
+compiled autograd), every packed slot but its bucket's last gets a builtin
+as its hook: ``arrived.append``, a list's own method, which autograd calls
+with the parameter and which runs no Python frame. The bucket's last slot
+(the last to arrive in the recorded order) keeps the reducer's hook: when it
+fires, the bucket is full if the list holds all the counted slots.
+
+If the arrival order changes, a bucket's last slot can fire before the
+counted ones; the bucket is then completed by the next Python hook that
+launches buckets (lower buckets are checked before higher ones launch), or
+by the check the first hook of the backward queues for its end. A slot heard
+twice is found there, and a backward whose counted slots arrived but whose
+Python hooks never ran is found at the next forward: the errors torch's
+reducer gives, at most one backward later than torch gives them.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -34,6 +57,15 @@ class PackedPath:
         self.flat = len(self.runs) == 1 and self.runs[0].flat
         # This backward's runs (by position in ``runs``) that went slot by slot.
         self.unpacked: set[int] = set()
+        # The slots counted by ``arrived.append`` (see [Note: counted slots]):
+        # every packed one but the bucket's last, where counting is on.
+        self.counted = _counted_slots(bucket, ctx)
+        # This backward's counted arrivals: the parameters, as autograd passed them.
+        self.arrived: list[torch.Tensor] = []
+
+    def counter(self, s: int) -> Any:
+        """Slot ``s``'s hook when it is counted (the list's append), else None."""
+        return self.arrived.append if s in self.counted else None
 
     @staticmethod
     def offered(bucket: Bucket, ctx: SlotContext) -> bool:
@@ -86,3 +118,17 @@ class PackedPath:
 
     def reset(self) -> None:
         self.unpacked.clear()
+        self.arrived.clear()
+
+
+def _counted_slots(bucket: Bucket, ctx: SlotContext) -> frozenset[int]:
+    """The packed slots counted without a Python hook: none while counting is
+    off; else every packed slot whose hook sits on its tensor, but the last slot
+    (the last to arrive: the rebuild walks the arrival order)."""
+    countable = ctx.countable
+    if countable is None:
+        return frozenset()
+    last = len(bucket.kinds) - 1
+    return frozenset(s for s, kind in enumerate(bucket.kinds)
+                     if kind is SlotKind.PACKED and s != last
+                     and countable[bucket.param_indices[s]])

@@ -10,7 +10,7 @@ bucket's ``to_write``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -27,6 +27,9 @@ class SlotContext(NamedTuple):
     shared: bool      # another live reducer acts on these parameters
     world_size: int
     own: tuple[int, int]  # the part of the buffer this rank reduces (comm.own_range)
+    # Per global parameter index, whether its arrival may be counted without a
+    # Python hook; None while counting is off ([Note: counted slots] in packed.py).
+    countable: Sequence[bool] | None = None
 
 
 def put_nothing(bucket: Bucket, s: int) -> None:

@@ -14,6 +14,7 @@ accumulated before (``no_sync``) survive an install.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -51,6 +52,9 @@ class BucketSet:
         self._shared = False
         # The fast paths in force (rank 0's, see rebuild.rank0_groups).
         self._fast = FastPaths()
+        # Per parameter, whether its arrival may be counted without a Python
+        # hook; None while counting is off ([Note: counted slots] in packed.py).
+        self._countable: list[bool] | None = None
 
     # ------------------------------------------------------------ installing
     def install(self, groups: list[list[int]], fast: FastPaths) -> None:
@@ -85,7 +89,8 @@ class BucketSet:
         comm = self._comm
         ctx = SlotContext(view_mode=self._view_mode, hooked=self._hooked, shared=self._shared,
                           world_size=comm.world_size,
-                          own=comm.own_range(bucket.buffer.numel()))
+                          own=comm.own_range(bucket.buffer.numel()),
+                          countable=self._countable)
         bucket.place(ctx, self._fast.classes())
 
     def _build_routes(self) -> None:
@@ -112,6 +117,21 @@ class BucketSet:
         for bucket in self.buckets:
             self._place(bucket)
         self._build_routes()
+
+    def count_by(self, countable: list[bool] | None) -> list[Any]:
+        """Count arrivals without a Python hook where ``countable`` allows
+        (None: nowhere); per parameter, the builtin its hook becomes, or None
+        where it keeps the reducer's ([Note: counted slots] in packed.py)."""
+        if countable != self._countable:
+            self._countable = countable
+            for bucket in self.buckets:
+                self._place(bucket)
+            self._build_routes()
+        counters: list[Any] = [None] * len(self._params)
+        for i, (b, s) in enumerate(self._locator):
+            for path in self.buckets[b].counting:
+                counters[i] = path.counter(s) or counters[i]
+        return counters
 
     # ---------------------------------------------------------------- queries
     def bucket_of(self, param_index: int) -> int:

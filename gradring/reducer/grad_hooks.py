@@ -69,6 +69,9 @@ class GradHooks:
                     self._handles.append(node.register_hook(hook))
                 self._nodes.append(node)
         self._provisional = any(n is not None for n in self._nodes)
+        # Per parameter: the builtin that counts its arrival instead of the
+        # reducer's hook, or None ([Note: counted slots] in buckets/packed.py).
+        self._counters: list[Any] = [None] * len(self._params)
 
     def _hook(self, i: int) -> Hook:
         # A partial of a partial is one partial: still no Python frame of its own.
@@ -115,6 +118,28 @@ class GradHooks:
                 handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
         self._provisional = False
 
+    def on_tensor(self) -> list[bool]:
+        """Per parameter, whether its hook sits on the tensor (a builtin can
+        take it: autograd calls it with the parameter alone)."""
+        if self.removed:
+            return [False] * len(self._params)
+        return [h is not None and n is None for h, n in zip(self._handles, self._nodes)]
+
+    def count_with(self, counters: Sequence[Any]) -> None:
+        """Make parameter ``i``'s hook ``counters[i]`` where that is not None,
+        else the reducer's; only hooks that sit on tensors change."""
+        if self.removed:
+            return
+        handles, nodes, now = self._handles, self._nodes, self._counters
+        for i, p in enumerate(self._params):
+            want = counters[i]
+            if nodes[i] is not None or handles[i] is None or want == now[i]:
+                continue
+            handles[i].remove()
+            handles[i] = p.register_post_accumulate_grad_hook(
+                want if want is not None else self._hook(i))
+            now[i] = want
+
     def remove_all(self) -> None:
         """Take every hook away for good (the wrapper is detached)."""
         for h in self._handles:
@@ -122,6 +147,7 @@ class GradHooks:
                 h.remove()
         self._handles.clear()
         self._nodes = [None] * len(self._params)
+        self._counters = [None] * len(self._params)
         self._provisional = False
         self.removed = True
 

@@ -48,7 +48,8 @@ from gradring.graph import GraphMode
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import Trace, profiled
 from gradring.reducer.bucket_set import BucketSet
-from gradring.reducer.engine_callback import queue_engine_callback
+from gradring.reducer.counting import Counting
+from gradring.reducer.engine_callback import in_compiled_autograd, queue_engine_callback
 from gradring.reducer.grad_hooks import GradHooks
 from gradring.reducer.launcher import CommHook, Launcher
 from gradring.reducer.owners import OWNERS
@@ -186,6 +187,9 @@ class Reducer:
         self._hooks = GradHooks(self.params, functools.partial(Reducer._on_grad, weakref.ref(self)))
         # A reducer dropped without remove_hooks() takes its hooks with it.
         weakref.finalize(self, GradHooks.remove_all, self._hooks)
+        # Which packed slots are counted by builtins (see [Note: counted slots]
+        # in buckets/packed.py).
+        self._counting = Counting(self._hooks, self._set)
         # Whether a newer reducer took these parameters over (see [Note: owners]).
         self._superseded = False
         self._claim()
@@ -211,6 +215,7 @@ class Reducer:
         if self.num_forward > 0:
             raise self._fail(errors.static_graph_too_late())
         self.mode = GraphMode.STATIC
+        self._counting.stale()
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -225,6 +230,7 @@ class Reducer:
         """Let ``hook(state, bucket)`` reduce each bucket instead of the built-in all-reduce."""
         self._launcher.comm_hook, self._launcher.comm_hook_state = hook, state
         self._set.set_hooked()
+        self._counting.stale()
         self._refresh_scale()
 
     def set_divide_factor(self, factor: int) -> None:
@@ -337,6 +343,7 @@ class Reducer:
             groups = self._rank0_groups(
                 assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
         self._set.install(groups, self.fast)
+        self._counting.stale()
         rebuild.done(groups, self._sizes)
         return True
 
@@ -356,6 +363,7 @@ class Reducer:
         """Another reducer reduces these gradients too: copy them, never keep
         them in place in .grad (homed)."""
         self._set.share()
+        self._counting.stale()
 
     def step_aside(self) -> None:
         """A newer reducer owns the parameters now: this one's hooks go quiet
@@ -380,7 +388,8 @@ class Reducer:
         """Any forward with grad enabled, under no_sync() too: the previous
         synchronised backward must have finished its reduction (torch checks
         this in every such forward)."""
-        if self.state is _REDUCING:
+        if self.state is _REDUCING or (self.state is _EXPECTING
+                                       and self._counting.pending_arrivals()):
             self._raise_unfinished()
         # A backward after this forward is not "a second backward after one
         # forward", even when it runs before prepare_for_backward (Lightning's
@@ -411,6 +420,8 @@ class Reducer:
         self._hooks.follow()
         if self.order_is_final or self.num_backward >= 2:
             self._hooks.settle()  # see [Note: where the hooks sit]
+        self._counting.plan(self.mode is GraphMode.DEFAULT and self._rebuild.has_rebuilt
+                            and not self._hooks.provisional)
         skipped: frozenset[int] = frozenset()
         if self.mode is GraphMode.STATIC:
             self._static_remaining = self._static.begin_backward()
@@ -434,6 +445,8 @@ class Reducer:
                 # used at the next reduction (see [Note: used since the last
                 # reduction] in unused.py).
                 reducer._find_unused.local_used[i] = 1
+            if reducer._counting.on:  # what no_sync counted is not to be reduced
+                reducer._set.routes[i][0].forget_counted()
             if state is _FINALIZED:
                 # As torch: this backward only accumulates locally. Unlike
                 # torch, say so once (docs/ddp-differences.md), as gradring's
@@ -465,6 +478,8 @@ class Reducer:
         if not reducer._first_hook_done:
             reducer._first_hook_done = True
             reducer.trace.mark("backward_start")
+            if reducer._counting.on and not in_compiled_autograd():
+                queue_engine_callback(reducer._end_counted)
             for j in reducer._unused_for_iteration():
                 reducer._mark_ready(j)
         if mode is _FIND_UNUSED and reducer.params[i].grad is not None:
@@ -515,15 +530,35 @@ class Reducer:
         if note is not None:
             note(i)
         if full:
-            for on_full in bucket.on_full:  # the fast paths' bucket-wide puts
-                on_full(bucket, self._scale)
-            bucket.mark_ready()
-            self.trace.mark("ready", bucket.index)
+            self._complete(bucket)
+            self._launch_ready()
+        elif bucket.n_counted and bucket.pending == 0:
+            self._counting.missed(bucket)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Every gradient of ``bucket`` is in: the fast paths' bucket-wide puts, then READY."""
+        for on_full in bucket.on_full:
+            on_full(bucket, self._scale)
+        bucket.mark_ready()
+        self.trace.mark("ready", bucket.index)
+
+    def _end_counted(self) -> None:
+        """At the end of a backward with counted slots (see [Note: counted
+        slots] in buckets/packed.py): a slot heard twice is torch's error; buckets
+        whose last slot fired before their counted ones launch now."""
+        if self.state is not _REDUCING:
+            return  # finalized already, or abandoned
+        twice = self._counting.heard_twice(self._index_of)
+        if twice is not None:
+            raise self._fail(errors.marked_twice(twice, self.names[twice]))
+        if self._launcher.next_bucket < len(self.buckets):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         buckets = self.buckets
         launcher = self._launcher
+        if self._counting.on:
+            self._counting.catch_up(launcher.next_bucket, self._complete)
         self.num_buckets_reduced += len(launcher.launch_ready(buckets, self.scale))
         if launcher.next_bucket == len(buckets):
             if self.mode is GraphMode.FIND_UNUSED:
@@ -625,7 +660,13 @@ class Reducer:
         return self._fail(f"{exc}\n{where}")
 
     def _raise_unfinished(self) -> None:
-        missing = [i for i, r in enumerate(self._ready) if not r]
+        twice = self._counting.heard_twice(self._index_of)
+        if twice is not None:  # a counted slot heard twice kept its bucket from filling
+            self._launcher.drain(self.buckets)
+            self._end_iteration(finalized=False)
+            raise self._fail(errors.marked_twice(twice, self.names[twice]))
+        counted = self._counting.arrived(self._index_of)
+        missing = [i for i, r in enumerate(self._ready) if not r and i not in counted]
         per_rank = {self.comm.rank: missing}
         per_rank.update(self._peer_missing(missing))
         self._launcher.drain(self.buckets)

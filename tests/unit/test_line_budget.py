@@ -25,14 +25,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gradring"
 #: folder -> the most lines of Python it may hold ("." is the package's own files).
 BUDGET = {
     ".": 2750,
-    "buckets": 950,
+    "buckets": 1020,
     "comm": 9160,
     "compile": 540,
     "ddp": 1970,
     "hooks": 1070,
     "nn": 370,
     "observe": 830,
-    "reducer": 1760,
+    "reducer": 1940,
     "tools": 6860,
 }
 
