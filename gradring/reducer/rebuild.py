@@ -15,10 +15,9 @@ fast paths and caps) reaches the others in one broadcast (``rank0_plan``).
 1. ``DistributedDataParallel._set_caps`` parses it (``BucketCaps.parse``), keeping none.
 2. ``Rebuild.caps`` holds it, the one owner; ``Reducer.caps`` and ``bucket_cap_bytes``
    read it (for ``DDP.bucket_bytes_cap``, the logging data and the record).
-3. Construction assigns with ``BucketCaps.initial`` (``rank0_plan``).
-4. At the rebuild, under "auto", rank 0 alone decides ([Note: automatic bucket cap]
-   in ``autocap.py``); its plan carries its caps to every rank, and ``Rebuild.done``
-   makes them the owner's, once. Other caps stay each rank's own, as torch's do.
+3. Construction assigns with ``BucketCaps.initial``; the rebuild with ``BucketCaps.rebuild``.
+4. Under "auto" rank 0 alone decides ([Note: automatic bucket cap]); its plan brings its
+   caps, and ``Rebuild.done`` gives them to the owner once (other caps: each rank's own).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradring import config
 from gradring.buckets import BucketCaps, assign_buckets
 from gradring.fast_paths import FastPaths
 from gradring.reducer import autocap
@@ -105,14 +105,13 @@ class Rebuild:
             return self.caps
         self.auto_cap = autocap.choose_cap(comm, names, sizes, keys, *self._stamps.parts())
         self._stamps = None
-        mine = self.auto_cap.cap_bytes  # 0 off rank 0: rank 0's plan brings its caps
+        mine = self.auto_cap.cap_bytes  # 0 off rank 0: rank0_plan brings its caps
         return self.caps.chosen(mine, self.auto_cap.first_bytes) if mine else self.caps
 
     def done(self, groups: Sequence[Sequence[int]], sizes: Sequence[int],
              rank0_caps: tuple[int, int]) -> None:
-        """The rebuilt buckets are installed: report ``groups`` (the buckets torch's
-        DDP would make; ``sizes`` in bytes per parameter), record no more, and under
-        "auto" take ``rank0_caps`` (step 5 of [Note: the cap's walk])."""
+        """The rebuilt buckets are installed: report ``groups`` (torch's; ``sizes`` in
+        bytes per parameter), record no more; under "auto" take ``rank0_caps``."""
         if self.caps.auto:
             self.caps = self.caps.chosen(*rank0_caps)
             self.auto_cap = self.auto_cap._replace(cap_bytes=self.caps.cap,
@@ -124,12 +123,13 @@ class Rebuild:
 
 
 def rank0_plan(comm: Any, sizes: list[int], keys: list[Any], limits: Sequence[int],
-               order: list[int], fast: FastPaths, caps: BucketCaps,
+               order: list[int], caps: BucketCaps,
                ) -> tuple[list[list[int]], FastPaths, tuple[int, int]]:
     """Assign ``sizes`` over ``order`` with ``limits``; rank 0's assignment (each
     bucket in walk order), fast paths ([Note: the core and its fast paths]) and
     (cap, first bucket's cap) then reach every rank in one broadcast."""
     groups = assign_buckets(sizes, limits, keys=keys, order=order)
+    fast = config.current().fast_paths
     n = len(order)
     if comm.world_size == 1:
         return groups, fast, (caps.cap, caps.first)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradring import config, errors
+from gradring import errors
 from gradring.announce import notice
 from gradring.buckets import Bucket, BucketCaps, bucket_key
 from gradring.buckets.slot_io import write_grads
@@ -111,8 +111,7 @@ class Reducer:
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         # (dtype, device) keys: tensors of different keys never share a bucket.
         self._keys = [bucket_key(p) for p in self.params]
-        # The recorded arrival order, the caps in force (their one owner) and what
-        # the rebuild made (see [Note: the rebuild] and [Note: the cap's walk]).
+        # The recorded order, the caps' one owner, what the rebuild made ([Note: the rebuild]).
         self._rebuild = Rebuild(len(self.params), caps)
         # What static_graph's first iteration learnt (see [Note: static_graph's
         # first iteration]); unused in the other modes.
@@ -131,8 +130,8 @@ class Reducer:
         # [Note: the core and its fast paths]). Ranks may pass different bucket
         # caps; torch's DDP then follows rank 0's assignment, and so does this one.
         limits = caps.initial(find_unused=mode is _FIND_UNUSED and not static_graph)
-        groups, self.fast, _ = rank0_plan(comm, self._sizes, self._keys, limits, list(
-            range(len(self.params))), config.current().fast_paths, caps)
+        groups, self.fast, _ = rank0_plan(comm, self._sizes, self._keys, limits,
+                                          list(range(len(self.params))), caps)
         groups.reverse()
         self._set.install(groups, self.fast)
         # What _get_ddp_logging_data reports about the construction-time buckets.
@@ -330,8 +329,7 @@ class Reducer:
         # Every rank must bucket identically: rank 0's plan wins, in one broadcast.
         with profiled(self._launcher.broadcast_event):  # torch broadcasts here too
             groups, self.fast, rank0_caps = rank0_plan(
-                self.comm, self._sizes, self._keys, caps.rebuild(), order,
-                config.current().fast_paths, caps)
+                self.comm, self._sizes, self._keys, caps.rebuild(), order, caps)
         self._set.install(groups, self.fast)
         rebuild.done(groups, self._sizes, rank0_caps)
         return True
