@@ -82,8 +82,8 @@ def assign_buckets(
 
 @dataclass(frozen=True)
 class BucketCaps:
-    """The byte caps DDP's constructor arguments imply, for both assignments:
-    the one owner of the bucket cap, from the constructor to the rebuild.
+    """The byte caps DDP's constructor arguments imply, for both assignments
+    (held by one owner, ``Rebuild.caps``: [Note: the cap's walk]).
 
     As in torch 2.13: ``bucket_cap_mb`` left at None means a 25 MiB cap with a
     1 MiB first bucket (so the first all-reduce starts early); an explicit

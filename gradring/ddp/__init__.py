@@ -7,11 +7,10 @@ buckets (comm hook, fused optimizer or in-backward optimizers), and
 """
 
 from gradring.ddp.join import DDPJoinHook, Join, Joinable, JoinHook
-from gradring.ddp.module import DistributedDataParallel, TorchDDP, bucket_cap_bytes
+from gradring.ddp.module import DistributedDataParallel, TorchDDP
 
 # The class is reached as gradring.ddp.DistributedDataParallel: its pickles
 # name this stable path, and so do libraries that print type(model).__module__.
 DistributedDataParallel.__module__ = __name__
 
-__all__ = ["DDPJoinHook", "DistributedDataParallel", "Join", "JoinHook", "Joinable", "TorchDDP",
-           "bucket_cap_bytes"]
+__all__ = ["DDPJoinHook", "DistributedDataParallel", "Join", "JoinHook", "Joinable", "TorchDDP"]

@@ -57,19 +57,11 @@ from gradring.group_comm import GroupComm
 from gradring.observe.trace import profiled
 from gradring.reducer import CommHook, Reducer
 
-__all__ = ["DistributedDataParallel", "TorchDDP", "bucket_cap_bytes"]
+__all__ = ["DistributedDataParallel", "TorchDDP"]
 
 #: torch's class, captured at import time (``gradring.install()`` may later
 #: rebind the public names; this stays the original).
 TorchDDP = _torch_distributed.DistributedDataParallel
-
-
-
-def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: list[int] | None = None,
-                     ) -> tuple[int, bool]:
-    """The constructor's cap in bytes, and whether ``"auto"`` picks it at the rebuild."""
-    caps = BucketCaps.parse(bucket_cap_mb, bucket_cap_mb_list)
-    return caps.cap, caps.auto
 
 
 def _group_of(process_group: Any, device_mesh: Any) -> Any:
@@ -149,7 +141,7 @@ class DistributedDataParallel(TorchDDP):
             broadcast_buffers, forward_sync_buffers, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params)
-        self._set_caps(bucket_cap_mb, bucket_cap_mb_list)
+        caps = self._set_caps(bucket_cap_mb, bucket_cap_mb_list)
         self._keep_parameters(module, named)
         if self._delay_all_reduce_params:
             self._register_delay_all_reduce_hook(bucket_cap_mb, param_to_hook_all_reduce,
@@ -161,7 +153,7 @@ class DistributedDataParallel(TorchDDP):
         if init_sync:
             self._verify_same_model(self._module_parameters)
             self._sync_params_and_buffers(0, buffers=init_sync_buffers)
-        self._set_up_reduction(static_graph, mixed_precision)
+        self._set_up_reduction(static_graph, mixed_precision, caps)
         if static_graph:
             self._declare_static_graph(stacklevel=3)
 
@@ -274,15 +266,13 @@ class DistributedDataParallel(TorchDDP):
         return init_sync_buffers
 
     def _set_caps(self, bucket_cap_mb: float | str | None,
-                  bucket_cap_mb_list: list[int] | None) -> None:
-        """The bucket caps, as torch 2.13 derives them."""
-        # The byte cap is reported by the reducer.
-        self._caps = BucketCaps.parse(bucket_cap_mb, bucket_cap_mb_list)
-        # The per-bucket caps in bytes (torch's attribute).
-        self.bucket_bytes_cap_list = list(self._caps.per_bucket)
+                  bucket_cap_mb_list: list[int] | None) -> BucketCaps:
+        """The bucket caps, as torch 2.13 derives them, for the reducer, which owns
+        them (see [Note: the cap's walk] in gradring/reducer/rebuild.py)."""
         # Bucket size of the buffer and init broadcasts (torch's attribute; ours
         # coalesces per dtype).
         self.broadcast_bucket_size = 250 * 1024 * 1024
+        return BucketCaps.parse(bucket_cap_mb, bucket_cap_mb_list)
 
     def _keep_parameters(self, module: nn.Module, named: list[tuple[str, Any]]) -> None:
         """The parameters the reducer averages and their names; the buffers to sync."""
@@ -293,15 +283,16 @@ class DistributedDataParallel(TorchDDP):
         # Whether the first forward's one-time setup (_lazy_init) ran.
         self._lazy_init_ran = False
 
-    def _set_up_reduction(self, static_graph: bool, mixed_precision: Any) -> None:
+    def _set_up_reduction(self, static_graph: bool, mixed_precision: Any,
+                          caps: BucketCaps) -> None:
         """The reducer, what consumes its buckets, and mixed precision."""
         # What the reducer is built with again after unpickling.
         self._static_at_init = static_graph
         # torch's _MixedPrecision as given (None: everything in the parameters' dtype).
         self.mixed_precision = mixed_precision
         # gradring's reducer: buckets, gradient hooks, the all-reduces.
-        self.reducer = self._build_reducer(static_graph=static_graph)
-        if self._caps.auto and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
+        self.reducer = self._build_reducer(caps, static_graph=static_graph)
+        if caps.auto and self.reducer.mode is GraphMode.FIND_UNUSED and not static_graph:
             notice(errors.auto_cap_without_rebuild(DEFAULT_BUCKET_CAP_MB))  # gradring's own
         # Join: average over the initial world size, not over the ranks still training.
         self.divide_by_initial_world_size = True
@@ -310,12 +301,11 @@ class DistributedDataParallel(TorchDDP):
         # The precision switches ([Note: mixed precision] in mixed_precision.py), or None.
         self._mixed = self._setup_mixed_precision()
 
-    def _build_reducer(self, *, static_graph: bool) -> Reducer:
-        find_unused = self.find_unused_parameters and not static_graph
+    def _build_reducer(self, caps: BucketCaps, *, static_graph: bool) -> Reducer:
         return Reducer(
-            self._module_parameters, self._param_names, self._comm, caps=self._caps,
-            initial_caps=self._caps.initial(find_unused=find_unused),
+            self._module_parameters, self._param_names, self._comm, caps=caps,
             mode=GraphMode.of(find_unused=self.find_unused_parameters, static_graph=False),
+            static_graph=static_graph,
             # Under mixed precision .grad is never a bucket view ([Note: mixed precision]).
             gradient_as_bucket_view=self.gradient_as_bucket_view and self.mixed_precision is None,
             skip_unused_buckets=bool(self.skip_all_reduce_unused_params),
@@ -401,7 +391,12 @@ class DistributedDataParallel(TorchDDP):
     @property
     def bucket_bytes_cap(self) -> int:
         """The bucket cap in bytes (what bucket_cap_mb="auto" chose, once it has)."""
-        return self.reducer.caps.cap
+        return self.reducer.bucket_cap_bytes
+
+    @property
+    def bucket_bytes_cap_list(self) -> list[int]:
+        """bucket_cap_mb_list in bytes (torch's attribute; empty without it)."""
+        return list(self.reducer.caps.per_bucket)
 
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (docs/design.md)."""
@@ -890,6 +885,7 @@ class DistributedDataParallel(TorchDDP):
             state.pop(key, None)
         # What the reducer knew and a new one needs.
         state["_static_at_init"] = self.static_graph
+        state["_caps_in_force"] = self.reducer.caps
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -902,7 +898,8 @@ class DistributedDataParallel(TorchDDP):
         self._buffer_sync.refresh(self.module)
         static = self.__dict__.pop("_static_at_init", False)
         self._static_at_init = static
-        self.reducer = self._build_reducer(static_graph=static)
+        self.reducer = self._build_reducer(self.__dict__.pop("_caps_in_force"),
+                                           static_graph=static)
         self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
         self._torch_logger = logging_data.TorchLogger()
         self._delayed = None  # as torch's: the delayed all-reduce's hook is not pickled

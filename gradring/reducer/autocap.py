@@ -14,11 +14,11 @@ forward), so the choice costs no extra iteration:
 2. At the rebuild every rank times asynchronous all-reduces of a few sizes, up
    to the whole model, on a ``comm.empty`` buffer of the DDP's own group
    (``measure_allreduce``, 5 calls per size; tens of ms once).
-3. Rank 0 simulates every cap of ``step_model.DEFAULT_CAPS_MB`` over its stamps
-   and curve, picks one by ``pick`` (below), and broadcasts it: every rank
-   builds the same buckets. ``ddp.bucket_bytes_cap`` and
-   ``_get_ddp_logging_data()`` report the cap; ``ddp.reducer.auto_cap`` keeps
-   the predictions and, in ``why``, the reason for the pick in words
+3. Rank 0 alone simulates every cap of ``step_model.DEFAULT_CAPS_MB`` over its
+   stamps and curve, picks one by ``pick`` (below), and its plan for the rebuild
+   carries it ([Note: the cap's walk] in ``rebuild.py``). ``ddp.bucket_bytes_cap``
+   and ``_get_ddp_logging_data()`` report the cap; rank 0's ``reducer.auto_cap``
+   keeps the predictions and, in ``why``, the reason for the pick in words
    (``gradring explain`` prints it as a note).
 
 [Note: one rule for picking a cap]
@@ -64,8 +64,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
-
-import torch
 
 from gradring.buckets import DEFAULT_FIRST_BUCKET_BYTES, MIB
 from gradring.link_curve import curve_sizes, measure_allreduce
@@ -117,14 +115,15 @@ def decide(profile: Profile, curve: CommCurve,
 
 def choose_cap(comm: Any, names: list[str], sizes: list[int], keys: list[str],
                ready_ms: list[float], backward_ms: float, step_ms: float) -> AutoCap:
-    """Steps 2 and 3 of [Note: automatic bucket cap]; collective over ``comm``'s group."""
+    """Steps 2 and 3 of [Note: automatic bucket cap]: every rank times the link
+    (collective over ``comm``'s group); rank 0 decides, other ranks' cap_bytes is 0."""
     curve = measure_allreduce(comm, curve_sizes(sum(sizes)), reps=5)
+    if comm.rank != 0:  # rank 0's pick comes with the rebuild's plan (Rebuild.done)
+        return AutoCap(0, {}, {}, curve, backward_ms, "bucket_cap_mb='auto' took rank 0's "
+                       "pick (its reducer.auto_cap says why)", 0)
     profile = Profile(names, sizes, keys, ready_ms, backward_ms, step_ms)
     devices = [key[1] if isinstance(key, tuple) else key for key in keys]
-    mine = decide(profile, curve, free_core=has_free_core(comm, devices))
-    chosen = torch.tensor([mine.cap_bytes, mine.first_bytes], dtype=torch.int64)
-    comm.broadcast_coalesced([chosen])  # rank 0's pick for everyone
-    return mine._replace(cap_bytes=int(chosen[0]), first_bytes=int(chosen[1]))
+    return decide(profile, curve, free_core=has_free_core(comm, devices))
 
 
 class Stamps:

@@ -50,7 +50,7 @@ class BucketSet:
         # Whether another live reducer acts on these parameters (nested DDP):
         # gradients are then copied, never kept in .grad.
         self._shared = False
-        # The fast paths in force (rank 0's, see rebuild.rank0_groups).
+        # The fast paths in force (rank 0's, see rebuild.rank0_plan).
         self._fast = FastPaths()
         # Per parameter, whether its arrival may be counted without a Python
         # hook; None while counting is off ([Note: counted slots] in packed.py).

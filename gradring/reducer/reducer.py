@@ -39,11 +39,10 @@ from typing import Any
 
 import torch
 
-from gradring import config, errors
+from gradring import errors
 from gradring.announce import notice
-from gradring.buckets import Bucket, BucketCaps, assign_buckets, bucket_key
+from gradring.buckets import Bucket, BucketCaps, bucket_key
 from gradring.buckets.slot_io import write_grads
-from gradring.fast_paths import FastPaths
 from gradring.graph import GraphMode
 from gradring.group_comm import GroupComm
 from gradring.observe.trace import Trace, profiled
@@ -53,7 +52,7 @@ from gradring.reducer.engine_callback import in_compiled_autograd, queue_engine_
 from gradring.reducer.grad_hooks import GradHooks
 from gradring.reducer.launcher import CommHook, Launcher
 from gradring.reducer.owners import OWNERS
-from gradring.reducer.rebuild import Rebuild, rank0_groups
+from gradring.reducer.rebuild import Rebuild, rank0_plan
 from gradring.reducer.state import IterationState
 from gradring.reducer.static_graph import StaticGraph
 from gradring.reducer.unused import UnusedTracker
@@ -84,10 +83,10 @@ class Reducer:
         comm: GroupComm,
         *,
         caps: BucketCaps,
-        initial_caps: Sequence[int],
         mode: GraphMode,
         gradient_as_bucket_view: bool,
         skip_unused_buckets: bool = False,
+        static_graph: bool = False,  # given to DDP's constructor: the first buckets are one
     ) -> None:
         # This process's count of reducers so far: the same on every rank (DDPs are
         # built collectively, in the same order), so it keys this reducer's
@@ -101,9 +100,6 @@ class Reducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         # Collectives over the DDP process group (``comm``; the launcher holds it too).
         self._comm = comm
-        # The caps in force (see BucketCaps): the constructor's, replaced at the
-        # rebuild by what bucket_cap_mb="auto" chose.
-        self.caps = caps
         # How parameters' participation is learnt (see GraphMode); the one
         # place static_graph is stored.
         self.mode = mode
@@ -116,8 +112,8 @@ class Reducer:
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         # (dtype, device) keys: tensors of different keys never share a bucket.
         self._keys = [bucket_key(p) for p in self.params]
-        # The recorded arrival order and what the rebuild made (see [Note: the rebuild]).
-        self._rebuild = Rebuild(len(self.params), auto_cap=caps.auto)
+        # The recorded order, the caps' one owner, what the rebuild made ([Note: the rebuild]).
+        self._rebuild = Rebuild(len(self.params), caps)
         # What static_graph's first iteration learnt (see [Note: static_graph's
         # first iteration]); unused in the other modes.
         self._static = StaticGraph(len(self.params))
@@ -131,13 +127,12 @@ class Reducer:
         self._launcher = Launcher(comm, self.trace, self._bucket_failed)
         # The installed buckets and each parameter's route into them.
         self._set = BucketSet(self.params, comm, view_mode=gradient_as_bucket_view)
-        # The fast paths in force: rank 0's, set with every bucket assignment
-        # (see [Note: the core and its fast paths]).
-        self.fast = FastPaths()
-        # Ranks may pass different bucket caps; torch's DDP then follows rank
-        # 0's assignment, and so does this one.
-        groups = self._rank0_groups(assign_buckets(self._sizes, initial_caps, keys=self._keys),
-                                    list(range(len(self.params))))
+        # The fast paths in force: rank 0's, set with every bucket assignment (see
+        # [Note: the core and its fast paths]). Ranks may pass different bucket
+        # caps; torch's DDP then follows rank 0's assignment, and so does this one.
+        limits = caps.initial(find_unused=mode is _FIND_UNUSED and not static_graph)
+        groups, self.fast, _ = rank0_plan(comm, self._sizes, self._keys, limits,
+                                          list(range(len(self.params))), caps)
         groups.reverse()
         self._set.install(groups, self.fast)
         # What _get_ddp_logging_data reports about the construction-time buckets.
@@ -293,9 +288,14 @@ class Reducer:
         return self._rebuild.param_indices
 
     @property
+    def caps(self) -> BucketCaps:
+        """The caps in force, read from their one owner (see [Note: the cap's walk])."""
+        return self._rebuild.caps
+
+    @property
     def bucket_cap_bytes(self) -> int:
         """The cap in force: bucket_cap_mb in bytes, or what "auto" chose at the rebuild."""
-        return self.caps.cap
+        return self._rebuild.caps.cap
 
     @property
     def auto_cap(self) -> Any:
@@ -324,11 +324,6 @@ class Reducer:
         return self._set.grad_bytes_outside()
 
     # ------------------------------------------------------------------ buckets
-    def _rank0_groups(self, groups: list[list[int]], order: list[int]) -> list[list[int]]:
-        """Rank 0's assignment on every rank; rank 0's fast paths become ours."""
-        groups, self.fast = rank0_groups(self.comm, groups, order, config.current().fast_paths)
-        return groups
-
     def rebuild_if_needed(self) -> bool:
         """At the start of a forward: rebuild buckets in gradient-arrival order,
         once (see [Note: the rebuild]). True if the installed buckets changed."""
@@ -336,15 +331,14 @@ class Reducer:
         if self.order_is_final or not rebuild.complete():
             return False
         order = rebuild.order()
-        self.caps = rebuild.caps(self.comm, self.names, self._sizes, self._keys, self.caps)
-        caps = self.caps.rebuild()
-        # Every rank must bucket identically: rank 0's order and caps win.
+        caps = rebuild.caps_to_assign(self.comm, self.names, self._sizes, self._keys)
+        # Every rank must bucket identically: rank 0's plan wins, in one broadcast.
         with profiled(self._launcher.broadcast_event):  # torch broadcasts here too
-            groups = self._rank0_groups(
-                assign_buckets(self._sizes, caps, keys=self._keys, order=order), order)
+            groups, self.fast, rank0_caps = rank0_plan(
+                self.comm, self._sizes, self._keys, caps.rebuild(), order, caps)
         self._set.install(groups, self.fast)
         self._counting.stale()
-        rebuild.done(groups, self._sizes)
+        rebuild.done(groups, self._sizes, rank0_caps)
         return True
 
     # ---------------------------------------------------------------- ownership

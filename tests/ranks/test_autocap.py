@@ -21,8 +21,7 @@ import torch
 
 import gradring
 from gradring import link_curve, step_model
-from gradring.buckets import MIB, assign_buckets
-from gradring.ddp import bucket_cap_bytes
+from gradring.buckets import MIB, BucketCaps, assign_buckets
 from gradring.reducer import autocap
 from tests.support import oracle
 
@@ -140,13 +139,52 @@ def test_ddp_auto_matches_torch_and_agrees_across_ranks(pools, world) -> None:
         assert r["curve"][-1] >= sum(p.numel() * 8 for p in oracle.make_model("wide").parameters())
 
 
+def _collectives_at_rebuild(rank: int, world: int, cap: object) -> dict:
+    from gradring.comm.recorder import RECORDER
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])  # no buffers
+    ddp = gradring.DistributedDataParallel(model, bucket_cap_mb=cap)
+    x = torch.randn(4, 64)
+    ddp(x).sum().backward()  # records the order (and under "auto" the gradients' times)
+    last = RECORDER.entries()[-1]
+    out = ddp(x)  # rebuilds: nothing else in this forward is collective
+    entries = RECORDER.entries()
+    new = entries[next(i for i, e in enumerate(entries) if e is last) + 1:]
+    out.sum().backward()
+    auto = ddp.reducer.auto_cap
+    return {"kinds": [e.kind.label for e in new], "rebuilt": ddp.reducer.has_rebuilt,
+            "cap": ddp.bucket_bytes_cap, "why": "" if auto is None else auto.why,
+            "auto_cap": None if auto is None else (auto.cap_bytes, auto.first_bytes)}
+
+
+@pytest.mark.parametrize("cap", ["auto", 5])
+def test_the_rebuild_makes_one_broadcast(pools, cap) -> None:
+    """Rank 0's plan (its buckets, fast paths and caps) is the rebuild's one
+    broadcast; under "auto" the only other collectives are the link's timed
+    all-reduces, before it (it once sent rank 0's pick in a broadcast of its own)."""
+    results = pools.run(2, _collectives_at_rebuild, cap)
+    for r in results:
+        assert r["rebuilt"], r
+        assert r["kinds"].count("broadcast") == 1 and r["kinds"][-1] == "broadcast", r
+        if cap == "auto":
+            assert set(r["kinds"]) == {"all_reduce", "broadcast"}, r
+            assert r["auto_cap"][0] == r["cap"] == results[0]["cap"], r
+        else:
+            assert r["kinds"] == ["broadcast"] and r["cap"] == 5 * MIB, r
+    if cap == "auto":
+        assert "rank 0's pick" in results[1]["why"] and "rank 0" not in results[0]["why"]
+        assert results[1]["auto_cap"] == results[0]["auto_cap"]
+
+
 def test_bad_values_are_refused() -> None:
     for bad in ("fast", float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="bucket_cap_mb"):
-            bucket_cap_bytes(bad)
-    assert bucket_cap_bytes("AUTO") == (25 * MIB, True)
-    assert bucket_cap_bytes(None) == (25 * MIB, False)
-    assert bucket_cap_bytes("auto", [1, 4]) == (4 * MIB, False)
+            BucketCaps.parse(bad)
+    for args, cap, auto in [(("AUTO",), 25 * MIB, True), ((None,), 25 * MIB, False),
+                            (("auto", [1, 4]), 4 * MIB, False)]:
+        caps = BucketCaps.parse(*args)
+        assert (caps.cap, caps.auto) == (cap, auto), args
 
 
 def _warns(rank: int, world: int) -> list[str]:

@@ -206,7 +206,6 @@ def build(params: list[nn.Parameter], comm: FakeComm, *, mode: GraphMode = Graph
     caps = BucketCaps.from_args(cap_mb)
     with environ(GRADRING_FAST_PATHS=fast):
         reducer = Reducer(params, [f"p{i}" for i in range(len(params))], comm, caps=caps,
-                          initial_caps=caps.initial(find_unused=mode is GraphMode.FIND_UNUSED),
                           mode=mode, gradient_as_bucket_view=view)
     comm.params, comm.bucket_source = params, reducer
     return reducer
