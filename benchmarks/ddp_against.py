@@ -44,14 +44,14 @@ HERE = Path(__file__).resolve().parents[1]
 #: The bench whose models and steps both trees run (this tree's copy, loaded by path).
 BENCH = HERE / "gradring" / "tools" / "bench" / "ddp_step.py"
 
-# The job each tree runs: it loads this tree's ddp_step.py and this file by path
-# (neither imports gradring at module level), and gradring from the tree given on
-# the command line.
-_JOB = r"""
+# The job each tree runs: it loads this tree's ddp_step.py and a benchmark file by
+# path (neither imports gradring at module level), and gradring from the tree given
+# on the command line. ``{args}`` unpacks sys.argv into at least ``tree``, ``bench``
+# and ``here``; ``{call}`` is the expression whose value the job prints (``step`` is
+# the bench, ``job`` the benchmark file). per_param_cost.py fills it in too.
+JOB_TEMPLATE = r"""
 import importlib.util, json, os, sys
-tree, bench, here, models, steps, rank, world, store = sys.argv[1], sys.argv[2], \
-    sys.argv[3], sys.argv[4].split(","), int(sys.argv[5]), int(sys.argv[6]), \
-    int(sys.argv[7]), sys.argv[8]
+{args}
 sys.path.insert(0, tree)
 def load(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
@@ -60,12 +60,19 @@ def load(name, path):
     spec.loader.exec_module(mod)
     return mod
 step = load("_gr_bench_ddp_step", bench)
-job = load("_gr_bench_against", here)
+job = load({name!r}, here)
 import gradring
 assert os.path.realpath(os.path.dirname(os.path.dirname(gradring.__file__))) == \
     os.path.realpath(tree), (gradring.__file__, tree)
-print("RESULT " + json.dumps(job.compare_rank(step, rank, world, store, models, steps)))
+print("RESULT " + json.dumps({call}))
 """
+
+_JOB = JOB_TEMPLATE.format(
+    args="tree, bench, here, models, steps, rank, world, store = sys.argv[1], sys.argv[2], "
+         "sys.argv[3], sys.argv[4].split(','), int(sys.argv[5]), int(sys.argv[6]), "
+         "int(sys.argv[7]), sys.argv[8]",
+    name="_gr_bench_against",
+    call="job.compare_rank(step, rank, world, store, models, steps)")
 
 
 def compare_rank(bench: ModuleType, rank: int, world: int, store_path: str,

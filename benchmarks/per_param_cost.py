@@ -4,6 +4,7 @@
     python benchmarks/per_param_cost.py --against HEAD~1       # and the parent's tree beside it
     python benchmarks/per_param_cost.py --paths                # each fast path's share
     python benchmarks/per_param_cost.py --params 400 --rounds 7 --steps 40
+    python benchmarks/per_param_cost.py --load 2               # beside 2 spinning processes
 
 The model is N x ``nn.Linear(16, 16)`` applied side by side to one batch and
 summed (2 parameters each: ``--params 400`` is 200 layers), world 2 on gloo, one
@@ -59,27 +60,20 @@ HERE = Path(__file__).resolve().parents[1]
 #: The bench whose interleaved, shuffled steps every tree runs (this tree's copy, by path).
 BENCH = HERE / "gradring" / "tools" / "bench" / "ddp_step.py"
 
-# One rank of one job: this tree's ddp_step.py and this file, loaded by path,
-# gradring from the tree given on the command line.
-_JOB = r"""
-import importlib.util, json, os, sys
-tree, bench, here, sizes, steps, paths, rank, world, store = sys.argv[1], sys.argv[2], \
-    sys.argv[3], [int(v) for v in sys.argv[4].split(",")], int(sys.argv[5]), \
-    sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8]), sys.argv[9]
-sys.path.insert(0, tree)
-def load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-step = load("_gr_bench_ddp_step", bench)
-job = load("_gr_per_param_cost", here)
-import gradring
-assert os.path.realpath(os.path.dirname(os.path.dirname(gradring.__file__))) == \
-    os.path.realpath(tree), (gradring.__file__, tree)
-print("RESULT " + json.dumps(job.measure_rank(step, rank, world, store, sizes, steps, paths)))
-"""
+def _job_script() -> str:
+    """One rank of one job: this tree's ddp_step.py and this file, loaded by path,
+    gradring from the tree given on the command line (ddp_against.py's template)."""
+    if HERE.as_posix() not in sys.path:
+        sys.path.insert(0, HERE.as_posix())
+    from benchmarks.ddp_against import JOB_TEMPLATE
+
+    return JOB_TEMPLATE.format(
+        args="tree, bench, here, sizes, steps, paths, rank, world, store = sys.argv[1], "
+             "sys.argv[2], sys.argv[3], [int(v) for v in sys.argv[4].split(',')], "
+             "int(sys.argv[5]), sys.argv[6] == '1', int(sys.argv[7]), int(sys.argv[8]), "
+             "sys.argv[9]",
+        name="_gr_per_param_cost",
+        call="job.measure_rank(step, rank, world, store, sizes, steps, paths)")
 
 #: The DDP set-ups of a plain run (pair is the model without DDP).
 PLAIN = ("pair", "torch", "gradring")
@@ -171,7 +165,7 @@ def _job(tree: str, sizes: list[int], steps: int, paths: bool, nproc: int = 2
     with tempfile.TemporaryDirectory(prefix="gradring-per-param-store-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [subprocess.Popen(
-            [sys.executable, "-c", _JOB, tree, str(BENCH), str(Path(__file__).resolve()),
+            [sys.executable, "-c", _job_script(), tree, str(BENCH), str(Path(__file__).resolve()),
              ",".join(map(str, sizes)), str(steps), "1" if paths else "0", str(rank),
              str(nproc), store],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -252,12 +246,13 @@ def paths_report(rounds: list[dict[str, dict[str, float]]]) -> str:
 
 
 def run(sizes: list[int], rounds: int, steps: int, *, paths: bool = False,
-        against: str | None = None) -> str:
+        against: str | None = None, load: int = 0) -> str:
     """Run the rounds (alternating with REV's tree round by round when ``against``)
     and return the table."""
     if HERE.as_posix() not in sys.path:
         sys.path.insert(0, HERE.as_posix())
     from benchmarks.ddp_against import _worktree
+    from gradring.tools.bench.load import competing_load, load_note
 
     repo = old_tree = None
     if against is not None:
@@ -270,7 +265,8 @@ def run(sizes: list[int], rounds: int, steps: int, *, paths: bool = False,
             if r % 2:
                 order.reverse()
             for tag, tree in order:
-                result = _job(tree, sizes, steps, paths)
+                with competing_load(load):
+                    result = _job(tree, sizes, steps, paths)
                 (new_runs if tag == "new" else old_runs).append(result)
                 print(f"round {r + 1}/{rounds} {tag}: " + ", ".join(
                     f"{n}: " + " ".join(f"{k} {v:.2f}" for k, v in res.items())
@@ -281,8 +277,9 @@ def run(sizes: list[int], rounds: int, steps: int, *, paths: bool = False,
                            check=False, capture_output=True)
     if paths:
         text = paths_report(new_runs)
-        return text if not old_runs else text + f"\n\n{against}:\n" + paths_report(old_runs)
-    return report(new_runs, old_runs if old_tree else None, against or "")
+        text = text if not old_runs else text + f"\n\n{against}:\n" + paths_report(old_runs)
+        return load_note(load) + text
+    return load_note(load) + report(new_runs, old_runs if old_tree else None, against or "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds (one job per tree each)")
     ap.add_argument("--steps", type=int, default=30, help="steps per set-up in a round")
     ap.add_argument("--against", metavar="REV", help="also run REV's tree, round by round")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="N CPU-spinning processes beside the ranks (a loaded host)")
     ap.add_argument("--paths", action="store_true",
                     help="one gradring DDP per GRADRING_FAST_PATHS setting (each path's share)")
     a = ap.parse_args(argv)
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--params must be even and at least 2 (two per Linear(16, 16)), got {bad}")
     if a.rounds < 1 or a.steps < 1:
         ap.error("--rounds and --steps must be at least 1")
-    print(run(a.params, a.rounds, a.steps, paths=a.paths, against=a.against))
+    print(run(a.params, a.rounds, a.steps, paths=a.paths, against=a.against, load=a.load))
     return 0
 
 

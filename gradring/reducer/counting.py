@@ -4,6 +4,7 @@ what it leaves the reducer to check (see [Note: counted slots] in
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Callable
 
@@ -80,11 +81,8 @@ class Counting:
         """A parameter counted in twice in this backward, or None."""
         for bucket in self._set.buckets:
             if bucket.counted_in() > bucket.n_counted:
-                seen: set[int] = set()
-                for p in bucket.counted_params():
-                    if id(p) in seen:
-                        return index_of[id(p)]
-                    seen.add(id(p))
+                ids = collections.Counter(id(p) for p in bucket.counted_params())
+                return index_of[ids.most_common(1)[0][0]]
         return None
 
 

@@ -32,7 +32,7 @@ BUDGET = {
     "hooks": 1070,
     "nn": 370,
     "observe": 830,
-    "reducer": 1940,
+    "reducer": 1950,
     "tools": 6860,
 }
 
