@@ -500,7 +500,9 @@ class Reducer:
     # a cached 0-dim tensor (see packing.scale_tensor), and tracing marks
     # buckets, never parameters. A deferred slot (PACKED) has
     # no put function: its hook only counts, and its path's on_full does the
-    # tensor work for the whole bucket once its last gradient has arrived.
+    # tensor work for the whole bucket once its last gradient has arrived;
+    # once the order is final most such hooks are not this function at all
+    # ([Note: counted slots] in buckets/packed.py).
     def _mark_ready(self, i: int) -> None:
         ready = self._ready
         if ready[i]:
