@@ -35,6 +35,7 @@ ends with the same bits.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -118,17 +119,26 @@ def reduce_own(flat: torch.Tensor, peers: list[torch.Tensor], parts: ExternalPar
     Sums go in place into the input just read (its lines are in cache) and are
     then copied out: measured 2-8% faster than summing into a peer's buffer and
     copying out; cutting spans into L2-sized blocks measured no better.
+
+    The sum is the plain two-shot's (own input first, then the peers in rank
+    order, each step rounded), and the own input is first rounded to ``scale``
+    times itself: the bits of a bucket scaled in and summed, the reducer's core.
+    Where ``scale`` is a power of two the multiply is exact, so it fuses into the
+    first add at no difference in bits and one pass fewer.
     """
     scale = parts.scale
+    fused = math.frexp(scale)[0] == 0.5  # 1, 1/2, 1/4, ...: exact multiply
     for a, b, part in spans(parts, lo, hi):
         if part is None:
             part = flat[a:b]
             ops.reduce_into(part, [part] + [v[a:b] for v in peers], ops.SUM)
-        elif peers:
+        elif peers and fused:
             torch.add(peers[0][a:b], part, alpha=scale, out=part)
             for v in peers[1:]:
                 part.add_(v[a:b])
-        elif scale != 1.0:
-            part.mul_(scale)
+        else:
+            if scale != 1.0:
+                part.mul_(scale)
+            ops.reduce_into(part, [part] + [v[a:b] for v in peers], ops.SUM)
         for v in peers:
             ops.copy(v[a:b], part)
