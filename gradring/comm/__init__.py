@@ -22,9 +22,9 @@ How it is built (details in docs/collectives.md), module by module:
 
 - ``api``: the functions above, issuing each collective; ``external``: the
   all-reduce with external parts (``ExternalParts``, ``own_range``);
-  ``small_sync``: synchronous small all-reduces on the caller's thread;
 - ``context``: per-group state; ``registry``: the groups that have some;
-  ``runner``: one collective, start to finish; ``engine``: the per-group
+  ``runner``: one collective, start to finish (small synchronous
+  all-reduces on the caller's thread too); ``engine``: the per-group
   async thread; ``select``: thresholds, the choice of transport and
   algorithm, and the ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` overrides
   (every ``GRADRING_*`` variable is parsed in ``gradring/config.py``);

@@ -30,7 +30,7 @@ every rank that makes it and no byte moves. A process-group call that raises
 at once (torch's own checks, e.g. a sparse broadcast) is not a failure of the
 group either: it fails that call only, as with torch, and the group goes on.
 The checks are a few attribute reads; the 8-byte all-reduce path
-(``small_sync.py``) pays one (``requires_grad``) and leaves the others to the
+(``runner.small_all_reduce``) pays one (``requires_grad``) and leaves the others to the
 general path.
 """
 
@@ -51,7 +51,6 @@ from gradring.comm.engine import Job, Work
 from gradring.comm.external import ExternalParts, finish_out, own_range, stage_in
 from gradring.comm.recorder import RECORDER
 from gradring.comm.registry import GROUPS
-from gradring.comm.small_sync import SmallSync
 from gradring.comm.transport import Kind
 
 ReduceOp = dist.ReduceOp
@@ -129,9 +128,7 @@ def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tenso
     if on_done is not None:
         fut.add_done_callback(on_done)
     if ctx.connect_shm(env):  # shm: waits enforce deadlines and fail fast themselves
-        shm = ctx.transports.existing_shm()
-        if ctx.small is None or not ctx.small.serves(shm):
-            ctx.small = SmallSync(ctx, shm)
+        ctx.small = ctx.transports.existing_shm()
         if not async_op:
             ctx.engine.run_now(runner.run, ctx, c)
             return None
@@ -212,10 +209,10 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
     checks and the flight recorder (else the enclosing ``comm.label``'s);
     ``on_done(future)`` runs when it completes.
     """
-    if not async_op:  # [Note: the small synchronous path] in small_sync.py
+    if not async_op:  # [Note: the small synchronous path] in runner.py
         ctx = GROUPS.get(group if group is not None else getattr(_WORLD, "_default_pg", None))
         if ctx is not None and ctx.small is not None \
-                and ctx.small.all_reduce(tensor, op, label):  # type: ignore[attr-defined]
+                and runner.small_all_reduce(ctx, tensor, op, label):  # type: ignore[arg-type]
             if on_done is not None:
                 engine.completed([tensor]).get_future().add_done_callback(on_done)
             return None

@@ -2,7 +2,7 @@
 
 [Note: one object per collective]
 A :class:`Collective` is made when the caller issues the call (``api.py``,
-``small_sync.py``) and is the one thing every later step reads and writes:
+``runner.small_all_reduce``) and is the one thing every later step reads and writes:
 
 - the flight recorder keeps it in its ring (``recorder.py``) and dumps it;
 - the engine runs it (``runner.run``), the transport names it in every

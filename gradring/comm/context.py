@@ -85,9 +85,9 @@ class GroupContext:
         # Failure state (failed here; unusable after a watchdog verdict) and errors.
         self.failures = Failures(self.board, self.rank, self.world_size, self.name)
         self.failures.progress = self.peer_progress
-        # Synchronous small all-reduces on the caller's thread, once shm is connected
-        # (see [Note: the small synchronous path] in ``small_sync.py``).
-        self.small: Any = None  # a SmallSync, set by api._issue
+        # The shm transport small synchronous all-reduces run on, once connected
+        # (see [Note: the small synchronous path] in ``runner.py``); set by api._issue.
+        self.small: Any = None
         # Last sequence number this rank issued and completed (the board's "left after").
         self.last_seq = 0
         # Whether the ranks' settings were compared yet (see agree_settings).

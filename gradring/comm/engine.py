@@ -148,14 +148,18 @@ class Engine:
             self._work.notify()
 
     def run_now(self, run: Callable[..., None], *args: object) -> None:
-        """Run ``run(*args)`` on this thread after every job issued before it."""
+        """Run ``run(*args)`` on this thread after every job issued before it: the
+        synchronous calls' one entry, the small path's included (so the lock itself,
+        not its conditions, where nothing waits: this runs once per small call)."""
         if threading.current_thread() is self._thread:
             fut: torch.futures.Future = torch.futures.Future()
             self.submit(Job(lambda: run(*args), fut, []))
             self.help_until(fut)
             fut.wait()
             return
-        with self._idle:
+        lock = self._lock
+        lock.acquire()
+        try:
             while self._busy or self._queue:
                 self._idle_waiters += 1
                 try:
@@ -163,44 +167,24 @@ class Engine:
                 finally:
                     self._idle_waiters -= 1
             self._busy = True
+        finally:
+            lock.release()
         try:
             run(*args)
         finally:
-            with self._idle:
+            lock.acquire()
+            try:
                 self._busy = False
                 if self._idle_waiters:
                     self._idle.notify()
                 if self._queue:
                     self._work.notify()
+            finally:
+                lock.release()
 
-    def try_enter(self) -> bool:
-        """Take the engine for a call on this thread if nothing is queued or running
-        (then :meth:`leave` must follow); False otherwise, taking nothing."""
-        if self._busy or self._queue or threading.current_thread() is self._thread:
-            return False  # a racy peek: the check under the lock decides
-        # The lock itself, not the condition: this runs once per small call.
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._busy or self._queue:
-                return False
-            self._busy = True
-        finally:
-            lock.release()
-        return True
-
-    def leave(self) -> None:
-        """End a call taken with :meth:`try_enter`."""
-        lock = self._lock
-        lock.acquire()
-        try:
-            self._busy = False
-            if self._idle_waiters:
-                self._idle.notify()
-            if self._queue:
-                self._work.notify()
-        finally:
-            lock.release()
+    def busy(self) -> bool:
+        """Whether a job is queued or running (a racy peek: :meth:`run_now` decides)."""
+        return self._busy or bool(self._queue) or threading.current_thread() is self._thread
 
     def help_until(self, fut: torch.futures.Future) -> None:
         """On the engine thread itself (a callback waiting on a later job), run

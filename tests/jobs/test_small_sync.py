@@ -1,5 +1,5 @@
 """The synchronous small all-reduce on the caller's thread ([Note: the small
-synchronous path] in gradring/comm/small_sync.py): when it runs, that it keeps
+synchronous path] in gradring/comm/runner.py): when it runs, that it keeps
 issue order behind asynchronous work, that its results are the general path's
 bits, and that its errors name the peer."""
 
