@@ -34,9 +34,9 @@ How it is built (details in docs/collectives.md), module by module:
   and ``ring``, ``tree``, ``naive`` (point-to-point), ``direct``
   (shared-memory reads), ``hierarchical`` (several hosts);
 - ``transports/``: ``group`` (a group's transports, made on first use),
-  ``torchdist`` (the process group's send/recv, across hosts), ``threaded``
-  (tests), ``topology`` (which ranks share a host), ``hosts`` (the multi-host
-  transports and their rendezvous);
+  ``torchdist`` (the process group's send/recv, across hosts), ``topology``
+  (which ranks share a host), ``hosts`` (the multi-host transports and their
+  rendezvous);
 - ``transports/shm/``: the one-host transport -- ``transport``, ``memory``
   (its data segments and the peers' it maps; an object the transport
   owns), ``layout`` (every offset of the control segment), ``mailbox``,

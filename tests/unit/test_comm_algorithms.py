@@ -19,7 +19,7 @@ from gradring.comm.algos import direct, naive, ring, tree
 from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, Kind
-from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
+from tests.support.threaded import ThreadedWorld, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

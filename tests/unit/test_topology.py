@@ -24,8 +24,8 @@ from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, Kind
 from gradring.comm.transports import topology
 from gradring.comm.transports.hosts import HostTransports, SubsetTransport
-from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
 from gradring.comm.transports.topology import Topology
+from tests.support.threaded import ThreadedWorld, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
