@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gradring.comm import desync, exits
+from gradring.comm import desync, peers
 from gradring.comm.board import PeerBoard, describe_status
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.transport import CollectiveError
@@ -64,7 +64,7 @@ class Failures:
             time.sleep(0.05)
             dead = self.board.dead_peers()
         if dead:
-            err = type(err)(f"{err}; " + "; ".join(exits.exited(p, pid) for p, pid in dead))
+            err = type(err)(f"{err}; " + "; ".join(peers.exited(p, pid) for p, pid in dead))
         told = {p: s for p, s in self.board.read().items() if s["state"] in ("failed", "left")}
         cut_off = self.board.store_unreachable()
         if cut_off is not None:  # the peers' reports cannot be read

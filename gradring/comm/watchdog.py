@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from gradring.comm import desync, exits, threads
+from gradring.comm import desync, peers, threads
 from gradring.comm.board import (
     BOARD_AFTER_S,
     POLL_S,
@@ -164,7 +164,7 @@ class Watchdog:
                 return WatchdogError(f"{type(exc).__name__}: {exc}")
             dead, board = seen[id(w.board)]
             if dead:
-                return WatchdogError("; ".join(exits.exited(p, pid) for p, pid in dead))
+                return WatchdogError("; ".join(peers.exited(p, pid) for p, pid in dead))
             for p, status in sorted(board.items()):
                 if status["state"] == "waiting" and status["seq"] == e.seq \
                         and status.get("fp") not in (None, fp):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from gradring.comm import exits
+from gradring.comm import peers
 from gradring.comm.transport import Collective, Kind
 from gradring.comm.transports.shm.layout import STATUS as _STRUCT
 from gradring.comm.transports.shm.layout import STATUS_OFF as OFFSET
@@ -92,7 +92,7 @@ def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int,
     who, last = f"rank {rank} (pid {pid})", status.last()
     skipped = f", so it skipped #{seq}" if status.seq < seq else ""
     if not alive:
-        return f"{who} has exited (last started {last}{skipped}): {exits.how_it_ended(pid)}"
+        return f"{who} has exited (last started {last}{skipped}): {peers.how_it_ended(pid)}"
     if status.state == CLOSED:
         return f"{who} left: it shut gradring down after starting {last}{skipped}"
     if status.state == FAILED:
