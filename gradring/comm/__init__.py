@@ -101,8 +101,9 @@ def shutdown(group: Any = None) -> None:
     """Tear down gradring's collectives for ``group``, or for every group when None.
 
     Stops engine threads (queued work finishes first), closes transports and
-    removes their shared-memory segments. Call before
-    ``torch.distributed.destroy_process_group``; it also runs at exit.
+    removes their shared-memory segments. Collectives issued later start afresh.
+    ``torch.distributed.destroy_process_group`` and the process's exit do this
+    themselves, so a program need not call it.
     """
     if group is None:
         _shutdown(all_groups=True)

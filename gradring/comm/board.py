@@ -64,6 +64,8 @@ STALE_S = 5.0
 
 #: The states a rank posts (see :meth:`PeerBoard.post`).
 STATES = ("waiting", "failed", "left")
+#: The ``why`` of a "left" posted in collective ``seq``, which it abandoned in flight.
+ABANDONED = "abandoned"
 #: Longest value accepted from the store (``why`` is cut at 2,000 characters).
 MAX_VALUE_BYTES = 64 * 1024
 _MAX_INT = 2**63 - 1
@@ -414,7 +416,8 @@ def describe_status(rank: int, status: dict[str, Any] | None, seq: int = 0,
         return f"rank {rank} is waiting in {what}"
     if status["state"] == "left":
         skipped = f", so it skipped #{seq}" if status["seq"] < seq else ""
-        return f"rank {rank} (pid {status.get('pid')}) left gradring after {what}{skipped}"
+        how = f"in {what}, abandoning it" if status.get("why") == ABANDONED else f"after {what}"
+        return f"rank {rank} (pid {status.get('pid')}) left gradring {how}{skipped}"
     why = status.get("why", "")
     return f"rank {rank} failed in {what}: " + (why if len(why) <= 400 else why[:400] + "...")
 

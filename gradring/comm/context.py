@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from gradring import config
 from gradring.comm import agree, engine, leaving, peers, root_cause, select, threads
-from gradring.comm.board import HEARTBEAT, PeerBoard
+from gradring.comm.board import ABANDONED, HEARTBEAT, PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.registry import GROUPS
@@ -88,8 +88,9 @@ class GroupContext:
         # The shm transport small synchronous all-reduces run on, once connected
         # (see [Note: the small synchronous path] in ``runner.py``); set by api._issue.
         self.small: Any = None
-        # Last sequence number this rank issued and completed (the board's "left after").
-        self.last_seq = 0
+        # The last sequence numbers this rank issued, and issued and completed (in
+        # issue order): the board's "left" post names either (see close()).
+        self.issued = self.last_seq = 0
         # Whether the ranks' settings were compared yet (see agree_settings).
         self._agreed = False
         self._agree_lock = threading.Lock()
@@ -131,7 +132,8 @@ class GroupContext:
         return self.failures.failed or self.failures.broken is not None
 
     def next_seq(self) -> int:
-        return next(self._seq)
+        self.issued = n = next(self._seq)
+        return n
 
     def connect_shm(self, env: select.Overrides) -> bool:
         """Connect the group's shm transport on the first call (collective: every rank
@@ -172,7 +174,10 @@ class GroupContext:
                 self.engine.join(2.0)
         WATCHDOG.cancel(self, reason)
         if not self.failures.failed:  # a failure stays on the board: peers must see why
-            self.board.post("left", self.last_seq, f"#{self.last_seq}")
+            # "left after #k", or "left in #k+1" when it abandons #k+1 (and any later):
+            # a peer waiting in #k+1 must stop, and not read that this rank skipped it.
+            k = self.last_seq + (self.issued > self.last_seq)
+            self.board.post("left", k, f"#{k}", ABANDONED if k > self.last_seq else "")
         self.board.stop()
         # Break the cycles through this context (its small path, its failures' progress
         # callback): once the registry lets go of it, it -- and the process group it

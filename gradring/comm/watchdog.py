@@ -49,6 +49,7 @@ import torch
 
 from gradring.comm import desync, peers, threads
 from gradring.comm.board import (
+    ABANDONED,
     BOARD_AFTER_S,
     POLL_S,
     PeerBoard,
@@ -138,6 +139,8 @@ class Watchdog:
         if exc is None:
             if not final:
                 w.entry.finish()
+            if w.owner is not None:  # its group's last completed collective (the board's "left")
+                w.owner.last_seq = max(w.owner.last_seq, w.entry.seq)
             w.future.set_result(w.value)
         else:
             if not final:
@@ -172,8 +175,9 @@ class Watchdog:
                     return WatchdogError(desync.message(w.rank, e.describe(), p,
                                                         status["what"], differ, e.group),
                                          "DesyncError")
-                if status["state"] == "failed" or (status["state"] == "left"
-                                                   and status["seq"] < e.seq):
+                left = status["state"] == "left" and (status["seq"] < e.seq or (
+                    status["seq"] == e.seq and status["why"] == ABANDONED))
+                if status["state"] == "failed" or left:
                     cut = w.board.cut_off({p})  # the failed peer's words may be cut short
                     return WatchdogError("; ".join([describe_status(p, status, e.seq), *cut]),
                                          status.get("error", ""))
