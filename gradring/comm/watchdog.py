@@ -1,29 +1,16 @@
 """The watchdog thread: deadlines and fail-fast for collectives gradring cannot interrupt.
 
 [Note: how a stuck collective ends]
-Every collective gradring issues has a deadline: the process group's timeout
-(torch: 30 min for CPU backends, 10 min for NCCL), or ``GRADRING_TIMEOUT``
-seconds. Who enforces it depends on where the bytes move:
-
-- shm: the waiting thread itself sleeps in 50 ms futex slices and, each
-  slice, checks the deadline, whether peer pids live, and the peers' state
-  words in their control segments (a peer that shut gradring down or failed
-  says so there, see ``transports/shm/status.py``);
-- torch transport (gloo send/recv): ``wait_all`` waits in slices too and asks
-  the group's :class:`PeerBoard` whether a peer has failed or left;
-- native (``GRADRING_ALGO=native`` and the ops gradring hands to gloo): gloo's
-  own timeout is the process group's; the :class:`Watchdog` thread fails the
-  future gradring returned once *gradring's* deadline passes, or as soon as
-  the board shows a failed or departed peer.
-
-So a dead peer ends a collective within a slice or two (pid check on shm;
-gloo's own "connection closed" plus the board elsewhere), a peer that left
-early without Join ends it as soon as it exits or shuts gradring down, and a
-peer that is merely stuck ends it at the deadline. The error names the
-collective (sequence number, kind, bytes, dtype) and which ranks arrived and
-which did not; the DDP reducer adds the bucket and its parameters.
-
-The peer board is in ``board.py``, the flight recorder in ``recorder.py``.
+Every collective has a deadline (the process group's timeout, or
+``GRADRING_TIMEOUT``), enforced where the bytes move: on shm the waiting
+thread checks it, the peers' pids and their state words every 50 ms slice;
+the torch transport's ``wait_all`` waits in slices and asks the group's
+:class:`PeerBoard`; a native (gloo) collective cannot be interrupted, so the
+:class:`Watchdog` thread fails the future gradring returned at *gradring's*
+deadline, or as soon as the board shows a failed or departed peer. So a dead
+peer ends a collective within a slice or two, a peer that left as soon as it
+exits, and a stuck one at the deadline; the error names the collective and
+which ranks arrived (docs/reliability.md, "Timeouts", shows one).
 
 [Note: the watchdog thread never dies]
 The thread is the only deadline of native and torch-transport collectives:
