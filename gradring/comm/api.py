@@ -1,37 +1,22 @@
 """The functional API, mirroring ``torch.distributed``'s signatures and semantics.
 
-CPU tensors run on gradring's own algorithms and transports (see the package
-docstring); CUDA tensors, reductions gradring does not implement (e.g.
-``PRODUCT``, bitwise ops), dtypes it does not reduce (e.g. complex) and
-``GRADRING_ALGO=native`` go to the process group's native collective, with
-torch's own return values.
-
-``src`` of :func:`broadcast` is a *global* rank, like torch's; ``group_src``
-gives a group rank instead. A rank outside ``group`` gets ``None`` back and
-nothing happens, as in torch.
+CUDA tensors, reductions and dtypes gradring does not do itself (``PRODUCT``,
+complex) and ``GRADRING_ALGO=native`` go to the process group's native
+collective, with torch's own return values. ``src`` of :func:`broadcast` is a
+*global* rank, like torch's (``group_src``: a group rank). A rank outside
+``group`` gets ``None`` back and nothing happens, as in torch.
 
 [Note: arguments are checked before the collective is issued]
 Each function takes what ``torch.distributed``'s takes on gloo and refuses what
-it refuses, with the same exception type:
-
-- a non-tensor: ``TypeError`` with torch's words ("Expected parameter `tensor`
-  of type torch.Tensor"), raised before anything else;
-- a tensor that requires grad (an ``nn.Parameter``, as in ``for p in
-  model.parameters(): dist.broadcast(p, 0)``, or any non-leaf): gloo writes
-  its bytes without autograd knowing, and so does gradring, through
-  ``tensor.data`` (no version bump, no graph; the future still resolves to the
-  caller's own tensor);
-- a sparse (or any non-strided) tensor goes to the process group, which sums
-  sparse COO tensors (coalesced, in place) and refuses the rest as torch does.
-
-All of it is decided on this rank from the arguments alone, before the
-collective is numbered, so a call refused for its arguments is refused on
-every rank that makes it and no byte moves. A process-group call that raises
-at once (torch's own checks, e.g. a sparse broadcast) is not a failure of the
-group either: it fails that call only, as with torch, and the group goes on.
-The checks are a few attribute reads; the 8-byte all-reduce path
-(``runner.small_all_reduce``) pays one (``requires_grad``) and leaves the others to the
-general path.
+it refuses, with the same exception type: a non-tensor is torch's
+``TypeError``, before anything else; a tensor that requires grad (an
+``nn.Parameter``) is written through ``tensor.data``, as gloo writes it
+without autograd knowing; a sparse (non-strided) tensor goes to the process
+group. All of it is decided from the arguments alone, before the collective
+is numbered, so a refused call is refused on every rank that makes it and no
+byte moves; a process-group call that raises at once fails that call only,
+not the group. The 8-byte path (``runner.small_all_reduce``) pays one check
+(``requires_grad``) and leaves the others to the general path.
 """
 
 from __future__ import annotations

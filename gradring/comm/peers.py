@@ -2,44 +2,25 @@
 process ended, in words; and the errors of gloo calls completed with both.
 
 [Note: naming a peer behind a gloo error]
-Where gradring calls gloo itself -- DDP's parameter verification
-(``all_gather_object``), Join's all-reduce -- a peer that dies leaves the
-survivor with gloo's bare "Connection reset by peer", naming nobody. And the
-first gradring call on a group (the settings agreement, ``agree.py``) waits
-for its peers in the store, where a dead one used to be noticed only at the
-group's timeout (30 minutes by default).
-
-So DDP's verification gathers every rank's ``(pid, host key)`` along with
-its parameters (:func:`gather_objects`), after each rank has also put its own
-in the group's store under a fresh generation (``gradring/ids/<gen>/``); the
-result is kept per group (:func:`learn`, :func:`known`). Then:
-
-- a gloo error inside :func:`naming_dead_peers` is raised again as a
-  :class:`PeerExitedError` (a ``CollectiveError`` and a ``DistBackendError``)
-  that adds which peer on this host has exited and how (:func:`exited`), or
-  which ranks never reached the call (no identity in the store);
-- the settings agreement checks, while it waits, whether a rank it waits for
-  is a known process that is gone (:func:`dead_among`).
-
-Only peers on this host can be checked (a pid means nothing elsewhere).
+Where gradring calls gloo itself (DDP's parameter verification, Join's
+all-reduce) a dead peer leaves gloo's bare "Connection reset by peer", and the
+first gradring call on a group (``agree.py``) waited in the store for a dead
+peer until the group's timeout. So DDP's verification gathers every rank's
+``(pid, host key)`` with its parameters (:func:`gather_objects`), each rank
+having put its own in the group's store first (``gradring/ids/<gen>/``); the
+result is kept per group (:func:`learn`, :func:`known`). A gloo error inside
+:func:`naming_dead_peers` is raised again as a :class:`PeerExitedError` (a
+``CollectiveError`` and a ``DistBackendError``) naming the peer on this host
+that exited and how, or the ranks that never reached the call; waits in the
+store check :func:`dead_among`. Only peers on this host can be checked.
 
 [Note: naming how a peer died]
-A rank on this host whose pid is gone "has exited"; that alone does not tell
-a crash from an OOM kill. What can be known, in order:
-
-- the process is this process's child: ``waitid(WNOWAIT)`` peeks at its
-  status without reaping it;
-- it is a zombie (its parent, e.g. torchrun's agent, has not reaped it yet;
-  ``pid_alive`` counts a zombie as dead, so a survivor usually looks within
-  that window): ``/proc/<pid>/stat`` field 52 holds its exit status in
-  ``waitpid`` form (Linux >= 3.5);
-- the kernel log (``/dev/kmsg``, readable by root unless restricted) records
-  every OOM kill: "Killed process <pid> (...)" or "oom-kill:...,pid=<pid>,...".
-
-A SIGKILL without a readable kernel log is worded "killed by signal 9
-(SIGKILL)" plus where an OOM kill would show. Nothing known at all (the agent
-reaped it, no kernel log) says the process may have been killed and where to
-look. Every source is read only on an error path.
+"Has exited" alone does not tell a crash from an OOM kill. What can be known,
+read only on an error path: a child's status (``waitid(WNOWAIT)``, not
+reaping it); a zombie's (``/proc/<pid>/stat`` field 52; ``pid_alive`` counts a
+zombie as dead, so a survivor usually looks within that window); the kernel
+log (``/dev/kmsg``), which records every OOM kill. Without any, the words say
+where to look (docs/reliability.md, "Dead peers and early exits").
 """
 
 from __future__ import annotations
