@@ -1,19 +1,11 @@
 """Per-process-group state, kept in the registry of groups (``registry.py``).
 
-A :class:`GroupContext` is created on a group's first gradring call and lives
-until ``comm.shutdown()`` (or exit). It holds what the group's collectives
-share -- sequence numbers, the engine thread, the deadline -- and owns the
-pieces that do the work:
-
-- the settings every rank must share (``agree.py``), compared when the
-  context is made;
-- ``transports`` (``transports/group.py``): made on first use (a rendezvous
-  through the group's store, so the first gradring call on a group -- a
-  collective or ``comm.empty`` -- must be made by every rank), held, closed;
-- ``select.pick_transport`` / ``select.choose``: which of them, which algorithm;
-- ``runner.run``: one collective, start to finish;
-- ``failures`` (``failures.py``): recording failures and completing their errors;
-- ``board`` (``board.py``) and the watchdog thread (``watchdog.py``).
+A :class:`GroupContext` is made on a group's first gradring call (a collective
+or ``comm.empty``, which every rank must make: the settings agreement and the
+transports' rendezvous go through the group's store) and lives until
+``comm.shutdown()``, ``destroy_process_group`` or exit. It holds what the
+group's collectives share (sequence numbers, engine, deadline) and owns their
+transports, failures, board and watches.
 """
 
 from __future__ import annotations

@@ -4,23 +4,14 @@
 Each process group gets one engine. ``async_op=True`` queues the collective
 and returns a :class:`Work` at once; the engine thread runs jobs strictly in
 issue order (so every rank pairs its collectives the same way) and completes
-each job's ``torch.futures.Future`` with ``set_result`` or ``set_exception``,
-so a failure always reaches ``wait()`` / the future, never dies in a thread.
-Future callbacks (``then``) run on the engine thread, as they run on the
-backend's thread in torch.
-
-A synchronous call runs on the caller's thread when the engine is idle (no
-thread hand-off: that is most of the latency of a small collective), and
-otherwise queues behind the pending jobs and waits.
-
-Engines of different groups are independent, so collectives of two groups
-cannot block each other. The thread starts with the first asynchronous job
-and blocks in the kernel while idle; collectives release the GIL while they
-wait (futex and numpy/torch kernels release it). It is a daemon with a
-``stop()`` (see [Note: gradring's threads] in ``threads.py``): stopped, it ends
-once the queued jobs ran, and the next queued job starts a new one; the group's
-end and the process's exit join it (see [Note: how a gradring process exits]
-in ``leaving.py``).
+each job's future with its result or exception, so a failure always reaches
+``wait()``, never dies in a thread; future callbacks run on that thread, as on
+the backend's thread in torch. A synchronous call (:meth:`Engine.run_now`)
+runs on the caller's thread when the engine is idle -- the thread hand-off is
+most of a small collective's latency -- and otherwise waits its turn. Engines
+of different groups are independent. The thread starts with the first queued
+job, is a ``GradringThread`` ([Note: gradring's threads]) and is joined at
+the group's end and at exit ([Note: how a gradring process exits]).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The transports of a group spanning several hosts, and how they connect.
 
-A multi-host group with several ranks on every host gets two transports:
-shared memory among the ranks of each host (``shm/``), and the process
-group's point-to-point across hosts (``torchdist.py``). :class:`HostTransports`
-holds both; :class:`SubsetTransport` addresses the same-local-rank peers on
-the other hosts through the group's point-to-point. The hierarchical
-all-reduce (``algos/hierarchical.py``) runs on them. :func:`connect` learns
-which ranks share a host (``topology.py``) and connects each host's shared
-memory.
-
-A host whose /dev/shm runs out inside a collective (every rank of that host
-raises ``ShmExhausted`` in the same collective, ``shm/space.py``) drops its
-shared memory (:meth:`HostTransports.drop_local`): its intra-host phases run
-over the process group's point-to-point among its own ranks from then on. The
-inter-host messages are the same either way, so the other hosts need not know
-and every rank still runs the same collectives.
+:class:`HostTransports` holds shared memory among each host's ranks
+(``shm/``) and the process group's point-to-point across hosts
+(``torchdist.py``); :class:`SubsetTransport` addresses the same-local-rank
+peers on the other hosts. The hierarchical all-reduce runs on them;
+:func:`connect` learns which ranks share a host (``topology.py``). A host whose
+/dev/shm runs out drops its shared memory (:meth:`HostTransports.drop_local`,
+[Note: a host without room in /dev/shm] in ``algos/hierarchical.py``).
 """
 
 from __future__ import annotations

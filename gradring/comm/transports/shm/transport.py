@@ -1,26 +1,15 @@
 """Shared-memory transport for ranks on one host (the default for CPU tensors there).
 
-Each rank owns a *control segment* that every peer maps; ``layout.py``
-holds its every offset (header, barrier word, doorbell, status block,
-descriptors, retired-segment ring, mailbox channels and slots).
-
-Words written by one rank only (barrier, sent, acked) are plain stores;
-words several ranks bump (the doorbell) use the kernel's atomic add, see
-[Note: spin, then block] in ``futex.py``. Data buffers -- staging buffers and
-``comm.empty`` tensors -- live in further segments that peers map lazily by
-name (``memory.py``, an object the transport owns: ``transport.memory``), see
-[Note: segment names and leaks] in ``segments.py``.
-
-A waiting rank reads its peers' status (``status.py``): a dead pid, or a
-peer that shut gradring down or failed, ends the wait at the next 50 ms slice.
-Descriptors and statuses also carry what the desync check compares, see
-[Note: desync checks] in ``desync.py``.
-
-Point-to-point messages (for ring and tree) go through the mailboxes
-(``mailbox.py``, an object the transport owns): a sender copies fragments
-into slots, the receiver copies (or reduces) them out.
-The direct algorithms (``direct.py``) skip all that and read exposed buffers.
-Ranks find each other through the store: ``rendezvous.connect``.
+Each rank owns a *control segment* that every peer maps (every offset in
+``layout.py``). Words one rank writes (barrier, sent, acked) are plain stores;
+words several ranks bump (the doorbell) use the kernel's atomic add ([Note:
+spin, then block] in ``futex.py``). Data buffers live in further segments that
+peers map lazily by name (``memory.py``, owned as ``transport.memory``). A
+waiting rank reads its peers' status (``status.py``): a dead pid, or a peer
+that shut gradring down or failed, ends the wait at the next 50 ms slice.
+Ring and tree messages go through the mailboxes (``mailbox.py``); the direct
+algorithms read exposed buffers. Ranks find each other through
+``rendezvous.connect``.
 """
 
 from __future__ import annotations
