@@ -87,10 +87,7 @@ def who_is_missing(store: Any, keys: list[str]) -> str:
 def address(store: Any) -> str:
     """Where ``store`` lives, for messages: ``HOST:PORT`` of the TCPStore beneath any
     prefix stores, else the store's kind."""
-    seen = 0
-    while isinstance(store, dist.PrefixStore) and seen < 16:
-        store = store.underlying_store
-        seen += 1
+    store = _bottom(store)
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     if host is not None and port is not None:
         return f"{host}:{port}"
