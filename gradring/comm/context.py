@@ -354,16 +354,12 @@ def _release_at_multiprocessing_exit() -> None:
     """In a ``multiprocessing`` child, run :func:`_release_all` at its exit too.
 
     [Note: multiprocessing children skip atexit]
-    A ``multiprocessing.Process`` started with ``fork`` (the default on Linux before
-    Python 3.14; torch's ``MultiProcessTestCase`` forks or spawns its ranks this way)
-    ends with ``os._exit`` once its target returns or raises ``SystemExit``: ``atexit``
-    handlers never run there, so its shm segments stayed in /dev/shm until the next
-    gradring process swept them. Such a child does run multiprocessing's own exit
-    finalizers (``multiprocessing.util.Finalize`` with an exit priority), which it
-    clears at start, so they are registered here, once per child, when its first
-    group context is made. A spawned child runs them too, just before atexit (which
-    then finds nothing left). The main process keeps atexit alone. ``os._exit`` called
-    directly, or SIGKILL, runs nothing: the sweep at the next connect remains.
+    A forked ``multiprocessing.Process`` (torch's ``MultiProcessTestCase`` ranks)
+    ends with ``os._exit``: ``atexit`` never runs there, so its segments stayed in
+    /dev/shm until the next sweep. It does run multiprocessing's exit finalizers
+    (``multiprocessing.util.Finalize``), cleared at its start, so one is
+    registered here, once per child, with its first group context (a spawned
+    child runs it too, before atexit, which then finds nothing left).
     """
     global _mp_exit_hooked
     if _mp_exit_hooked == os.getpid() or multiprocessing.parent_process() is None:

@@ -176,14 +176,11 @@ def sweep_if_due(now: float, *, force: bool = False) -> None:
     seconds before ``now`` (``time.monotonic()``) or more, or ``force``.
 
     [Note: a live job sweeps too]
-    A job whose ranks were all killed -9 leaves segments that no peer removes
-    (none is left). The first connect of a later process removes them, but a
-    job that runs beside them for days would not start another. So every
-    connect sweeps, and so does a rank whose shm wait has slept a whole slice
-    (``ShmTransport._wait``), at most once per ``SWEEP_S``: a sleeping wait is
-    idle time, so the sweep (a listing of /dev/shm and one liveness check per
-    owner pid, well under a millisecond for a few hundred names) costs the hot
-    path nothing: a collective whose peers are there never sleeps."""
+    A job whose ranks were all killed -9 leaves segments nobody removes, and a
+    job running beside them for days connects no more. So a rank whose shm wait
+    slept a whole slice sweeps too, at most once per ``SWEEP_S``: a sleeping
+    wait is idle time (a collective whose peers are there never sleeps), and a
+    sweep takes well under a millisecond for a few hundred names."""
     global _last_sweep
     if force or now - _last_sweep >= SWEEP_S:
         _last_sweep = now
@@ -413,18 +410,14 @@ def map_shared(fd: int, size: int, name: str = "") -> memoryview:
     bytes of the mapping as a memoryview, unmapped once nothing views them.
 
     [Note: a mapping holds no descriptor]
-    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as the
-    mapping lives, so each segment held one open file: a model with one bucket
-    per parameter ran out of ``ulimit -n`` (64 in some containers) at the
-    bucket rebuild, while torch's DDP trains it. The kernel needs no descriptor
-    to keep a mapping, so gradring maps with ``mmap(2)`` itself and the caller
-    closes its descriptor at once: the process's open files stay flat however
-    many buckets, peers' buffers and staging sets it maps. The memoryview
-    (``Segment.mm``) exports the bytes of a ctypes array over the mapping;
-    ``munmap`` runs when that array dies, which is when the last tensor, numpy
-    array or view on it has gone (each holds it through the buffer protocol),
-    so nothing can read an unmapped page. Not at interpreter exit: the mapping
-    goes with the process then, and a thread still reading it must not fault.
+    ``mmap.mmap`` keeps a duplicate descriptor per mapping, so a model with one
+    bucket per parameter ran out of ``ulimit -n`` (64 in some containers) where
+    torch's DDP trains it. The kernel needs no descriptor to keep a mapping, so
+    gradring calls ``mmap(2)`` itself and the caller closes its descriptor at
+    once. The memoryview (``Segment.mm``) exports a ctypes array over the
+    mapping; ``munmap`` runs when that array dies, after the last tensor or view
+    on it (each holds it through the buffer protocol), so nothing reads an
+    unmapped page; not at interpreter exit, where a reading thread must not fault.
     """
     addr = _mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:

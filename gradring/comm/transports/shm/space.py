@@ -56,16 +56,13 @@ def cause(need: int, free: int, total: int) -> str:
     ``need`` (or unknown: 0), else :data:`TAKEN`.
 
     [Note: one figure, two causes]
-    Raising ``--shm-size`` is the answer only when the mount is smaller than
-    what the job needs; when it is large enough, others hold its free space
-    (another job, files a crashed job left) and raising it only hides that.
-    The need is computed from figures every rank shares (the rendezvous
-    publishes each rank's shortfall; a collective that runs out compares the
-    largest staging buffer and the largest holding of the ranks), so every
-    rank prints the same figure. ``comm.empty`` running out is one rank's own
-    event (the ranks race for the free space and stop at different buffers),
-    so there only rank 0 gives the job's figure; the others say what did not
-    fit.
+    Raising ``--shm-size`` is the answer only when the mount is smaller than the
+    job's need; when it is large enough, others hold its space (another job, a
+    crashed job's files) and raising it only hides that. The need comes from
+    figures every rank shares (the rendezvous publishes each rank's shortfall; a
+    collective that runs out compares the ranks' largest staging buffer and
+    holding), so every rank prints the same figure; ``comm.empty`` running out
+    is one rank's own event, so there only rank 0 gives the job's figure.
     """
     if total <= 0 or total < need:
         return TOO_SMALL
