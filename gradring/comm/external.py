@@ -100,18 +100,15 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 def reduce_own(flat: torch.Tensor, peers: list[torch.Tensor], parts: ExternalParts,
                lo: int, hi: int) -> None:
     """The own chunk ``[lo, hi)`` of a SUM with external parts into those parts (or
-    ``flat`` where there is none) and into every peer's buffer in ``peers`` (their exposed
-    buffers, in a fixed order, which also hold their inputs for this chunk).
+    ``flat`` where there is none) and into every peer's buffer in ``peers`` (their
+    exposed buffers, in rank order, which hold their inputs for this chunk).
 
-    Sums go in place into the input just read (its lines are in cache) and are
-    then copied out: measured 2-8% faster than summing into a peer's buffer and
-    copying out; cutting spans into L2-sized blocks measured no better.
-
-    The sum is the plain two-shot's (own input first, then the peers in rank
-    order, each step rounded), and the own input is first rounded to ``scale``
-    times itself: the bits of a bucket scaled in and summed, the reducer's core.
-    Where ``scale`` is a power of two the multiply is exact, so it fuses into the
-    first add at no difference in bits and one pass fewer.
+    Sums go in place into the input just read (in cache), then are copied out:
+    2-8% faster than summing into a peer's buffer. The sum is the plain two-shot's
+    (own input first, then the peers in rank order, each step rounded) after the
+    own input is rounded to ``scale`` times itself: the bits of a bucket scaled in
+    and summed, the reducer's core, at any world size. Where ``scale`` is a power
+    of two the multiply is exact, so it fuses into the first add (one pass fewer).
     """
     scale = parts.scale
     fused = math.frexp(scale)[0] == 0.5  # 1, 1/2, 1/4, ...: exact multiply

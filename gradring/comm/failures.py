@@ -1,12 +1,9 @@
 """What a group does when one of its collectives fails: record it, tell the peers,
 and give the caller an error that says as much as the ranks know.
 
-Every failure goes through :meth:`Failures.record` (flight-recorder entry,
-"failed" marker on the peer board, recorder dump). The error the caller sees
-is the transport's or gloo's, completed with what the board says
-(:meth:`Failures.with_board`: peers that exited, failed or left, in their own
-words), or, for a desync, with what the other ranks say they issued
-(:meth:`Failures.desync`).
+Every failure goes through :meth:`Failures.record` (recorder entry, "failed" on
+the board, dump); the caller's error is completed with what the board says
+(:meth:`Failures.with_board`) or, for a desync, what the others issued.
 """
 
 from __future__ import annotations

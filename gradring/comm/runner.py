@@ -102,21 +102,17 @@ def small_all_reduce(ctx: GroupContext, tensor: torch.Tensor, op: Any,
     True, or return False having done nothing (the caller takes the general path).
 
     [Note: the small synchronous path]
-    The most common collective in a training script is a synchronous all-reduce of
-    a few bytes (a loss, a metric). Its data work is nothing; its cost is the path
-    around it: ``api._issue`` builds a plan, and :func:`run` looks the transport and
-    the algorithm up and dispatches through the registry. A call that needs none of
-    that -- CPU, contiguous, at most ``select.INLINE_MAX_BYTES``, a reduction gradring
-    does itself, a plain tensor that does not require grad (the others take the
-    general path, see [Note: arguments are checked before the collective is issued]
-    in ``api.py``), no ``GRADRING_TRANSPORT``/``GRADRING_ALGO`` override, shm
-    connected (``ctx.small``), the group not failed, the engine idle -- runs
-    ``direct/inline`` (what ``select.choose`` picks for it anyway) through the
-    engine's one synchronous entry (:meth:`Engine.run_now`), so it keeps issue order,
-    with the general path's sequence number, flight-recorder entry, desync
-    fingerprint (in the exchange's descriptors), deadlines and failure handling
-    (:func:`_failed`). It is the general path minus lookups, so it gives the same
-    bits: ``tests/jobs/test_small_sync.py`` runs every small case both ways.
+    The most common collective is a synchronous all-reduce of a few bytes (a loss,
+    a metric): its cost is the path around it, the plan of ``api._issue`` and the
+    lookups and dispatch of :func:`run`. A call that needs none of that (CPU,
+    contiguous, at most ``select.INLINE_MAX_BYTES``, a reduction gradring does, no
+    ``requires_grad`` (see [Note: arguments are checked before the collective is
+    issued] in ``api.py``), no override, shm connected (``ctx.small``), the group
+    not failed, the engine idle) runs ``direct/inline``, what ``select.choose``
+    picks for it anyway, through the engine's one synchronous entry
+    (:meth:`Engine.run_now`): issue order, sequence number, recorder entry, desync
+    fingerprint, deadlines and failure handling (:func:`_failed`) are the general
+    path's, and so are the bits (``tests/jobs/test_small_sync.py`` runs both ways).
     """
     transport = ctx.small
     try:  # no cost unless it raises (3.11's exceptions): the 8-byte floor

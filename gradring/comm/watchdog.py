@@ -13,15 +13,11 @@ exits, and a stuck one at the deadline; the error names the collective and
 which ranks arrived (docs/reliability.md, "Timeouts", shows one).
 
 [Note: the watchdog thread never dies]
-The thread is the only deadline of native and torch-transport collectives:
-if it died, their waits would have none. So nothing it meets ends it. A
-check that raises -- a store value another process forged (``board.py``'s
-``StoreValueError``, see [Note: the store is not trusted]), a store that
-answers nonsense, a bug -- becomes the verdict on the collectives it was
-checking: they fail the way a timeout fails them (``on_fail`` with a
-``WatchdogError`` that carries the cause's type and text), and the thread
-goes on watching the rest. If even failing a collective raises, its future
-gets the error directly.
+The thread is the only deadline of native and torch-transport collectives,
+so nothing it meets ends it: a check that raises (a forged store value,
+``StoreValueError``, [Note: the store is not trusted]; a store answering
+nonsense; a bug) becomes the verdict on the collectives it was checking, which
+fail as a timeout fails them, and the thread watches on.
 """
 
 from __future__ import annotations

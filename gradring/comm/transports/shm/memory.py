@@ -1,13 +1,10 @@
 """The shm transport's data memory: its own segments and the peers' it maps.
 
-:class:`SegmentBook` is owned by :class:`~gradring.comm.transports.shm.transport.ShmTransport`
-(``transport.memory``): ``comm.empty`` segments, the two staging sets, the
-address index that makes a tensor zero-copy, and the peers' segments mapped
-lazily by number -- with the retired-segment announcements that tell a peer
-when it may unmap one (see [Note: segment names and leaks] in
-``segments.py``). The transport hands it the control segments' word views
-(the mapped and retired words live there) and two ways to fail the
-collective; the book hands back buffers, views and descriptor fields.
+:class:`SegmentBook`, owned by the transport (``transport.memory``), holds the
+``comm.empty`` segments, the two staging sets, the address index that makes a
+tensor zero-copy, and the peers' segments mapped lazily by number, with the
+retired-segment announcements that say when a peer may unmap one. The
+transport hands it the control segments' word views and two ways to fail.
 """
 
 from __future__ import annotations
