@@ -84,10 +84,6 @@ def mismatches(values: list[Any]) -> list[str]:
     return found
 
 
-#: Longest pause between two looks at the store while a peer's liveness can be checked.
-_POLL_MAX_S = 0.2
-
-
 def _wait_alive(store: Any, keys: list[str], timeout: float, group: str, rank: int) -> None:
     """Wait up to ``timeout`` s until every key exists. While it waits, a rank whose
     process is known (``peers.py``: DDP's verification learnt it) and gone on this host

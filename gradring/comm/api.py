@@ -39,7 +39,6 @@ from gradring.comm.registry import GROUPS
 from gradring.comm.transport import Kind
 
 ReduceOp = dist.ReduceOp
-_default_group = dist.distributed_c10d._get_default_group
 #: torch's record of its default group; the small path reads ``_default_pg`` from it
 #: (None before init_process_group) instead of calling ``_get_default_group``, three
 #: Python calls. Where a torch lacks it, the small path is just not taken for group=None.

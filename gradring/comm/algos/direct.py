@@ -54,11 +54,9 @@ def all_reduce_twoshot(t: DirectTransport, info: Collective, flat: torch.Tensor,
     parts] in ``external.py``.
 
     [Note: whole chunks, not pipelined blocks]
-    Cutting chunks into blocks, with a signal per block so that peers copy a
-    block while it is still in the shared cache, measured 1.4-1.9x *slower*
-    here (4 and 25 MiB, world 2): reading lines another core has just dirtied
-    costs more than reading them back from DRAM. So each phase runs over the
-    whole chunk, with one barrier between them.
+    Blocks signalled one by one, so that peers copy a block while it is still in
+    the shared cache, measured 1.4-1.9x *slower* (4 and 25 MiB, world 2): reading
+    lines another core has just dirtied costs more than reading them from DRAM.
     """
     w, r = t.world_size, t.rank
     bounds = ops.chunk_bounds(flat.numel(), w)

@@ -78,8 +78,6 @@ class HostTransports:
         # Shared memory among this host's ranks (local ranks 0..L-1); None once the
         # host's /dev/shm ran out (``drop_local``): then ``intra`` carries those phases.
         self.local = local
-        # Why ``local`` was dropped ("" while it is in use).
-        self.local_reason = ""
         # Point-to-point among this host's ranks (local rank = index), over ``flat``.
         self.intra = SubsetTransport(flat, topology.local_ranks)
         # Point-to-point over the whole group (the process group's send/recv).
@@ -119,7 +117,6 @@ class HostTransports:
         release = getattr(local, "release_for_fallback", None)
         if release is not None:
             release()
-        self.local_reason = str(exc)
         topo = self.topology
         space.warn_once(space.advice(exc.needed, in_use, topo.local_size)
                         + f"; gradring now runs the intra-host phases on host "
@@ -152,31 +149,21 @@ class HostTransports:
 
 
 def connect(store: Any, rank: int, world_size: int, timeout: float,
-            flat: Transport) -> tuple[HostTransports | None, str]:
-    """Learn the topology and connect each host's shared memory; collective.
-
-    Returns ``(transports, "")`` when the group spans several hosts with the
-    same number (> 1) of ranks each and every host's shared memory connected,
-    else ``(None, reason)``. Every rank reaches the same verdict: the last
-    round agrees on the shm outcome of all hosts.
-    """
+            flat: Transport) -> HostTransports | None:
+    """Learn the topology and connect each host's shared memory; collective. The
+    transports when the group spans several hosts with the same number (> 1) of
+    ranks each and every host's shared memory connected, else None: every rank
+    reaches the same verdict (the last round agrees on all hosts' shm outcome)."""
     topo, prefix = exchange(store, rank, world_size, timeout)
-    if topo.num_hosts == 1:
-        return None, "all ranks are on one host"
-    if not topo.uniform:
-        return None, (f"hosts have different numbers of ranks "
-                      f"({[len(h) for h in topo.hosts]}): {topo.describe()}")
-    if topo.local_size == 1:
-        return None, f"one rank per host: {topo.describe()}"
+    if topo.num_hosts == 1 or not topo.uniform or topo.local_size == 1:
+        return None
     host_store = dist.PrefixStore(f"{prefix}host{topo.host_index}/", store)
     local, why = rendezvous.connect(host_store, topo.local_rank, topo.local_size, timeout)
     store.set(f"{prefix}shm/{rank}", json.dumps(why if local is None else ""))
     keys = [f"{prefix}shm/{p}" for p in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout))
-    verdicts = [json.loads(store.get(k)) for k in keys]
-    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
-    if bad:
+    if any(json.loads(store.get(k)) for k in keys):  # some host's shared memory failed
         if local is not None:
             local.close()
-        return None, "shared memory inside a host failed: " + "; ".join(bad)
-    return HostTransports(topo, local, flat), ""  # type: ignore[arg-type]
+        return None
+    return HostTransports(topo, local, flat)  # type: ignore[arg-type]
