@@ -183,15 +183,12 @@ def _done(async_op: bool, value: list[torch.Tensor],
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
                async_op: bool = False, *, label: str | None = None,
                on_done: OnDone | None = None) -> Work | None:
-    """Reduce ``tensor`` across ``group`` in place (SUM, AVG, MAX, MIN).
+    """Reduce ``tensor`` across ``group`` in place (SUM, AVG, MAX, MIN), as torch's.
 
-    With ``async_op=True`` returns a :class:`Work`; ``get_future()`` resolves
-    to ``[tensor]``. AVG on integer tensors truncates towards zero. CUDA
-    tensors use the process group's native all_reduce.
-
-    gradring's own arguments: ``label`` names the collective in errors, desync
-    checks and the flight recorder (else the enclosing ``comm.label``'s);
-    ``on_done(future)`` runs when it completes.
+    AVG on integers truncates towards zero; CUDA tensors use the process
+    group's. ``label`` names the collective in errors, desync checks and the
+    flight recorder (else the enclosing ``comm.label``'s); ``on_done(future)``
+    runs when it completes.
     """
     if not async_op:  # [Note: the small synchronous path] in runner.py
         ctx = GROUPS.get(group if group is not None else getattr(_WORLD, "_default_pg", None))
@@ -219,13 +216,12 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
 def all_reduce_external(flat: torch.Tensor, parts: ExternalParts, group: Any = None,
                         async_op: bool = True, *, label: str | None = None,
                         on_done: OnDone | None = None) -> Work | None:
-    """``parts.scale`` times the SUM of ``flat``, where some ranges of ``flat`` live in
-    other tensors, which hold their input and receive their result; see [Note:
-    external parts] in ``external.py``. The caller has put into ``flat`` everything
-    outside ``own_range(flat.numel(), rank, world_size)``; inside, external ranges
-    are read from their tensors. The future resolves to ``[flat]``; with
-    ``async_op=False`` it runs on the caller's thread and returns None. ``label``
-    and ``on_done`` as for :func:`all_reduce`.
+    """``parts.scale`` times the SUM of ``flat``, some of whose ranges live in other
+    tensors that hold their input and receive their result ([Note: external parts]
+    in ``external.py``); the caller has put into ``flat`` everything outside
+    ``own_range(flat.numel(), rank, world_size)``. The future resolves to ``[flat]``
+    (``async_op=False``: None, run on the caller's thread); ``label`` and
+    ``on_done`` as for :func:`all_reduce`.
     """
     ctx = context(group)
     if ctx is None:
@@ -354,13 +350,11 @@ def barrier(group: Any = None, async_op: bool = False,
 
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None,
           device: Any = None) -> torch.Tensor:
-    """An uninitialised tensor in the transport's own memory: collectives on it
-    (or on any contiguous view of it) skip the staging copy.
-
-    On one host this is a shared-memory segment peers read directly; elsewhere
-    (other hosts, CUDA, world size 1) it is an ordinary ``torch.empty``. The
-    first call on a group may connect the transport, which is collective: every
-    rank must make it.
+    """An uninitialised tensor in the transport's own memory: collectives on it (or
+    on any contiguous view of it) skip the staging copy. On one host a shared-memory
+    segment peers read directly, elsewhere (other hosts, CUDA, world size 1) an
+    ordinary ``torch.empty``. The first call on a group may connect the transport,
+    which is collective: every rank must make it.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dev = torch.device(device) if device is not None else torch.device("cpu")

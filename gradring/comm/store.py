@@ -268,13 +268,10 @@ def exchange_lists(comm: Any, tag: str, mine: list[int],
                    wait_s: float = 2.0) -> dict[int, list[int]]:
     """Publish ``mine`` under ``tag`` and collect what the other ranks published in time.
 
-    ``comm`` has ``group``, ``rank`` and ``world_size``. Used on error paths,
-    where ranks may disagree about which collective comes next, so the lists
-    travel through the store and not through a collective. Without a store
-    (none can be found) nothing is exchanged. After a collective of the group
-    failed here, peers are gone or stopped: take what is there and do not wait
-    (a rank that caught gradring's error and trains on gets its next error at
-    once, as with torch).
+    ``comm`` has ``group``, ``rank`` and ``world_size``. For error paths, where
+    ranks may disagree about the next collective, so the lists go through the
+    store (none found: nothing is exchanged). After a collective of the group
+    failed here the peers are gone or stopped: take what is there, do not wait.
     """
     if _group_failed(comm.group):
         wait_s = 0.0

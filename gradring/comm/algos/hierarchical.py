@@ -66,13 +66,8 @@ def _inter_all_reduce(t: Transport, shard: torch.Tensor, op: Op) -> None:
 
 def all_reduce(h: HostTransports, info: Collective, flat: torch.Tensor, op: Op) -> None:
     """Hierarchical all-reduce of ``flat`` in place; see [Note: hierarchical all-reduce].
-
-    ``h`` is a :class:`HostTransports`: ``local`` (direct transport over the
-    host's ranks: shm, or threads in the unit tests; None after the host ran out
-    of /dev/shm), ``intra`` (point-to-point among the host's ranks), ``inter``
-    (point-to-point among same-local-rank peers, one per host), ``world_size``
-    (all ranks).
-    """
+    ``h.local`` is the host's direct transport (None after its /dev/shm ran out),
+    ``h.intra`` the host's point-to-point, ``h.inter`` the same-local-rank peers'."""
     if h.local is not None:
         try:
             _all_reduce_shared(h, info, flat, op)

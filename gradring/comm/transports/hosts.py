@@ -60,14 +60,10 @@ class SubsetTransport:
 
 
 class HostTransports:
-    """The transports of a multi-host group: shm inside the host, p2p across.
-
-    It is itself a point-to-point transport over the whole group (delegating
-    to ``flat``), so ring, tree and broadcast still run on it unchanged.
-    ``finish`` and ``mark_failed`` pass to the host's shared memory, so the
-    runner's closing agreement covers the intra-host phases (see [Note: sticky
-    failures] in ``shm/verdict.py``).
-    """
+    """The transports of a multi-host group: shm inside the host, p2p across. It is
+    itself a point-to-point transport over the whole group (delegating to ``flat``),
+    so ring, tree and broadcast run on it unchanged; ``finish`` and ``mark_failed``
+    pass to the host's shared memory (the closing agreement, [Note: sticky failures])."""
 
     name = "shm+torch"
 

@@ -280,14 +280,10 @@ class SegmentBook:
             words[RETIRED_WORD] = self._retired_count & _MASK
 
     def _collect_retired(self, p: int) -> None:
-        """Unmap what rank ``p`` retired since we last looked.
-
-        The ring holds the last ``RETIRED_RING`` numbers only, and ``p`` may
-        overwrite slots while we read them (it can be one collective ahead). If
-        more were retired than the ring holds, the missed numbers are unknown:
-        then every mapping of ``p``'s ``comm.empty`` segments goes (live ones are
-        mapped again by name when next used), so nothing leaks however many
-        buckets are freed at once."""
+        """Unmap what rank ``p`` retired since we last looked. The ring holds the last
+        ``RETIRED_RING`` numbers, which ``p`` may overwrite as we read (it can be one
+        collective ahead); if more were retired, every mapping of ``p``'s
+        ``comm.empty`` segments goes (live ones are mapped again when next used)."""
         words = self._words[p]
         count = words[RETIRED_WORD]
         seen = self._peer_retired[p]

@@ -96,14 +96,11 @@ def _unavailable(reason: str) -> tuple[None, str]:
 def connect(store: Any, rank: int, world_size: int, timeout: float,
             check_missing: Callable[[list[int]], None] | None = None) -> tuple[
         ShmTransport | None, str]:
-    """Rendezvous through ``store`` (a store private to the group); collective.
-
-    Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
-    share a host (or a peer's announcement does not check out). At every
-    connect, segments left by dead processes are removed (see
-    [Note: a live job sweeps too] in ``segments.py``). ``check_missing(ranks)`` runs while it waits
-    for ranks that have not come yet, and may raise (one known to be gone).
-    """
+    """Rendezvous through ``store`` (private to the group); collective. ``(transport,
+    "")``, or ``(None, reason)`` when the ranks do not share a host (or a peer's entry
+    does not check out). Every connect sweeps dead processes' segments ([Note: a live
+    job sweeps too]); ``check_missing(ranks)`` may end the wait (a rank known gone).
+"""
     key = instance_prefix(store, "shm", world_size)  # one generation per group instance
     store.set(f"{key}info/{rank}", json.dumps(dict(host_identity(), pid=os.getpid())))
     infos = _gather(store, f"{key}info/", world_size, timeout, check_missing)
