@@ -5,9 +5,8 @@ World 2 on one host (two fresh processes over gloo's store). Each rank runs
 the parts of the path are wrapped with a timer, and the table gives each
 part's median per call over ``--rounds`` rounds, and the whole call's:
 
-- ``api + checks``: ``comm.all_reduce`` and ``SmallSync.all_reduce`` up to the
-  engine (group lookup, the eligibility checks);
-- ``engine enter/leave``: taking and releasing the group's engine;
+- ``api + checks``: ``comm.all_reduce`` and ``runner.small_all_reduce`` (group lookup,
+  the eligibility checks, the engine's ``run_now``), less the recorder entry;
 - ``recorder entry``: the sequence number and the flight-recorder entry;
 - ``transport.start``: the deadline, the verdict, the fingerprint, the status block;
 - ``copy in + descriptor``: the input into the inline slot, the descriptor;
@@ -76,9 +75,6 @@ def _rank_main(rank: int, nproc: int, store: str, calls: int, nrounds: int,
     if rank == 0:
         # Wrap the parts (instance attributes shadow the methods, so the path's own
         # calls go through the timers).
-        eng = ctx.engine
-        eng.try_enter = _timed(acc, "engine enter/leave", eng.try_enter)
-        eng.leave = _timed(acc, "engine enter/leave", eng.leave)
         rec = recorder.RECORDER
         rec.issue = _timed(acc, "recorder entry", rec.issue)
         t.start = _timed(acc, "transport.start", t.start)

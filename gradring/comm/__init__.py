@@ -18,38 +18,8 @@ The contract the rest of gradring relies on:
 - ``shutdown()`` tears everything down (threads, shared memory); later calls
   start afresh.
 
-How it is built (details in docs/collectives.md), module by module:
-
-- ``api``: the functions above, issuing each collective; ``external``: the
-  all-reduce with external parts (``ExternalParts``, ``own_range``);
-  ``small_sync``: synchronous small all-reduces on the caller's thread;
-- ``context``: per-group state; ``registry``: the groups that have some;
-  ``runner``: one collective, start to finish; ``engine``: the per-group
-  async thread; ``select``: thresholds, the choice of transport and
-  algorithm, and the ``GRADRING_ALGO`` / ``GRADRING_TRANSPORT`` overrides
-  (every ``GRADRING_*`` variable is parsed in ``gradring/config.py``);
-- ``ops``: reductions and chunking; ``transport``: the interfaces algorithms
-  are written against -- see [Note: algorithms versus transports] there;
-- ``algos/``: the registry (``algos/__init__``: name and kind -> algorithm)
-  and ``ring``, ``tree``, ``naive`` (point-to-point), ``direct``
-  (shared-memory reads), ``hierarchical`` (several hosts);
-- ``transports/``: ``group`` (a group's transports, made on first use),
-  ``torchdist`` (the process group's send/recv, across hosts), ``threaded``
-  (tests), ``topology`` (which ranks share a host), ``hosts`` (the multi-host
-  transports and their rendezvous);
-- ``transports/shm/``: the one-host transport -- ``transport``, ``memory``
-  (its data segments and the peers' it maps; an object the transport
-  owns), ``layout`` (every offset of the control segment), ``mailbox``,
-  ``status``, ``verdict`` (sticky failures and the group lock), ``segments``
-  (names, reservation, safe opening), ``space`` (a small /dev/shm: the
-  collective fallback), ``sigterm``, ``orphans`` (workers whose torchrun
-  agent died), ``futex``, ``rendezvous``;
-- reliability (docs/reliability.md): ``watchdog`` (deadlines of what cannot be
-  interrupted), ``board`` (the peers' markers), ``recorder`` (the flight
-  recorder, ``GRADRING_FLIGHT_RECORDER``; ``label("bucket 3")`` names the
-  collectives issued inside it), ``desync`` (fingerprints, ``GRADRING_CHECK``),
-  ``failures`` (recording a failure, completing its error);
-- ``store``: the group's private store and fresh key prefixes in it.
+How it is built: docs/collectives.md; every module, with what it holds:
+README.md's "What is where" (``tests/unit/test_readme.py`` keeps it complete).
 
 Nothing here imports the DDP side (``gradring.ddp``, ``gradring.reducer``, ...).
 CUDA tensors go to the process group's native collectives.
@@ -101,8 +71,9 @@ def shutdown(group: Any = None) -> None:
     """Tear down gradring's collectives for ``group``, or for every group when None.
 
     Stops engine threads (queued work finishes first), closes transports and
-    removes their shared-memory segments. Call before
-    ``torch.distributed.destroy_process_group``; it also runs at exit.
+    removes their shared-memory segments. Collectives issued later start afresh.
+    ``torch.distributed.destroy_process_group`` and the process's exit do this
+    themselves, so a program need not call it.
     """
     if group is None:
         _shutdown(all_groups=True)

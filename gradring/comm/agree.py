@@ -2,39 +2,20 @@
 
 [Note: agreed settings]
 ``GRADRING_TRANSPORT``, ``GRADRING_ALGO`` and ``GRADRING_CHECK`` decide what
-a rank does inside a collective: whose rendezvous it joins (shared memory or
-none), which algorithm's messages it sends, whether it sends a fingerprint
-ahead of the data or compares shapes. A rank whose value differs from its
-peers' used to wait in a rendezvous nobody else joined until the deadline
-(``DistStoreError ... gradring/shm/0/info/0``, "rank 1 posted nothing"), or
-to report a desync that was none ("[shape differ]" for identical shapes).
-
-So when a group's state is made -- its first gradring call, which every
-rank makes (a collective, or ``comm.empty``) -- each rank publishes these
-values in the group's store and reads everyone's: one store round per group
-instance (an atomic add, a set, a wait, W gets), never per collective. When
-they differ, every rank raises :class:`SettingsMismatch` naming the variable
-and each rank's value, and the group refuses later collectives (as after any
-failure) until ``comm.shutdown()``. Values are compared as parsed
-(``GRADRING_CHECK=yes`` equals ``1``; unset ``GRADRING_TRANSPORT`` differs
-from ``shm``: on a full /dev/shm the first falls back, the second raises).
-
-Each rank publishes its pid and host with its values. While a rank waits,
-a peer whose process it knows already (DDP's parameter verification gathers
-every rank's, see [Note: naming a peer behind a gloo error] in ``peers.py``)
-and that is gone from this host ends the wait at once, naming it and how it
-ended: torch's DDP notices the same death in gloo within a fraction of a
-second, where this wait used to last the group's whole timeout.
-
-The other knobs may differ per rank: ``GRADRING_TIMEOUT`` is each rank's own
-deadline, the flight recorder's folder and size and ``GRADRING_SHM_YIELD_US``
-only concern the rank itself, and ``GRADRING_FAST_PATHS``' fast paths
-travel with rank 0's bucket assignment (``reducer/rebuild.py``).
-
-The three are re-read per collective (benchmarks switch them between calls,
-see [Note: when the environment is read] in ``config.py``); the agreement
-covers their values when the group's state is made. Switching one later is
-the caller's to do alike on every rank.
+a rank does inside a collective (whose rendezvous it joins, which messages it
+sends, whether a fingerprint goes ahead of the data). A rank whose value
+differed used to wait in a rendezvous nobody else joined until the deadline,
+or to report a desync that was none. So when a group's state is made (its
+first gradring call, which every rank makes) each rank publishes these values
+in the group's store and reads everyone's: one store round per group instance,
+never per collective. When they differ every rank raises
+:class:`SettingsMismatch` and the group refuses later collectives until
+``comm.shutdown()``. Each rank publishes its pid and host too: a peer already
+known to be gone from this host ends the wait at once ([Note: naming a peer
+behind a gloo error] in ``peers.py``). The three are re-read per collective
+([Note: when the environment is read] in ``config.py``): switching one later is
+the caller's to do alike on every rank. docs/reliability.md ("Settings that
+must match across ranks") has the messages and why the others may differ.
 """
 
 from __future__ import annotations
@@ -101,10 +82,6 @@ def mismatches(values: list[Any]) -> list[str]:
                    for raw, rs in seen.values()]
             found.append(f"{var} differs across ranks: {', '.join(has)}")
     return found
-
-
-#: Longest pause between two looks at the store while a peer's liveness can be checked.
-_POLL_MAX_S = 0.2
 
 
 def _wait_alive(store: Any, keys: list[str], timeout: float, group: str, rank: int) -> None:

@@ -1,37 +1,22 @@
 """The functional API, mirroring ``torch.distributed``'s signatures and semantics.
 
-CPU tensors run on gradring's own algorithms and transports (see the package
-docstring); CUDA tensors, reductions gradring does not implement (e.g.
-``PRODUCT``, bitwise ops), dtypes it does not reduce (e.g. complex) and
-``GRADRING_ALGO=native`` go to the process group's native collective, with
-torch's own return values.
-
-``src`` of :func:`broadcast` is a *global* rank, like torch's; ``group_src``
-gives a group rank instead. A rank outside ``group`` gets ``None`` back and
-nothing happens, as in torch.
+CUDA tensors, reductions and dtypes gradring does not do itself (``PRODUCT``,
+complex) and ``GRADRING_ALGO=native`` go to the process group's native
+collective, with torch's own return values. ``src`` of :func:`broadcast` is a
+*global* rank, like torch's (``group_src``: a group rank). A rank outside
+``group`` gets ``None`` back and nothing happens, as in torch.
 
 [Note: arguments are checked before the collective is issued]
 Each function takes what ``torch.distributed``'s takes on gloo and refuses what
-it refuses, with the same exception type:
-
-- a non-tensor: ``TypeError`` with torch's words ("Expected parameter `tensor`
-  of type torch.Tensor"), raised before anything else;
-- a tensor that requires grad (an ``nn.Parameter``, as in ``for p in
-  model.parameters(): dist.broadcast(p, 0)``, or any non-leaf): gloo writes
-  its bytes without autograd knowing, and so does gradring, through
-  ``tensor.data`` (no version bump, no graph; the future still resolves to the
-  caller's own tensor);
-- a sparse (or any non-strided) tensor goes to the process group, which sums
-  sparse COO tensors (coalesced, in place) and refuses the rest as torch does.
-
-All of it is decided on this rank from the arguments alone, before the
-collective is numbered, so a call refused for its arguments is refused on
-every rank that makes it and no byte moves. A process-group call that raises
-at once (torch's own checks, e.g. a sparse broadcast) is not a failure of the
-group either: it fails that call only, as with torch, and the group goes on.
-The checks are a few attribute reads; the 8-byte all-reduce path
-(``small_sync.py``) pays one (``requires_grad``) and leaves the others to the
-general path.
+it refuses, with the same exception type: a non-tensor is torch's
+``TypeError``, before anything else; a tensor that requires grad (an
+``nn.Parameter``) is written through ``tensor.data``, as gloo writes it
+without autograd knowing; a sparse (non-strided) tensor goes to the process
+group. All of it is decided from the arguments alone, before the collective
+is numbered, so a refused call is refused on every rank that makes it and no
+byte moves; a process-group call that raises at once fails that call only,
+not the group. The 8-byte path (``runner.small_all_reduce``) pays one check
+(``requires_grad``) and leaves the others to the general path.
 """
 
 from __future__ import annotations
@@ -51,11 +36,9 @@ from gradring.comm.engine import Job, Work
 from gradring.comm.external import ExternalParts, finish_out, own_range, stage_in
 from gradring.comm.recorder import RECORDER
 from gradring.comm.registry import GROUPS
-from gradring.comm.small_sync import SmallSync
 from gradring.comm.transport import Kind
 
 ReduceOp = dist.ReduceOp
-_default_group = dist.distributed_c10d._get_default_group
 #: torch's record of its default group; the small path reads ``_default_pg`` from it
 #: (None before init_process_group) instead of calling ``_get_default_group``, three
 #: Python calls. Where a torch lacks it, the small path is just not taken for group=None.
@@ -129,9 +112,7 @@ def _issue(ctx: GroupContext, kind: Kind, output: torch.Tensor, inp: torch.Tenso
     if on_done is not None:
         fut.add_done_callback(on_done)
     if ctx.connect_shm(env):  # shm: waits enforce deadlines and fail fast themselves
-        shm = ctx.transports.existing_shm()
-        if ctx.small is None or not ctx.small.serves(shm):
-            ctx.small = SmallSync(ctx, shm)
+        ctx.small = ctx.transports.existing_shm()
         if not async_op:
             ctx.engine.run_now(runner.run, ctx, c)
             return None
@@ -202,20 +183,17 @@ def _done(async_op: bool, value: list[torch.Tensor],
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
                async_op: bool = False, *, label: str | None = None,
                on_done: OnDone | None = None) -> Work | None:
-    """Reduce ``tensor`` across ``group`` in place (SUM, AVG, MAX, MIN).
+    """Reduce ``tensor`` across ``group`` in place (SUM, AVG, MAX, MIN), as torch's.
 
-    With ``async_op=True`` returns a :class:`Work`; ``get_future()`` resolves
-    to ``[tensor]``. AVG on integer tensors truncates towards zero. CUDA
-    tensors use the process group's native all_reduce.
-
-    gradring's own arguments: ``label`` names the collective in errors, desync
-    checks and the flight recorder (else the enclosing ``comm.label``'s);
-    ``on_done(future)`` runs when it completes.
+    AVG on integers truncates towards zero; CUDA tensors use the process
+    group's. ``label`` names the collective in errors, desync checks and the
+    flight recorder (else the enclosing ``comm.label``'s); ``on_done(future)``
+    runs when it completes.
     """
-    if not async_op:  # [Note: the small synchronous path] in small_sync.py
+    if not async_op:  # [Note: the small synchronous path] in runner.py
         ctx = GROUPS.get(group if group is not None else getattr(_WORLD, "_default_pg", None))
         if ctx is not None and ctx.small is not None \
-                and ctx.small.all_reduce(tensor, op, label):  # type: ignore[attr-defined]
+                and runner.small_all_reduce(ctx, tensor, op, label):  # type: ignore[arg-type]
             if on_done is not None:
                 engine.completed([tensor]).get_future().add_done_callback(on_done)
             return None
@@ -238,13 +216,12 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
 def all_reduce_external(flat: torch.Tensor, parts: ExternalParts, group: Any = None,
                         async_op: bool = True, *, label: str | None = None,
                         on_done: OnDone | None = None) -> Work | None:
-    """``parts.scale`` times the SUM of ``flat``, where some ranges of ``flat`` live in
-    other tensors, which hold their input and receive their result; see [Note:
-    external parts] in ``external.py``. The caller has put into ``flat`` everything
-    outside ``own_range(flat.numel(), rank, world_size)``; inside, external ranges
-    are read from their tensors. The future resolves to ``[flat]``; with
-    ``async_op=False`` it runs on the caller's thread and returns None. ``label``
-    and ``on_done`` as for :func:`all_reduce`.
+    """``parts.scale`` times the SUM of ``flat``, some of whose ranges live in other
+    tensors that hold their input and receive their result ([Note: external parts]
+    in ``external.py``); the caller has put into ``flat`` everything outside
+    ``own_range(flat.numel(), rank, world_size)``. The future resolves to ``[flat]``
+    (``async_op=False``: None, run on the caller's thread); ``label`` and
+    ``on_done`` as for :func:`all_reduce`.
     """
     ctx = context(group)
     if ctx is None:
@@ -373,13 +350,11 @@ def barrier(group: Any = None, async_op: bool = False,
 
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32, group: Any = None,
           device: Any = None) -> torch.Tensor:
-    """An uninitialised tensor in the transport's own memory: collectives on it
-    (or on any contiguous view of it) skip the staging copy.
-
-    On one host this is a shared-memory segment peers read directly; elsewhere
-    (other hosts, CUDA, world size 1) it is an ordinary ``torch.empty``. The
-    first call on a group may connect the transport, which is collective: every
-    rank must make it.
+    """An uninitialised tensor in the transport's own memory: collectives on it (or
+    on any contiguous view of it) skip the staging copy. On one host a shared-memory
+    segment peers read directly, elsewhere (other hosts, CUDA, world size 1) an
+    ordinary ``torch.empty``. The first call on a group may connect the transport,
+    which is collective: every rank must make it.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dev = torch.device(device) if device is not None else torch.device("cpu")

@@ -2,38 +2,31 @@
 
 [Note: the peer board]
 Point-to-point waits cannot tell *who* is missing: in a ring every rank waits
-for its left neighbour, stuck or not. Ranks that have been blocked for
-``BOARD_AFTER_S`` post "waiting in #k" under ``gradring/board/<gen>/<rank>`` in
-the group's store; a rank whose collective failed posts "failed in #k" (with
-the reason) and a rank that shuts gradring down (``comm.shutdown()``, or at
-exit) posts "left after #k". Nothing is posted on the fast path. ``<gen>``
-comes from an atomic counter (``store.instance_prefix``), so a re-created
-group or a restarted job on the same store never reads stale markers. Each
-rank also posts its pid and host key (``topology.host_key``): a peer's pid
-says whether it still lives only when both share a host.
+for its left neighbour, stuck or not. So ranks blocked for ``BOARD_AFTER_S``
+post "waiting in #k" under ``gradring/board/<gen>/<rank>`` in the group's
+store, a rank whose collective failed posts "failed in #k" (and why), and one
+that shuts gradring down posts "left after #k" (or "left in #k", abandoned in
+flight). Nothing is posted on the fast path. ``<gen>`` (``store.instance_prefix``)
+keeps a re-created group or a restarted job from reading stale markers. Each
+rank also posts its pid and host key: a pid tells whether a peer lives only on
+a shared host.
 
 [Note: the store is not trusted]
-Any local process that can reach the job's store (a TCPStore port, a
-FileStore file) can write any key. Everything read back is therefore checked
-against what :meth:`PeerBoard.post` and :meth:`PeerBoard.attach` write --
-JSON of the right shape, field types and ranges (:func:`parse_status`,
-:func:`parse_identity`) -- before anything indexes it. A value that fails
-raises :class:`StoreValueError`, which names the key; the watchdog fails the
-collectives it watches with it (see watchdog.py), so a forged value ends the
-wait with an error instead of killing the thread that enforces the deadline.
+Any local process that reaches the job's store can write any key, so
+everything read back is checked against what :meth:`PeerBoard.post` and
+:meth:`PeerBoard.attach` write (:func:`parse_status`, :func:`parse_identity`)
+before anything indexes it; a value that fails raises
+:class:`StoreValueError`, naming the key, and the watchdog fails what it
+watches with it instead of dying (docs/reliability.md, "Other local users").
 
 [Note: heartbeats]
-"Posted nothing" does not tell a rank that is busy elsewhere from one that
-cannot reach the store: a cut-off host's ranks were once reported as "alive
-but not blocked". So every rank whose board is attached bumps a counter,
-``gradring/board/<gen>/hb/<rank>``, every ``HEARTBEAT_S`` from one thread per
-process (until it posts "left"), and a waiting rank reads its peers' counters
-with their statuses (at most once per ``HEARTBEAT_S``). A counter that has not
-moved for ``STALE_S`` seconds of this rank's own clock (no clocks are
-compared) makes the peer "unreachable"; one that moves makes it "alive". Every
-store call has a deadline and none is made under the board's lock (see
-[Note: store calls with a deadline] in ``store.py``): a rank cut off from the
-store reports "the store at HOST:PORT is unreachable" at its deadline.
+"Posted nothing" does not tell a busy rank from one that cannot reach the
+store. So every attached board bumps ``gradring/board/<gen>/hb/<rank>`` every
+``HEARTBEAT_S`` (one thread per process, until it posts "left"), and a waiting
+rank reads its peers' counters with their statuses. A counter still for
+``STALE_S`` of this rank's own clock (no clocks are compared) makes the peer
+"unreachable". Every store call has a deadline and none is made under the
+board's lock ([Note: store calls with a deadline] in ``store.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +57,8 @@ STALE_S = 5.0
 
 #: The states a rank posts (see :meth:`PeerBoard.post`).
 STATES = ("waiting", "failed", "left")
+#: The ``why`` of a "left" posted in collective ``seq``, which it abandoned in flight.
+ABANDONED = "abandoned"
 #: Longest value accepted from the store (``why`` is cut at 2,000 characters).
 MAX_VALUE_BYTES = 64 * 1024
 _MAX_INT = 2**63 - 1
@@ -414,7 +409,8 @@ def describe_status(rank: int, status: dict[str, Any] | None, seq: int = 0,
         return f"rank {rank} is waiting in {what}"
     if status["state"] == "left":
         skipped = f", so it skipped #{seq}" if status["seq"] < seq else ""
-        return f"rank {rank} (pid {status.get('pid')}) left gradring after {what}{skipped}"
+        how = f"in {what}, abandoning it" if status.get("why") == ABANDONED else f"after {what}"
+        return f"rank {rank} (pid {status.get('pid')}) left gradring {how}{skipped}"
     why = status.get("why", "")
     return f"rank {rank} failed in {what}: " + (why if len(why) <= 400 else why[:400] + "...")
 

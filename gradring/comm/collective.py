@@ -2,21 +2,12 @@
 
 [Note: one object per collective]
 A :class:`Collective` is made when the caller issues the call (``api.py``,
-``small_sync.py``) and is the one thing every later step reads and writes:
-
-- the flight recorder keeps it in its ring (``recorder.py``) and dumps it;
-- the engine runs it (``runner.run``), the transport names it in every
-  descriptor, status block and error (``transport.start(collective)``), and
-  the algorithms get it as ``Call.info`` beside the flat views they work on;
-- the watchdog, the peer board and the failure path describe it, fingerprint
-  it and mark it failed (``failures.py``, ``watchdog.py``).
-
-It holds what the collective is (group, sequence number, kind, bytes, dtype,
-shape, the caller's label), what it runs on (the caller's tensors, the
-reduction, the broadcast root, external parts, the overrides in force at
-issue), and how it went (algorithm, times, state, error). The tensors are
-dropped when it ends: the recorder keeps the last few hundred collectives
-and must not keep their tensors alive.
+``runner.small_all_reduce``) and is the one thing every later step reads and
+writes: the flight recorder keeps it, the engine runs it, the transport names
+it in every descriptor, status block and error, the algorithms get it as
+``Call.info``, the watchdog and the failure path describe and fail it. It
+holds what the collective is, what it runs on and how it went; its tensors
+are dropped when it ends, since the recorder keeps hundreds of collectives.
 """
 
 from __future__ import annotations

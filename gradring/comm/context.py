@@ -1,19 +1,11 @@
 """Per-process-group state, kept in the registry of groups (``registry.py``).
 
-A :class:`GroupContext` is created on a group's first gradring call and lives
-until ``comm.shutdown()`` (or exit). It holds what the group's collectives
-share -- sequence numbers, the engine thread, the deadline -- and owns the
-pieces that do the work:
-
-- the settings every rank must share (``agree.py``), compared when the
-  context is made;
-- ``transports`` (``transports/group.py``): made on first use (a rendezvous
-  through the group's store, so the first gradring call on a group -- a
-  collective or ``comm.empty`` -- must be made by every rank), held, closed;
-- ``select.pick_transport`` / ``select.choose``: which of them, which algorithm;
-- ``runner.run``: one collective, start to finish;
-- ``failures`` (``failures.py``): recording failures and completing their errors;
-- ``board`` (``board.py``) and the watchdog thread (``watchdog.py``).
+A :class:`GroupContext` is made on a group's first gradring call (a collective
+or ``comm.empty``, which every rank must make: the settings agreement and the
+transports' rendezvous go through the group's store) and lives until
+``comm.shutdown()``, ``destroy_process_group`` or exit. It holds what the
+group's collectives share (sequence numbers, engine, deadline) and owns their
+transports, failures, board and watches.
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ import torch.distributed as dist
 
 from gradring import config
 from gradring.comm import agree, engine, leaving, peers, root_cause, select, threads
-from gradring.comm.board import HEARTBEAT, PeerBoard
+from gradring.comm.board import ABANDONED, HEARTBEAT, PeerBoard
 from gradring.comm.failures import Failures
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.registry import GROUPS
@@ -85,11 +77,12 @@ class GroupContext:
         # Failure state (failed here; unusable after a watchdog verdict) and errors.
         self.failures = Failures(self.board, self.rank, self.world_size, self.name)
         self.failures.progress = self.peer_progress
-        # Synchronous small all-reduces on the caller's thread, once shm is connected
-        # (see [Note: the small synchronous path] in ``small_sync.py``).
-        self.small: Any = None  # a SmallSync, set by api._issue
-        # Last sequence number this rank issued and completed (the board's "left after").
-        self.last_seq = 0
+        # The shm transport small synchronous all-reduces run on, once connected
+        # (see [Note: the small synchronous path] in ``runner.py``); set by api._issue.
+        self.small: Any = None
+        # The last sequence numbers this rank issued, and issued and completed (in
+        # issue order): the board's "left" post names either (see close()).
+        self.issued = self.last_seq = 0
         # Whether the ranks' settings were compared yet (see agree_settings).
         self._agreed = False
         self._agree_lock = threading.Lock()
@@ -131,7 +124,8 @@ class GroupContext:
         return self.failures.failed or self.failures.broken is not None
 
     def next_seq(self) -> int:
-        return next(self._seq)
+        self.issued = n = next(self._seq)
+        return n
 
     def connect_shm(self, env: select.Overrides) -> bool:
         """Connect the group's shm transport on the first call (collective: every rank
@@ -172,7 +166,10 @@ class GroupContext:
                 self.engine.join(2.0)
         WATCHDOG.cancel(self, reason)
         if not self.failures.failed:  # a failure stays on the board: peers must see why
-            self.board.post("left", self.last_seq, f"#{self.last_seq}")
+            # "left after #k", or "left in #k+1" when it abandons #k+1 (and any later):
+            # a peer waiting in #k+1 must stop, and not read that this rank skipped it.
+            k = self.last_seq + (self.issued > self.last_seq)
+            self.board.post("left", k, f"#{k}", ABANDONED if k > self.last_seq else "")
         self.board.stop()
         # Break the cycles through this context (its small path, its failures' progress
         # callback): once the registry lets go of it, it -- and the process group it
@@ -357,16 +354,12 @@ def _release_at_multiprocessing_exit() -> None:
     """In a ``multiprocessing`` child, run :func:`_release_all` at its exit too.
 
     [Note: multiprocessing children skip atexit]
-    A ``multiprocessing.Process`` started with ``fork`` (the default on Linux before
-    Python 3.14; torch's ``MultiProcessTestCase`` forks or spawns its ranks this way)
-    ends with ``os._exit`` once its target returns or raises ``SystemExit``: ``atexit``
-    handlers never run there, so its shm segments stayed in /dev/shm until the next
-    gradring process swept them. Such a child does run multiprocessing's own exit
-    finalizers (``multiprocessing.util.Finalize`` with an exit priority), which it
-    clears at start, so they are registered here, once per child, when its first
-    group context is made. A spawned child runs them too, just before atexit (which
-    then finds nothing left). The main process keeps atexit alone. ``os._exit`` called
-    directly, or SIGKILL, runs nothing: the sweep at the next connect remains.
+    A forked ``multiprocessing.Process`` (torch's ``MultiProcessTestCase`` ranks)
+    ends with ``os._exit``: ``atexit`` never runs there, so its segments stayed in
+    /dev/shm until the next sweep. It does run multiprocessing's exit finalizers
+    (``multiprocessing.util.Finalize``), cleared at its start, so one is
+    registered here, once per child, with its first group context (a spawned
+    child runs it too, before atexit, which then finds nothing left).
     """
     global _mp_exit_hooked
     if _mp_exit_hooked == os.getpid() or multiprocessing.parent_process() is None:

@@ -1,28 +1,17 @@
 """Are all ranks issuing the same collective? Fingerprints and the checks that use them.
 
 [Note: desync checks]
-Collectives pair up by issue order. If ranks disagree -- one all-reduces
-bucket 2 while another all-reduces bucket 3, or dtypes or sizes differ -- the
-bytes of one are combined with the bytes of the other: garbage, a hang, or
-(gloo) an abort of the whole process ("Received data size doesn't match").
-gradring compares a *fingerprint* of each collective before any data is
-combined:
-
-- always: sequence number, kind, byte size and dtype. shm compares every
-  peer's descriptor at the exchange barrier of the direct algorithms and the
-  sender's status before consuming a mailbox message (ring/tree on shm). The
-  torch transport tags every message with a hash of the fingerprint, so
-  mismatched messages never match; the watchdog then sees the ranks waiting
-  in the same collective with different fingerprints on the peer board and
-  raises (asynchronous calls; a synchronous one ends at its deadline).
-- ``GRADRING_CHECK=1``: the shape and the caller's label (e.g. the DDP
-  bucket) are compared too; the torch transport sends its fingerprint ahead
-  of the data and checks the peer's before consuming any; native
-  collectives (gloo's own, which checks nothing) first all-gather it.
-
-A mismatch raises :class:`DesyncError` on the ranks that see it, naming both
-sides; the ranks post their side to the peer board, so the message carries
-the peer's own description (shape, label) when it arrives in time.
+Collectives pair up by issue order; ranks that disagree (bucket 2 against
+bucket 3, other dtypes or sizes) would combine the wrong bytes: garbage, a
+hang, or gloo aborting the process. So a *fingerprint* of each collective is
+compared before any data is combined: always its sequence number, kind, bytes
+and dtype (shm: in every descriptor and mailbox status; the torch transport:
+as the message tag, and the watchdog compares the fingerprints waiting ranks
+post on the peer board); with ``GRADRING_CHECK=1`` its shape and label too
+(the torch transport sends it ahead of the data; native collectives first
+all-gather it). A mismatch raises :class:`DesyncError` naming both sides, with
+the peer's own words from the board when they arrive in time.
+docs/reliability.md ("Desync check") shows the message.
 """
 
 from __future__ import annotations

@@ -4,23 +4,14 @@
 Each process group gets one engine. ``async_op=True`` queues the collective
 and returns a :class:`Work` at once; the engine thread runs jobs strictly in
 issue order (so every rank pairs its collectives the same way) and completes
-each job's ``torch.futures.Future`` with ``set_result`` or ``set_exception``,
-so a failure always reaches ``wait()`` / the future, never dies in a thread.
-Future callbacks (``then``) run on the engine thread, as they run on the
-backend's thread in torch.
-
-A synchronous call runs on the caller's thread when the engine is idle (no
-thread hand-off: that is most of the latency of a small collective), and
-otherwise queues behind the pending jobs and waits.
-
-Engines of different groups are independent, so collectives of two groups
-cannot block each other. The thread starts with the first asynchronous job
-and blocks in the kernel while idle; collectives release the GIL while they
-wait (futex and numpy/torch kernels release it). It is a daemon with a
-``stop()`` (see [Note: gradring's threads] in ``threads.py``): stopped, it ends
-once the queued jobs ran, and the next queued job starts a new one; the group's
-end and the process's exit join it (see [Note: how a gradring process exits]
-in ``leaving.py``).
+each job's future with its result or exception, so a failure always reaches
+``wait()``, never dies in a thread; future callbacks run on that thread, as on
+the backend's thread in torch. A synchronous call (:meth:`Engine.run_now`)
+runs on the caller's thread when the engine is idle -- the thread hand-off is
+most of a small collective's latency -- and otherwise waits its turn. Engines
+of different groups are independent. The thread starts with the first queued
+job, is a ``GradringThread`` ([Note: gradring's threads]) and is joined at
+the group's end and at exit ([Note: how a gradring process exits]).
 """
 
 from __future__ import annotations
@@ -148,14 +139,18 @@ class Engine:
             self._work.notify()
 
     def run_now(self, run: Callable[..., None], *args: object) -> None:
-        """Run ``run(*args)`` on this thread after every job issued before it."""
+        """Run ``run(*args)`` on this thread after every job issued before it: the
+        synchronous calls' one entry, the small path's included (so the lock itself,
+        not its conditions, where nothing waits: this runs once per small call)."""
         if threading.current_thread() is self._thread:
             fut: torch.futures.Future = torch.futures.Future()
             self.submit(Job(lambda: run(*args), fut, []))
             self.help_until(fut)
             fut.wait()
             return
-        with self._idle:
+        lock = self._lock
+        lock.acquire()
+        try:
             while self._busy or self._queue:
                 self._idle_waiters += 1
                 try:
@@ -163,44 +158,24 @@ class Engine:
                 finally:
                     self._idle_waiters -= 1
             self._busy = True
+        finally:
+            lock.release()
         try:
             run(*args)
         finally:
-            with self._idle:
+            lock.acquire()
+            try:
                 self._busy = False
                 if self._idle_waiters:
                     self._idle.notify()
                 if self._queue:
                     self._work.notify()
+            finally:
+                lock.release()
 
-    def try_enter(self) -> bool:
-        """Take the engine for a call on this thread if nothing is queued or running
-        (then :meth:`leave` must follow); False otherwise, taking nothing."""
-        if self._busy or self._queue or threading.current_thread() is self._thread:
-            return False  # a racy peek: the check under the lock decides
-        # The lock itself, not the condition: this runs once per small call.
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._busy or self._queue:
-                return False
-            self._busy = True
-        finally:
-            lock.release()
-        return True
-
-    def leave(self) -> None:
-        """End a call taken with :meth:`try_enter`."""
-        lock = self._lock
-        lock.acquire()
-        try:
-            self._busy = False
-            if self._idle_waiters:
-                self._idle.notify()
-            if self._queue:
-                self._work.notify()
-        finally:
-            lock.release()
+    def busy(self) -> bool:
+        """Whether a job is queued or running (a racy peek: :meth:`run_now` decides)."""
+        return self._busy or bool(self._queue) or threading.current_thread() is self._thread
 
     def help_until(self, fut: torch.futures.Future) -> None:
         """On the engine thread itself (a callback waiting on a later job), run

@@ -1,40 +1,28 @@
 """External parts: an all-reduce whose flat buffer has parts that live in other tensors.
 
 [Note: external parts]
-A caller may keep some ranges of a flat buffer in tensors of its own: for
-each range, that tensor holds the input and must receive the result. DDP
-without ``gradient_as_bucket_view`` is the one user: a gradient stays in its
-``.grad`` while the flat bucket is what the peers read, and copying every
-gradient in and every result back out costs two full passes over the bucket,
-more than the two-shot reduction itself.
-
-A rank's own chunk of a two-shot all-reduce (``chunk_bounds(n, W)[rank]``,
-``own_range``) is read by nobody else: this rank reduces it and then writes
-the result into the peers' buffers. So:
-
-- before the collective, the caller copies into the flat buffer only the part
-  of each external tensor outside its own chunk; inside it, the input is read
-  straight from the external tensor;
-- the result lands in the external tensors, for the whole buffer: the own
-  chunk is reduced in place into them and written into every peer's flat
-  buffer; the peers write the other chunks into this rank's flat buffer,
-  from where the external parts are copied out.
-
-Ranges without an external tensor behave as in a plain all-reduce (input and
-result in the flat buffer). Every algorithm other than the direct two-shot
-gets the same result through :func:`stage_in` and :func:`finish_out` around a
-plain SUM.
-
-``scale`` weighs this rank's external inputs (DDP's 1/world size, which the
-caller also applies when it copies the rest in): each rank scales its own
-contribution, so ranks may use different factors (Join), and a 16-bit sum
-never sees unscaled values. Each chunk has one reducer, so every rank still
-ends with the same bits.
+A caller may keep some ranges of a flat buffer in tensors of its own, each
+holding the input and receiving the result. DDP without
+``gradient_as_bucket_view`` is the one user: a gradient stays in its ``.grad``
+while the flat bucket is what the peers read, and copying every gradient in
+and every result out costs two passes over the bucket, more than the two-shot
+itself. A rank's own chunk of a two-shot (``own_range``) is read by nobody
+else: this rank reduces it and writes the result into the peers' buffers. So
+the caller copies into the flat buffer only the parts of external tensors
+outside its own chunk; the own chunk is reduced in place into the external
+tensors (:func:`reduce_own`) and written into every peer's buffer, and the
+peers' chunks are copied out of this rank's flat buffer into them. Every
+other algorithm gets the same result through :func:`stage_in` and
+:func:`finish_out` around a plain SUM. ``scale`` weighs this rank's external
+inputs (DDP's 1/world size, which the caller applies when it copies the rest
+in): each rank scales its own contribution, so ranks may use different
+factors (Join) and a 16-bit sum never sees unscaled values.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -112,23 +100,29 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 def reduce_own(flat: torch.Tensor, peers: list[torch.Tensor], parts: ExternalParts,
                lo: int, hi: int) -> None:
     """The own chunk ``[lo, hi)`` of a SUM with external parts into those parts (or
-    ``flat`` where there is none) and into every peer's buffer in ``peers`` (their exposed
-    buffers, in a fixed order, which also hold their inputs for this chunk).
+    ``flat`` where there is none) and into every peer's buffer in ``peers`` (their
+    exposed buffers, in rank order, which hold their inputs for this chunk).
 
-    Sums go in place into the input just read (its lines are in cache) and are
-    then copied out: measured 2-8% faster than summing into a peer's buffer and
-    copying out; cutting spans into L2-sized blocks measured no better.
+    Sums go in place into the input just read (in cache), then are copied out:
+    2-8% faster than summing into a peer's buffer. The sum is the plain two-shot's
+    (own input first, then the peers in rank order, each step rounded) after the
+    own input is rounded to ``scale`` times itself: the bits of a bucket scaled in
+    and summed, the reducer's core, at any world size. Where ``scale`` is a power
+    of two the multiply is exact, so it fuses into the first add (one pass fewer).
     """
     scale = parts.scale
+    fused = math.frexp(scale)[0] == 0.5  # 1, 1/2, 1/4, ...: exact multiply
     for a, b, part in spans(parts, lo, hi):
         if part is None:
             part = flat[a:b]
             ops.reduce_into(part, [part] + [v[a:b] for v in peers], ops.SUM)
-        elif peers:
+        elif peers and fused:
             torch.add(peers[0][a:b], part, alpha=scale, out=part)
             for v in peers[1:]:
                 part.add_(v[a:b])
-        elif scale != 1.0:
-            part.mul_(scale)
+        else:
+            if scale != 1.0:
+                part.mul_(scale)
+            ops.reduce_into(part, [part] + [v[a:b] for v in peers], ops.SUM)
         for v in peers:
             ops.copy(v[a:b], part)

@@ -1,12 +1,9 @@
 """What a group does when one of its collectives fails: record it, tell the peers,
 and give the caller an error that says as much as the ranks know.
 
-Every failure goes through :meth:`Failures.record` (flight-recorder entry,
-"failed" marker on the peer board, recorder dump). The error the caller sees
-is the transport's or gloo's, completed with what the board says
-(:meth:`Failures.with_board`: peers that exited, failed or left, in their own
-words), or, for a desync, with what the other ranks say they issued
-(:meth:`Failures.desync`).
+Every failure goes through :meth:`Failures.record` (recorder entry, "failed" on
+the board, dump); the caller's error is completed with what the board says
+(:meth:`Failures.with_board`) or, for a desync, what the others issued.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gradring.comm import desync, exits
+from gradring.comm import desync, peers
 from gradring.comm.board import PeerBoard, describe_status
 from gradring.comm.recorder import RECORDER, Entry
 from gradring.comm.transport import CollectiveError
@@ -64,7 +61,7 @@ class Failures:
             time.sleep(0.05)
             dead = self.board.dead_peers()
         if dead:
-            err = type(err)(f"{err}; " + "; ".join(exits.exited(p, pid) for p, pid in dead))
+            err = type(err)(f"{err}; " + "; ".join(peers.exited(p, pid) for p, pid in dead))
         told = {p: s for p, s in self.board.read().items() if s["state"] in ("failed", "left")}
         cut_off = self.board.store_unreachable()
         if cut_off is not None:  # the peers' reports cannot be read

@@ -3,53 +3,28 @@ the interpreter finalizes.
 
 [Note: how a gradring process exits]
 CPython 3.11 ends a daemon thread that takes the GIL while the interpreter
-finalizes with ``pthread_exit``. Inside a C++ call made through pybind11 (a
-gloo wait, a store call, gloo's own worker freeing a tensor) that unwinds a
-``noexcept`` destructor: ``terminate called without an active exception``,
-SIGABRT, a core dump -- after the job may have printed a clear error. So
-nothing of gradring may be inside such a call when finalization begins:
+finalizes with ``pthread_exit``; inside a C++ call made through pybind11 (a
+gloo wait, a store call, gloo's worker freeing a tensor) that unwinds a
+``noexcept`` destructor: SIGABRT and a core dump, after the job may have
+printed a clear error. So nothing of gradring may be inside such a call when
+finalization begins:
 
-1. Every process that imported gradring runs :func:`begin` from
-   ``threading._register_atexit``: at the end of the main module (normal
-   return, an exception leaving it, ``sys.exit``), before daemon threads are
-   abandoned and before ``atexit``; in a ``multiprocessing`` child (fork or
-   spawn) from its ``_bootstrap``, before ``os._exit`` or the spawned child's
-   ``sys.exit``. It runs once per process.
-2. Work in flight is abandoned: queued collectives fail, shared-memory waits
-   give up (their peers see this rank's closed state, then its pid gone:
-   "rank N exited"), the watchdog fails what it watches, every group's
-   context posts "left" on its board and closes (``context.py``).
-3. Every gradring thread is stopped and joined, in order: the engines, the
-   watchdog, the heartbeat, orphan-watch, and last the store helpers (the
-   board posts above go through them). Each waits in short slices or in
-   waits its ``stop()`` wakes (see [Note: gradring's threads] in
-   ``threads.py``).
-4. The default process group, if the program did not destroy it, is
-   destroyed (``torch.distributed.destroy_process_group()``), so gloo's own
-   threads are joined now, not while the interpreter finalizes (gloo frees a
-   finished collective's tensors there and takes the GIL: torch alone dies of
-   SIGABRT that way). ``GRADRING_EXIT_DESTROY=0`` leaves it to the program.
-5. One wait cannot be woken: a gloo send or receive of the torch transport
-   (or a collective gloo runs itself, ``GRADRING_ALGO=native``) still in
-   flight. While one is, the interpreter must not finalize, and waiting for
-   it may take the whole deadline. So the process ends at the last step of
-   ``atexit`` (:func:`_last_word`, registered when gradring is imported)
-   with ``os._exit`` and the exit status the program chose (``sys.exit``'s
-   code, 1 after an uncaught exception, a ``multiprocessing`` child's own
-   code, else 0), after flushing its output and logging. Its peers get
-   gloo's closed connection and gradring's "rank N exited".
+1. :func:`begin` runs from ``threading._register_atexit`` (before daemon
+   threads are abandoned and before ``atexit``; in a ``multiprocessing``
+   child from its ``_bootstrap``), once per process;
+2. work in flight is abandoned and every group's context posts "left" and
+   closes (``context.py``);
+3. every gradring thread is stopped and joined, the store helpers last (the
+   posts above go through them; see [Note: gradring's threads]);
+4. the default process group, unless the program destroyed it, is destroyed
+   (gloo's threads joined now; ``GRADRING_EXIT_DESTROY=0`` leaves it);
+5. a gloo send or receive still in flight cannot be woken, and finalizing
+   beside it is the crash: the process ends at the last ``atexit`` step
+   (:func:`_last_word`) with ``os._exit`` and the status the program chose,
+   after flushing its output and logging.
 
-``torch.distributed.destroy_process_group()`` (patched when gradring is
-imported) first releases gradring's state of the groups it destroys --
-engine threads joined, store helpers stopped -- so nothing of gradring
-keeps a destroyed group, and with it gloo's threads, alive.
-
-A SIGTERM (torchrun stopping the survivors) ends the process by the signal
-after its handler (``transports/shm/sigterm.py``): no finalization runs.
-
-``GRADRING_DEBUG=exit`` prints one line on stderr for each gradring thread,
-group and pending collective still alive when the exit begins, and one for
-each thread still in a wait nothing can wake when it ends.
+docs/reliability.md ("How a gradring process exits") has the user's view:
+the patched ``destroy_process_group``, SIGTERM, ``GRADRING_DEBUG=exit``.
 """
 
 from __future__ import annotations

@@ -11,30 +11,18 @@ ranks' files and points at the first collective the ranks disagree on.
 the recorder, and -- with ``GRADRING_CHECK`` -- in the desync fingerprint).
 
 [Note: flight-recorder dumps in a folder other users can reach]
-The folder is typically a shared path such as ``/tmp/fr`` and ranks often run
-as root, so another local user may have created the folder, or planted
-symbolic links in it, before the job starts (issue 31: links named
-``rank0.json.<pid>.tmp`` once made a root job overwrite a root-only file).
-``FlightRecorder.dump`` therefore
-
-- reaches the folder one component at a time without following a link
-  that another user owns (``safe_files.open_folder``, see [Note: output files
-  in folders other users can reach] in gradring/safe_files.py) and does
-  everything else through the folder's descriptor, so the path cannot be
-  swapped under it afterwards;
-- accepts the folder only if it is owned by this process's user or by root,
-  and, if other users may write to it, only if it is sticky (then nobody else
-  can remove or rename the files it creates there);
-- creates the temporary file under a fresh random name with ``O_CREAT |
-  O_EXCL | O_NOFOLLOW``: it never opens anything that is already there;
-- renames that file onto ``rank<R>.json``. A rename replaces whatever has the
-  final name, a planted link included, and never follows it; nothing opens the
-  final name for writing.
-
-A folder that is refused, or where writing fails, does not lose the dump: it
-goes to a private folder the process creates (``mkdtemp``, mode 0700), and a
-``RuntimeWarning`` names the folder, why it was refused and where the dump
-went.
+The folder is typically shared (``/tmp/fr``) and ranks often run as root, so
+another local user may have made it, or planted links in it, first (issue 31:
+links named ``rank0.json.<pid>.tmp`` once made a root job overwrite a
+root-only file). ``FlightRecorder.dump`` therefore reaches the folder without
+following another user's link and works through its descriptor
+(``safe_files.open_folder``, [Note: output files in folders other users can
+reach] in gradring/safe_files.py); accepts it only if owned by this user or
+root, and sticky if others may write to it; creates a fresh temporary file
+with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and renames it onto ``rank<R>.json``
+(a rename never follows a planted link). A refused folder does not lose the
+dump: it goes to a private ``mkdtemp`` folder, and a ``RuntimeWarning`` says
+why and where.
 """
 
 from __future__ import annotations

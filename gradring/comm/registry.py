@@ -1,11 +1,7 @@
 """The registry of the process groups gradring has state for, below everything that
-keeps such state.
-
-``context.py`` makes one :class:`~gradring.comm.context.GroupContext` per group
-and keeps it here; ``store.py`` (lower down: the board, the topology exchange
-and the shm rendezvous build on it) only asks whether a group failed in this
-process. Neither needs the other: both need this module, which imports nothing
-of gradring.
+keeps such state: ``context.py`` keeps each group's context here, and
+``store.py`` (lower down) asks whether a group failed; it imports nothing of
+gradring, so neither needs the other.
 """
 
 from __future__ import annotations

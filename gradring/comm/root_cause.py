@@ -1,30 +1,18 @@
 """Which rank torchrun names as a failed job's root cause.
 
 [Note: torchrun's root cause]
-torchrun prints "Root Cause (first observed failure)": the failed worker with
-the smallest timestamp, in whole seconds, taken from the worker's error file
-(``TORCHELASTIC_ERROR_FILE``, written by torch's ``@record``) or, without one,
-from the moment the agent saw the worker exit. When one rank raises in its
-forward, gradring's peers learn of it within milliseconds (the failing rank's
-groups close at exit and say so) and exit while the failing rank is still
-tearing down, so in the same second torchrun can pick a survivor, and did in
-2 of 4 runs. torch's DDP never did: its peers wait for a timeout.
-
-So, at exit after an uncaught exception, each rank writes what it knows:
-
-- a rank whose exception is not a gradring collective failure is a root cause:
-  it writes its error file (torchrun's format) unless ``@record`` already did,
-  with its exception, its traceback and the time;
-- a rank whose exception is, or was caused by, a gradring collective failure
-  (a peer died, left, raised or desynchronised; ``CollectiveError`` and the
-  watchdog's error) is a consequence: its file's timestamp is set one second
-  after its own failure, and a file it writes itself says so.
-
-A consequence therefore never sorts before the rank that failed first. The
-handler runs before the groups close (it is registered again, and so runs
-first, whenever a group context is made), so a root cause's file is written
-before its peers can fail. Nothing happens without ``TORCHELASTIC_ERROR_FILE``
-or without an uncaught exception.
+torchrun names as "Root Cause" the failed worker with the smallest timestamp,
+in whole seconds, from its error file (``TORCHELASTIC_ERROR_FILE``, written by
+``@record``) or from when the agent saw it exit. gradring's peers learn of a
+rank's failure within milliseconds and exit while it is still tearing down,
+so torchrun picked a survivor in 2 of 4 runs (torch's DDP never: its peers
+wait for a timeout). So at exit after an uncaught exception a rank whose
+exception is not a gradring collective failure writes its error file (unless
+``@record`` did); one whose exception is, or was caused by, one
+(``CollectiveError``, the watchdog's error) sets its file's timestamp one
+second after its own failure. A consequence never sorts before the first
+failure. The handler is registered again (so runs first) whenever a group
+context is made, before the groups close at exit.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The engine thread (or the caller, for a synchronous call on shm) runs each
 :class:`~gradring.comm.collective.Collective` through :func:`run`, in issue
-order. Algorithms come from the
-registry (``algos/__init__.py``), the choice from ``select.py``, and failures
-go through the group's :class:`~gradring.comm.failures.Failures`.
+order; a small synchronous all-reduce through :func:`small_all_reduce`.
+Algorithms come from the registry (``algos/__init__.py``), the choice from
+``select.py``, and failures go through the group's :class:`~gradring.comm.failures.Failures`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradring.comm import algos, desync, select
+from gradring.comm import algos, desync, ops, select
 from gradring.comm.algos import direct
 from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
+from gradring.comm.recorder import RECORDER
 from gradring.comm.store import exchange_lists, group_store, instance_prefix
-from gradring.comm.transport import CollectiveError
+from gradring.comm.transport import CollectiveError, Kind
 from gradring.comm.transports.shm import space
 from gradring.comm.transports.shm.space import ShmExhausted
 
 if TYPE_CHECKING:
     from gradring.comm.context import GroupContext
+
+_DTYPES = frozenset(ops.REDUCE_DTYPES)
 
 
 def run(ctx: GroupContext, c: Collective) -> None:
@@ -93,12 +96,50 @@ def _run(ctx: GroupContext, c: Collective) -> None:
     ctx.last_seq = c.seq
 
 
+def small_all_reduce(ctx: GroupContext, tensor: torch.Tensor, op: Any,
+                     label: str | None) -> bool:
+    """Run a synchronous ``all_reduce(tensor, op)`` on the caller's thread and return
+    True, or return False having done nothing (the caller takes the general path).
+
+    [Note: the small synchronous path]
+    The most common collective is a synchronous all-reduce of a few bytes (a loss,
+    a metric): its cost is the path around it, the plan of ``api._issue`` and the
+    lookups and dispatch of :func:`run`. A call that needs none of that (CPU,
+    contiguous, at most ``select.INLINE_MAX_BYTES``, a reduction gradring does, no
+    ``requires_grad`` (see [Note: arguments are checked before the collective is
+    issued] in ``api.py``), no override, shm connected (``ctx.small``), the group
+    not failed, the engine idle) runs ``direct/inline``, what ``select.choose``
+    picks for it anyway, through the engine's one synchronous entry
+    (:meth:`Engine.run_now`): issue order, sequence number, recorder entry, desync
+    fingerprint, deadlines and failure handling (:func:`_failed`) are the general
+    path's, and so are the bits (``tests/jobs/test_small_sync.py`` runs both ways).
+    """
+    transport = ctx.small
+    try:  # no cost unless it raises (3.11's exceptions): the 8-byte floor
+        if tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in _DTYPES:
+            return False  # a Parameter, autograd's: written through .data (api.py)
+        # (a sparse tensor is not contiguous: the general path hands it to gloo)
+        nbytes = tensor.numel() * tensor.element_size()
+        if not 0 < nbytes <= select.INLINE_MAX_BYTES or not tensor.is_contiguous():
+            return False
+        mine = ops.BY_VALUE.get(op)
+    except (AttributeError, RuntimeError, TypeError):
+        return False  # not a tensor, a layout without strides, an unhashable op: api.py
+    env = select.overrides()
+    engine = ctx.engine
+    if mine is None or env.transport is not None or env.algo is not None \
+            or ctx.failures.broken is not None or not transport.usable() or engine.busy():
+        return False  # behind asynchronous work: it queues on the general path
+    entry = RECORDER.issue(ctx.name, ctx.next_seq(), Kind.ALL_REDUCE, nbytes,
+                           tensor.dtype, tensor.shape, label=label)
+    engine.run_now(run_small_all_reduce, ctx, entry, transport, tensor, mine)
+    return True
+
+
 def run_small_all_reduce(ctx: GroupContext, c: Collective, transport: Any,
                          tensor: torch.Tensor, op: Op) -> None:
-    """A small all-reduce of contiguous ``tensor`` (any shape: no flat view is made,
-    which would cost more than its sum) on ``transport`` (shm), run on
-    the caller's thread by ``small_sync.py``: what :func:`_run` does for it, without
-    the choosing (``direct/inline`` is what ``select.choose`` picks for it)."""
+    """What :func:`_run` does for a small all-reduce of contiguous ``tensor`` (any
+    shape: a flat view would cost more than its sum) on shm, without the choosing."""
     c.start("direct/inline over shm")
     try:
         transport.start(c)

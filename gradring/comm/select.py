@@ -1,35 +1,19 @@
 """Which transport and algorithm a collective uses: measured thresholds plus overrides.
 
-Environment overrides (read at every call, so a benchmark can switch; parsed and
-validated in ``gradring/config.py``):
+Overrides, read at every call (parsed in ``gradring/config.py``):
+``GRADRING_TRANSPORT=shm|torch`` forces the transport (``shm`` fails loudly
+off one host); ``GRADRING_ALGO=ring|tree|hierarchical|native`` the algorithm
+(``native``: the process group's own collective; ``ring``/``tree`` on several
+hosts run flat over the process group; ``hierarchical`` is the default there
+when every host has the same number > 1 of ranks).
 
-- ``GRADRING_TRANSPORT=shm|torch``: force the transport (``shm`` fails loudly
-  if the ranks do not share a host);
-- ``GRADRING_ALGO=ring|tree|hierarchical|native``: force the algorithm;
-  ``native`` hands the call to the process group's own collective (gloo);
-  ``ring``/``tree`` on a multi-host group run flat over the process group's
-  point-to-point; ``hierarchical`` only matters there (it is the default
-  when every host has the same number > 1 of ranks; elsewhere it means "the
-  default");
-- ``GRADRING_TIMEOUT=<seconds>``: overrides the process group's timeout (read
-  when the group's state is made, ``context.py``).
-
-Defaults (crossovers measured at world 2 and 4 on a 2-core VM, numbers in
-docs/collectives.md):
-
-- shm: all-reduce ``direct/inline`` up to ``INLINE_MAX_BYTES`` (the inputs
-  travel in the control segments: one barrier in all), ``direct/oneshot`` up
-  to ``oneshot_max_bytes(W)`` (one barrier plus the closing agreement; every
-  rank reads all W buffers, so the crossover shrinks as 1/W: 256 KiB at W=2,
-  128 KiB at W=4), ``direct/twoshot`` above (minimum memory traffic); every
-  other collective is ``direct``.
-- torch: all-reduce ``tree`` up to ``TREE_MAX_BYTES`` (2·log2 W hops instead
-  of 2(W-1)), ``ring`` above (bandwidth-optimal, pipelined); broadcast
-  ``tree`` (binomial); reduce-scatter and all-gather ``ring``.
-- shm+torch (several hosts, several ranks on each, see ``hierarchical.py``):
-  all-reduce ``hierarchical`` at every size (shared memory inside a host,
-  then one all-reduce per local rank across hosts, picked by the torch rule
-  above for the shard's size); everything else as on torch, flat.
+Defaults (crossovers in docs/collectives.md, "Thresholds"): on shm, all-reduce
+``direct/inline`` up to ``INLINE_MAX_BYTES``, ``direct/oneshot`` up to
+``oneshot_max_bytes(W)`` (every rank reads all W buffers, so it shrinks as
+1/W), ``direct/twoshot`` above, every other collective ``direct``; on torch,
+all-reduce ``tree`` up to ``TREE_MAX_BYTES``, ``ring`` above, broadcast
+``tree``, reduce-scatter and all-gather ``ring``; several hosts with several
+ranks each: all-reduce ``hierarchical`` at every size, the rest as on torch.
 """
 
 from __future__ import annotations

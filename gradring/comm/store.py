@@ -1,30 +1,22 @@
 """The store gradring keeps per process group, and fresh key prefixes inside it.
 
-Every side channel of gradring -- the shared-memory rendezvous, the topology
-exchange, the peer board, the diagnostics of DDP's error paths -- lives in
-one store private to the process group (:func:`group_store`). A group may be
-destroyed and re-created on the same store, and a restarted job may reuse
-it, so a connection never trusts keys it did not write: it first draws a
-*generation* from an atomic counter (:func:`instance_prefix`) and keeps its
-keys under ``gradring/<what>/<generation>/``. Every rank of the group draws
-once, in the same collective order, so all of them land on the same prefix.
+Every side channel (the shm rendezvous, the topology exchange, the peer board,
+DDP's error paths) lives in one store private to the group
+(:func:`group_store`). A group may be re-created on the same store and a
+restarted job may reuse it, so keys go under ``gradring/<what>/<generation>/``,
+the generation drawn from an atomic counter by every rank once, in the same
+collective order (:func:`instance_prefix`).
 
 [Note: store calls with a deadline]
-A TCPStore call to a host that cannot be reached (a link down, a partition)
-does not fail: it waits for the store's own timeout, and a call that timed
-out leaves the client waiting again at the next one. A watchdog thread
-blocked there enforces no deadline, and one that blocks holding a lock stops
-every thread that wants it: a cut-off host's ranks once hung for minutes
-that way. So every store call on the watchdog's and the error paths goes
-through a :class:`BoundedStore`: the call runs on the store's own helper
-thread, on a separate client connection (``store.clone()``, made there
-too), and the caller waits at most ``CALL_S`` seconds. A call that does not
-come back in time raises :class:`StoreUnreachable` ("the store at HOST:PORT
-is unreachable"), and so does every later call while it is still stuck: no
-call queues behind it. When the stuck call returns (the link is back) the
-store is usable again; after an error the connection is replaced. The
-collective paths that must wait for their peers (rendezvous, settings) keep
-their own, longer deadlines.
+A TCPStore call to an unreachable host waits for the store's own timeout, and
+again at the next call; a watchdog blocked there enforces no deadline, and one
+blocked holding a lock stops every thread that wants it (a cut-off host's
+ranks once hung for minutes). So every store call of the watchdog's and the
+error paths goes through a :class:`BoundedStore`: it runs on a helper thread,
+on its own client connection (``store.clone()``), and the caller waits at most
+``CALL_S`` seconds, then gets :class:`StoreUnreachable` -- at once, too, while
+that call is still stuck: nothing queues behind it. The collective paths that
+must wait for their peers keep their own, longer deadlines.
 """
 
 from __future__ import annotations
@@ -95,10 +87,7 @@ def who_is_missing(store: Any, keys: list[str]) -> str:
 def address(store: Any) -> str:
     """Where ``store`` lives, for messages: ``HOST:PORT`` of the TCPStore beneath any
     prefix stores, else the store's kind."""
-    seen = 0
-    while isinstance(store, dist.PrefixStore) and seen < 16:
-        store = store.underlying_store
-        seen += 1
+    store = _bottom(store)
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     if host is not None and port is not None:
         return f"{host}:{port}"
@@ -279,13 +268,10 @@ def exchange_lists(comm: Any, tag: str, mine: list[int],
                    wait_s: float = 2.0) -> dict[int, list[int]]:
     """Publish ``mine`` under ``tag`` and collect what the other ranks published in time.
 
-    ``comm`` has ``group``, ``rank`` and ``world_size``. Used on error paths,
-    where ranks may disagree about which collective comes next, so the lists
-    travel through the store and not through a collective. Without a store
-    (none can be found) nothing is exchanged. After a collective of the group
-    failed here, peers are gone or stopped: take what is there and do not wait
-    (a rank that caught gradring's error and trains on gets its next error at
-    once, as with torch).
+    ``comm`` has ``group``, ``rank`` and ``world_size``. For error paths, where
+    ranks may disagree about the next collective, so the lists go through the
+    store (none found: nothing is exchanged). After a collective of the group
+    failed here the peers are gone or stopped: take what is there, do not wait.
     """
     if _group_failed(comm.group):
         wait_s = 0.0

@@ -2,21 +2,14 @@
 
 [Note: gradring's threads]
 Every thread gradring starts is a :class:`GradringThread`: a daemon whose
-``stop()`` asks its loop to end, waits until the thread is dead, and returns.
-Its owner starts a new one at the next use (an engine at its next queued
-collective, the watchdog at its next watched one, the heartbeat at the next
-attached board, a store helper at its next call). Each loop blocks only in
-waits that ``stop()`` can cut short (a condition or an event, in slices), or
-in store calls whose client has a short timeout. Test suites that police
-threads (Lightning's ``thread_police_duuu_daaa_duuu_daaa`` fixture stops
-every new daemon thread with a callable ``stop()`` and then asserts it is
-dead) see no thread of gradring left behind.
-
-One wait cannot be cut short: a gloo send or receive of the torch transport
-(a timed-out gloo wait closes the connection, and nothing else wakes it). The
-thread marks such a wait with :func:`uninterruptible`, so the exit sequence
-(``comm/leaving.py``) knows a thread is there and that the interpreter must
-not finalize while it is.
+``stop()`` asks its loop to end and returns once the thread is dead; its owner
+starts a new one at the next use. Each loop blocks only in waits ``stop()``
+can cut short (a condition or an event, in slices) or in store calls whose
+client has a short timeout, so test suites that police threads (Lightning's
+``thread_police_duuu_daaa_duuu_daaa``) find none left behind. One wait cannot
+be cut short: a gloo send or receive of the torch transport. It is marked with
+:func:`uninterruptible`, so the exit sequence (``comm/leaving.py``) knows the
+interpreter must not finalize while a thread is there.
 """
 
 from __future__ import annotations

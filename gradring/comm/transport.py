@@ -6,9 +6,9 @@ move. Ring, tree and naive only use the point-to-point :class:`Transport`
 (``isend`` / ``irecv`` / ``wait_all``); every transport offers it. ``direct``
 is the shared-memory specialisation: it uses :class:`DirectTransport`, whose
 ranks can read each other's buffers once they have been *exposed* and
-*exchanged*; the shm and threaded transports offer it. So every algorithm
-runs on the threaded transport in unit tests, and ring/tree also run on shm
-and over torch.distributed.
+*exchanged*; the shm transport (and the tests' threaded one) offers it. So
+every algorithm runs on thread-ranks in unit tests (``tests/support/threaded.py``),
+and ring/tree also run on shm and over torch.distributed.
 
 [Note: requests progress in wait_all]
 ``isend``/``irecv`` only describe a transfer; a transport may move the bytes

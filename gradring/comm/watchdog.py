@@ -1,40 +1,23 @@
 """The watchdog thread: deadlines and fail-fast for collectives gradring cannot interrupt.
 
 [Note: how a stuck collective ends]
-Every collective gradring issues has a deadline: the process group's timeout
-(torch: 30 min for CPU backends, 10 min for NCCL), or ``GRADRING_TIMEOUT``
-seconds. Who enforces it depends on where the bytes move:
-
-- shm: the waiting thread itself sleeps in 50 ms futex slices and, each
-  slice, checks the deadline, whether peer pids live, and the peers' state
-  words in their control segments (a peer that shut gradring down or failed
-  says so there, see ``transports/shm/status.py``);
-- torch transport (gloo send/recv): ``wait_all`` waits in slices too and asks
-  the group's :class:`PeerBoard` whether a peer has failed or left;
-- native (``GRADRING_ALGO=native`` and the ops gradring hands to gloo): gloo's
-  own timeout is the process group's; the :class:`Watchdog` thread fails the
-  future gradring returned once *gradring's* deadline passes, or as soon as
-  the board shows a failed or departed peer.
-
-So a dead peer ends a collective within a slice or two (pid check on shm;
-gloo's own "connection closed" plus the board elsewhere), a peer that left
-early without Join ends it as soon as it exits or shuts gradring down, and a
-peer that is merely stuck ends it at the deadline. The error names the
-collective (sequence number, kind, bytes, dtype) and which ranks arrived and
-which did not; the DDP reducer adds the bucket and its parameters.
-
-The peer board is in ``board.py``, the flight recorder in ``recorder.py``.
+Every collective has a deadline (the process group's timeout, or
+``GRADRING_TIMEOUT``), enforced where the bytes move: on shm the waiting
+thread checks it, the peers' pids and their state words every 50 ms slice;
+the torch transport's ``wait_all`` waits in slices and asks the group's
+:class:`PeerBoard`; a native (gloo) collective cannot be interrupted, so the
+:class:`Watchdog` thread fails the future gradring returned at *gradring's*
+deadline, or as soon as the board shows a failed or departed peer. So a dead
+peer ends a collective within a slice or two, a peer that left as soon as it
+exits, and a stuck one at the deadline; the error names the collective and
+which ranks arrived (docs/reliability.md, "Timeouts", shows one).
 
 [Note: the watchdog thread never dies]
-The thread is the only deadline of native and torch-transport collectives:
-if it died, their waits would have none. So nothing it meets ends it. A
-check that raises -- a store value another process forged (``board.py``'s
-``StoreValueError``, see [Note: the store is not trusted]), a store that
-answers nonsense, a bug -- becomes the verdict on the collectives it was
-checking: they fail the way a timeout fails them (``on_fail`` with a
-``WatchdogError`` that carries the cause's type and text), and the thread
-goes on watching the rest. If even failing a collective raises, its future
-gets the error directly.
+The thread is the only deadline of native and torch-transport collectives,
+so nothing it meets ends it: a check that raises (a forged store value,
+``StoreValueError``, [Note: the store is not trusted]; a store answering
+nonsense; a bug) becomes the verdict on the collectives it was checking, which
+fail as a timeout fails them, and the thread watches on.
 """
 
 from __future__ import annotations
@@ -47,8 +30,9 @@ from typing import Any
 
 import torch
 
-from gradring.comm import desync, exits, threads
+from gradring.comm import desync, peers, threads
 from gradring.comm.board import (
+    ABANDONED,
     BOARD_AFTER_S,
     POLL_S,
     PeerBoard,
@@ -138,6 +122,8 @@ class Watchdog:
         if exc is None:
             if not final:
                 w.entry.finish()
+            if w.owner is not None:  # its group's last completed collective (the board's "left")
+                w.owner.last_seq = max(w.owner.last_seq, w.entry.seq)
             w.future.set_result(w.value)
         else:
             if not final:
@@ -164,7 +150,7 @@ class Watchdog:
                 return WatchdogError(f"{type(exc).__name__}: {exc}")
             dead, board = seen[id(w.board)]
             if dead:
-                return WatchdogError("; ".join(exits.exited(p, pid) for p, pid in dead))
+                return WatchdogError("; ".join(peers.exited(p, pid) for p, pid in dead))
             for p, status in sorted(board.items()):
                 if status["state"] == "waiting" and status["seq"] == e.seq \
                         and status.get("fp") not in (None, fp):
@@ -172,8 +158,9 @@ class Watchdog:
                     return WatchdogError(desync.message(w.rank, e.describe(), p,
                                                         status["what"], differ, e.group),
                                          "DesyncError")
-                if status["state"] == "failed" or (status["state"] == "left"
-                                                   and status["seq"] < e.seq):
+                left = status["state"] == "left" and (status["seq"] < e.seq or (
+                    status["seq"] == e.seq and status["why"] == ABANDONED))
+                if status["state"] == "failed" or left:
                     cut = w.board.cut_off({p})  # the failed peer's words may be cut short
                     return WatchdogError("; ".join([describe_status(p, status, e.seq), *cut]),
                                          status.get("error", ""))

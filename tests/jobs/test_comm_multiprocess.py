@@ -28,9 +28,12 @@ import torch.distributed as dist
 from gradring import comm
 from gradring.comm import context as comm_context
 from gradring.comm import select
-from gradring.comm.algos import naive
 from gradring.comm.ops import Op
 from gradring.comm.transports.shm import segments
+
+if __name__ == "__main__":  # run as a script by its own tests: import tests/ from the root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.support import comm_oracle  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,7 +82,7 @@ def _sweep(rank: int, world: int, transport: str, algo: str | None) -> list[str]
                 for name, op in OPS.items():
                     seq += 1
                     x = rank_data(rank, count, dtype, seq)
-                    want = naive.oracle_all_reduce(
+                    want = comm_oracle.oracle_all_reduce(
                         [rank_data(r, count, dtype, seq) for r in range(world)], Op(name))
                     if seq % 3 == 0:
                         comm.all_reduce(x, op=op, async_op=True).wait()
@@ -91,7 +94,7 @@ def _sweep(rank: int, world: int, transport: str, algo: str | None) -> list[str]
                 inp = rank_data(rank, world * count, dtype, 1)
                 out = torch.empty(count, dtype=dtype)
                 comm.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.MAX)
-                want = naive.oracle_reduce_scatter(
+                want = comm_oracle.oracle_reduce_scatter(
                     [rank_data(r, world * count, dtype, 1) for r in range(world)], Op("MAX"))
                 if not torch.equal(out, want[rank]):
                     bad.append(f"reduce_scatter {count} {dtype}")
@@ -129,7 +132,7 @@ def _large_messages(rank: int, world: int) -> list[str]:
             for n in (300_001, 1_000_003):
                 x = rank_data(rank, n, torch.float32)
                 comm.all_reduce(x)
-                want = naive.oracle_all_reduce([rank_data(r, n, torch.float32)
+                want = comm_oracle.oracle_all_reduce([rank_data(r, n, torch.float32)
                                                 for r in range(world)], Op("SUM"))
                 if not torch.equal(x, want):
                     bad.append(f"{transport}/{algo} {n}")
@@ -336,7 +339,7 @@ def _stress(rank: int, world: int, seed: int, steps: int) -> list[str]:
         if kind == "ar":
             x = make(count, dtype)
             x.copy_(rank_data(rank, count, dtype, step))
-            want = naive.oracle_all_reduce(
+            want = comm_oracle.oracle_all_reduce(
                 [rank_data(r, count, dtype, step) for r in range(world)], Op(name))
             w = comm.all_reduce(x, op=OPS[name], async_op=async_op)
         elif kind == "bc":
@@ -355,7 +358,7 @@ def _stress(rank: int, world: int, seed: int, steps: int) -> list[str]:
             inp = make(world * count, dtype)
             inp.copy_(rank_data(rank, world * count, dtype, step))
             x = torch.empty(count, dtype=dtype)
-            want = naive.oracle_reduce_scatter(
+            want = comm_oracle.oracle_reduce_scatter(
                 [rank_data(r, world * count, dtype, step) for r in range(world)], Op(name))[rank]
             w = comm.reduce_scatter_tensor(x, inp, op=OPS[name], async_op=async_op)
         pending.append((step, kind, x, want, w))

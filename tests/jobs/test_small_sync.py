@@ -1,5 +1,5 @@
 """The synchronous small all-reduce on the caller's thread ([Note: the small
-synchronous path] in gradring/comm/small_sync.py): when it runs, that it keeps
+synchronous path] in gradring/comm/runner.py): when it runs, that it keeps
 issue order behind asynchronous work, that its results are the general path's
 bits, and that its errors name the peer."""
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from gradring import comm
 from gradring.comm import context as comm_context
 from gradring.comm import runner, select
-from gradring.comm.algos import naive
 from gradring.comm.ops import Op
 from gradring.comm.recorder import RECORDER
+from tests.support import comm_oracle
 from tests.support.env import environ
 
 pytestmark = pytest.mark.timeout(180)
@@ -72,7 +72,7 @@ def _every_case(rank: int, world: int) -> dict[str, object]:
             for name, op in OPS.items():
                 for count in (1, 3, 1000, select.INLINE_MAX_BYTES // 8):
                     salt += 1
-                    want = naive.oracle_all_reduce(
+                    want = comm_oracle.oracle_all_reduce(
                         [_data(r, count, dtype, salt) for r in range(world)], Op(name))
                     small = _data(rank, count, dtype, salt)
                     _until_idle()  # the engine may still be ending the last async call
@@ -87,7 +87,7 @@ def _every_case(rank: int, world: int) -> dict[str, object]:
             for name in ("SUM", "AVG"):
                 salt += 1
                 count = math.prod(shape)
-                want = naive.oracle_all_reduce(
+                want = comm_oracle.oracle_all_reduce(
                     [_data(r, count, torch.float32, salt) for r in range(world)], Op(name))
                 small = _data(rank, count, torch.float32, salt).view(shape)
                 _until_idle()

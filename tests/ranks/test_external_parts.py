@@ -23,9 +23,9 @@ from gradring.comm import external
 from gradring.comm.collective import Collective
 from gradring.comm.ops import SUM
 from gradring.comm.transport import Kind
-from gradring.comm.transports.threaded import run_ranks
 from tests.support import oracle
 from tests.support.env import environ
+from tests.support.threaded import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

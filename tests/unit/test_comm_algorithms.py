@@ -15,11 +15,12 @@ import torch
 
 import gradring.comm.algos as algos
 from gradring.comm import ops
-from gradring.comm.algos import direct, naive, ring, tree
+from gradring.comm.algos import direct, ring, tree
 from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, Kind
-from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
+from tests.support import comm_oracle
+from tests.support.threaded import ThreadedWorld, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +87,7 @@ def test_all_reduce_grid(world: int, algo: str, zero_copy: bool) -> None:
     for count in COUNTS:
         for dtype in DTYPES:
             for op in OPS:
-                expected = naive.oracle_all_reduce(
+                expected = comm_oracle.oracle_all_reduce(
                     [rank_data(r, count, dtype) for r in range(world)], op)
                 for r in range(world):
                     got = results[r][k]
@@ -148,12 +149,12 @@ def test_other_collectives_grid(world: int, algo: str) -> None:
     for count in (0, 1, 5, 1000):
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
             for op in OPS:
-                parts = naive.oracle_reduce_scatter(
+                parts = comm_oracle.oracle_reduce_scatter(
                     [rank_data(r, world * count, dtype) for r in range(world)], op)
                 for r in range(world):
                     assert torch.equal(results[r][k], parts[r]), ("rs", algo, count, dtype, op)
                 k += 1
-            gathered = naive.oracle_all_gather(
+            gathered = comm_oracle.oracle_all_gather(
                 [rank_data(r, count, dtype, salt=1) for r in range(world)])
             for r in range(world):
                 assert torch.equal(results[r][k], gathered), ("ag", algo, count, dtype)
@@ -185,7 +186,7 @@ def test_in_place_variants() -> None:
         for w in (2, 3):
             res = run_ranks(w, body, algo)
             gathered = torch.cat([rank_data(r, 37, torch.float32) for r in range(w)])
-            total = naive.oracle_all_reduce(
+            total = comm_oracle.oracle_all_reduce(
                 [rank_data(r, w * 37, torch.float32) for r in range(w)], ops.SUM)
             for r in range(w):
                 assert torch.equal(res[r][0], gathered)
@@ -205,7 +206,7 @@ def test_random_floats_identical_on_every_rank() -> None:
     for algo in ("ring", "tree", "twoshot", "oneshot", "inline"):
         for w in (3, 4):
             res = run_ranks(w, body, algo)
-            expected = naive.oracle_all_reduce(
+            expected = comm_oracle.oracle_all_reduce(
                 [torch.randn(4099, generator=torch.Generator().manual_seed(r)) for r in range(w)],
                 ops.SUM)
             for r in range(w):
@@ -242,7 +243,7 @@ def test_fuzz_changing_sizes(world: int) -> None:
         dtype = rng.choice(DTYPES)
         op = rng.choice(OPS)
         salt = rng.randrange(1000)
-        expected = naive.oracle_all_reduce(
+        expected = comm_oracle.oracle_all_reduce(
             [rank_data(r, count, dtype, salt) for r in range(world)], op)
         for r in range(world):
             assert torch.equal(results[r][k], expected), (k, count, dtype, op)

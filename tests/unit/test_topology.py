@@ -18,14 +18,15 @@ import torch.distributed as dist
 
 from gradring import config
 from gradring.comm import ops, select
-from gradring.comm.algos import hierarchical, naive, ring
+from gradring.comm.algos import hierarchical, ring
 from gradring.comm.collective import Collective
 from gradring.comm.ops import Op
 from gradring.comm.transport import CollectiveError, Kind
 from gradring.comm.transports import topology
 from gradring.comm.transports.hosts import HostTransports, SubsetTransport
-from gradring.comm.transports.threaded import ThreadedWorld, run_ranks
 from gradring.comm.transports.topology import Topology
+from tests.support import comm_oracle
+from tests.support.threaded import ThreadedWorld, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,7 +183,7 @@ def test_hierarchical_matches_oracle(layout):
 
     results = sim.run(body)
     for k, (n, dt, op) in enumerate(cases):
-        want = naive.oracle_all_reduce([rank_data(r, n, dt) for r in range(w)], op)
+        want = comm_oracle.oracle_all_reduce([rank_data(r, n, dt) for r in range(w)], op)
         for r in range(w):
             assert torch.equal(results[r][k], want), (layout, n, dt, op, r)
 
@@ -212,7 +213,7 @@ def test_hierarchical_with_a_host_off_shared_memory_matches_oracle(layout, p2p):
 
     results = sim.run(body)
     for k, (n, dt, op) in enumerate(cases):
-        want = naive.oracle_all_reduce([rank_data(r, n, dt) for r in range(w)], op)
+        want = comm_oracle.oracle_all_reduce([rank_data(r, n, dt) for r in range(w)], op)
         for r in range(w):
             assert torch.equal(results[r][k], want), (layout, p2p, n, dt, op, r)
 

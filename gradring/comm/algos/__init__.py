@@ -1,18 +1,11 @@
 """gradring's collective algorithms, and the one table that names them.
 
-Every algorithm is reached through :data:`ALGORITHMS`, keyed by the
-algorithm's name (as ``select.choose`` and ``GRADRING_ALGO`` spell it) and the
-collective's :class:`~gradring.comm.transport.Kind`. Each entry has the same
-signature, ``(transport, call) -> None``: :class:`Call` carries everything a
-collective can need. The per-algorithm modules keep their natural signatures
-(``ring.all_reduce(t, flat, op)``); the table adapts them.
-
-- ``ring``: bandwidth-optimal ring all-reduce, reduce-scatter, all-gather;
-- ``tree``: double binary tree all-reduce, binomial broadcast, barrier;
-- ``naive``: everybody sends everything (the tests' reference);
-- ``direct/inline``, ``direct/oneshot``, ``direct/twoshot``, ``direct``: shared-memory reads
-  (``direct.py``), every collective;
-- ``hierarchical``: shared memory inside hosts, ring or tree across them.
+Every algorithm is reached through :data:`ALGORITHMS`, keyed by its name (as
+``select.choose`` and ``GRADRING_ALGO`` spell it) and the collective's
+:class:`~gradring.comm.transport.Kind`, with one signature,
+``(transport, call) -> None`` (:class:`Call` carries everything a collective
+can need); the table adapts the modules' natural signatures. The algorithms
+themselves: docs/collectives.md ("Algorithms").
 """
 
 from __future__ import annotations

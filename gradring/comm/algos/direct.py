@@ -1,40 +1,25 @@
-"""Collectives for transports whose ranks read each other's memory (shm, threads).
+"""Collectives for transports whose ranks read each other's memory (shm, the tests' threads).
 
 [Note: direct algorithms]
 Every rank *exposes* one buffer and *exchanges* descriptors (one barrier);
 afterwards it reads and writes peers' buffers in place. No bytes are sent: the
-only traffic is the memory traffic of the reduction itself, which is what
-bounds an intra-host all-reduce (docs/collectives.md has the figures).
+only traffic is the reduction's own memory traffic (docs/collectives.md).
 
-- ``all_reduce_twoshot`` (large messages) = reduce-scatter by direct reads +
-  all-gather by direct writes: rank ``r`` reduces chunk ``r`` of every rank's
-  buffer (own data first, in place) and writes the result into chunk ``r`` of
-  every peer's buffer -- the very bytes it just read there, which only the
-  reducer of that chunk touches. One barrier later every rank holds the whole
-  result. With buffers from ``comm.empty`` and W=2 each rank moves 2.5
-  buffer sizes (read 2 halves and write 1 to reduce, read and write 1 half to
-  pass it on).
-- ``all_reduce_oneshot`` (mid-sized messages) = one barrier (plus the closing
-  agreement below): every rank reduces the whole buffer from all ranks'
-  staging copies, in rank order so every rank computes identical bits.
-- ``all_reduce_inline`` (small messages): the one-shot with the inputs carried
-  in the exchange itself; one barrier in all (see [Note: inline exchange] in
-  ``transports/shm/transport.py``).
+- ``all_reduce_twoshot`` (large) = reduce-scatter by direct reads + all-gather
+  by direct writes: rank ``r`` reduces chunk ``r`` of every rank's buffer (own
+  data first, in place) and writes the result into chunk ``r`` of every peer's
+  buffer, the very bytes it just read, which only that chunk's reducer touches;
+- ``all_reduce_oneshot`` (mid-sized): every rank reduces the whole buffer from
+  all ranks' staging copies, in rank order, so all compute identical bits;
+- ``all_reduce_inline`` (small): the one-shot with the inputs carried in the
+  exchange itself ([Note: inline exchange] in ``transports/shm/transport.py``).
 
-Closing agreement: the shm transport ends every collective that did data work
-after its last barrier with one more barrier (``ShmTransport.finish``, called
-by the runner), so no rank returns success for a collective another rank
-failed; see [Note: sticky failures] in ``transports/shm/verdict.py``.
-
-Staged versus zero-copy: a user tensor is copied into one of two alternating
-staging buffers before the exchange; a tensor from ``comm.empty`` is exposed
-as is. For memory safety alone, staging buffers would need no barrier at the
-end (a rank reuses set ``k%2`` only after the barrier of collective ``k+1``)
-and zero-copy user memory would (peers read it after we may return); the
-closing agreement covers both. The algorithms below still end with a barrier
-where zero-copy memory was exposed, which then serves as that agreement. The
-two-shot's second barrier is its closing agreement: after it nobody touches
-another rank's buffer.
+The shm transport ends every collective that did data work after its last
+barrier with one more (``ShmTransport.finish``, the closing agreement: [Note:
+sticky failures]). A user tensor is staged (two alternating staging sets); a
+``comm.empty`` tensor is exposed as is, and peers read it after we may return,
+so the algorithms end with a barrier where zero-copy memory was exposed, which
+then serves as that agreement (the two-shot's second barrier is its own).
 """
 
 from __future__ import annotations
@@ -69,11 +54,9 @@ def all_reduce_twoshot(t: DirectTransport, info: Collective, flat: torch.Tensor,
     parts] in ``external.py``.
 
     [Note: whole chunks, not pipelined blocks]
-    Cutting chunks into blocks, with a signal per block so that peers copy a
-    block while it is still in the shared cache, measured 1.4-1.9x *slower*
-    here (4 and 25 MiB, world 2): reading lines another core has just dirtied
-    costs more than reading them back from DRAM. So each phase runs over the
-    whole chunk, with one barrier between them.
+    Blocks signalled one by one, so that peers copy a block while it is still in
+    the shared cache, measured 1.4-1.9x *slower* (4 and 25 MiB, world 2): reading
+    lines another core has just dirtied costs more than reading them from DRAM.
     """
     w, r = t.world_size, t.rank
     bounds = ops.chunk_bounds(flat.numel(), w)

@@ -1,55 +1,37 @@
 """Hierarchical all-reduce for groups spanning several hosts with several ranks each.
 
 [Note: hierarchical all-reduce]
-With H hosts of L ranks each, the bytes that cross the slow links are what
-matters. A flat ring over all W = H·L ranks crosses a host boundary in H of
-its W hops and runs 2(W-1) dependent steps; each host link carries
-2(W-1)/W of the buffer per direction. The hierarchical all-reduce:
-
-1. intra-host reduce-scatter over shared memory: local rank ``l`` reduces
-   chunk ``l`` (``ops.chunk_bounds(n, L)``) of all local ranks' buffers into
-   its exposed buffer (the first half of ``direct.all_reduce_twoshot``);
-2. inter-host all-reduce of that chunk among the ranks with local rank ``l``
-   on every host (ring, or tree for small chunks, as ``select`` decides) --
-   L such all-reduces run at once, one per local rank, over the process
-   group's point-to-point (``SubsetTransport`` in ``transports/hosts.py``);
-3. intra-host all-gather: a barrier, then every rank copies the other chunks
-   from their owners' exposed buffers (here the owners cannot write them into
-   the peers, as the two-shot does: their shard is only final after step 2).
-
-Each host link now carries 2(H-1)/H of the buffer (at W=4 as 2×2: 1.0
-against 1.5 for the flat ring) in 2(H-1) inter-host steps instead of 2(W-1).
-Every chunk has one reducer per host and the inter-host algorithm gives its
-participants identical bits, so all ranks end with identical bits. AVG sums
-everywhere and divides once, by W, after step 2.
-
-Errors from the shared-memory phases name *local* ranks; they are re-raised
-with the local-to-group rank map of the host appended.
+With H hosts of L ranks, the bytes on the slow links matter: a flat ring
+carries 2(W-1)/W of the buffer per host link in 2(W-1) dependent steps. Here:
+(1) an intra-host reduce-scatter over shared memory (local rank ``l`` reduces
+chunk ``l``, the first half of ``direct.all_reduce_twoshot``); (2) L
+inter-host all-reduces at once, of chunk ``l`` among the ranks with local rank
+``l`` (ring or tree, as ``select`` decides, over ``SubsetTransport`` in
+``transports/hosts.py``); (3) an intra-host all-gather: a barrier, then every
+rank copies the other chunks from their owners (who cannot write them into
+the peers, as the two-shot does: a shard is final only after step 2). A host
+link then carries 2(H-1)/H of the buffer in 2(H-1) steps. Every chunk has one
+reducer per host and the inter-host step gives identical bits, so all ranks
+do; AVG divides once, by W, after step 2. Errors of the shared-memory phases
+name local ranks, with the host's local-to-group map appended.
 
 [Note: hierarchical closing agreement]
-A flat shm collective ends with the closing agreement (``ShmTransport.finish``,
-see [Note: sticky failures]): no rank of the group returns success while
-another fails it. Here the algorithm drives the host's shared memory itself,
-so the same holds per host in three ways: (a) the intra-host all-gather ends
-with a barrier (the closing agreement: a rank that fails while copying fails
-it for its host peers); (b) the runner passes every failure of this rank --
-an exception in any phase, or the inter-host phase's own error -- to
-``HostTransports.mark_failed``, which fails the host's shared memory, so host
-peers waiting at the all-gather barrier stop at their next slice and name the
-cause instead of timing out; (c) ``finish`` passes to the shared memory.
-Across hosts, the link carries failures: a rank that fails or dies breaks
-its inter-host peers' send/recv (and its report is on the peer board).
+No rank may return success while another fails the collective ([Note: sticky
+failures]); here the algorithm drives the host's shared memory itself, so per
+host: the all-gather ends with a barrier (the closing agreement); the runner
+passes every failure of this rank to ``HostTransports.mark_failed``, which
+fails the host's shared memory, so host peers at that barrier stop and name
+the cause; and ``finish`` passes to the shared memory. Across hosts, a rank
+that fails or dies breaks its inter-host peers' send/recv (and posts on the
+peer board).
 
 [Note: a host without room in /dev/shm]
 If a host's /dev/shm cannot hold a staging buffer, all its ranks raise
-``ShmExhausted`` in the same collective (the start barrier's descriptor check).
-They drop that host's shared memory (``HostTransports.drop_local``, with the
-single /dev/shm warning) and run the collective again with the intra-host
-phases over the process group's point-to-point among the host's ranks: a
-ring reduce-scatter over the same chunks, then the same inter-host step, then
-a ring all-gather. Local rank ``l`` still owns chunk ``l`` and sends the same
-inter-host messages, so the other hosts (still on shared memory) run
-unchanged: every rank of the group keeps issuing the same collectives.
+``ShmExhausted`` in the same collective, drop the host's shared memory
+(``HostTransports.drop_local``) and run it again with the intra-host phases
+over the process group (ring reduce-scatter and all-gather over the same
+chunks). Local rank ``l`` still owns chunk ``l`` and sends the same inter-host
+messages, so the other hosts run unchanged.
 """
 
 from __future__ import annotations
@@ -84,13 +66,8 @@ def _inter_all_reduce(t: Transport, shard: torch.Tensor, op: Op) -> None:
 
 def all_reduce(h: HostTransports, info: Collective, flat: torch.Tensor, op: Op) -> None:
     """Hierarchical all-reduce of ``flat`` in place; see [Note: hierarchical all-reduce].
-
-    ``h`` is a :class:`HostTransports`: ``local`` (direct transport over the
-    host's ranks: shm, or threads in the unit tests; None after the host ran out
-    of /dev/shm), ``intra`` (point-to-point among the host's ranks), ``inter``
-    (point-to-point among same-local-rank peers, one per host), ``world_size``
-    (all ranks).
-    """
+    ``h.local`` is the host's direct transport (None after its /dev/shm ran out),
+    ``h.intra`` the host's point-to-point, ``h.inter`` the same-local-rank peers'."""
     if h.local is not None:
         try:
             _all_reduce_shared(h, info, flat, op)

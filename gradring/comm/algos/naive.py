@@ -1,12 +1,7 @@
-"""The naive collectives: the oracle the tests compare every other algorithm with.
+"""The naive all-reduce: everybody gets everything, then reduces in rank order.
 
-Two forms of the same idea, "everybody gets everything, then reduces in rank
-order":
-
-- functions over *all ranks' data at once* (``oracle_*``), used by tests as
-  closed-form expected values;
-- :func:`all_reduce`, the same thing over a point-to-point transport, which
-  is also a correctness reference for the transports themselves.
+A correctness reference for the transports (the tests' closed-form oracles over
+all ranks' data at once are ``tests/support/comm_oracle.py``).
 """
 
 from __future__ import annotations
@@ -16,25 +11,6 @@ import torch
 from gradring.comm import ops
 from gradring.comm.ops import Op
 from gradring.comm.transport import Transport
-
-
-def oracle_all_reduce(inputs: list[torch.Tensor], op: Op) -> torch.Tensor:
-    """``inputs[0] (op) inputs[1] (op) ...`` in rank order, then AVG's division."""
-    out = inputs[0].clone()
-    for x in inputs[1:]:
-        ops.combine(out, out, x, op)
-    ops.finish(out, op, len(inputs))
-    return out
-
-
-def oracle_reduce_scatter(inputs: list[torch.Tensor], op: Op) -> list[torch.Tensor]:
-    """Rank ``r`` gets chunk ``r`` of the reduction (input length = world × output length)."""
-    total = oracle_all_reduce(inputs, op)
-    return list(total.chunk(len(inputs))) if total.numel() else [total] * len(inputs)
-
-
-def oracle_all_gather(inputs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(inputs)
 
 
 def all_reduce(t: Transport, flat: torch.Tensor, op: Op) -> None:

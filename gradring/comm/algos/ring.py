@@ -1,20 +1,14 @@
-"""Ring collectives over any point-to-point transport (chapter §17.4, Gloo's allreduce_ring).
+"""Ring collectives over any point-to-point transport (Gloo's allreduce_ring).
 
-The ranks form a ring; rank ``r`` sends to its *right* neighbour ``r+1`` and
-receives from its *left* neighbour ``r-1``. The buffer is cut into ``W``
-chunks (:func:`ops.chunk_bounds`, sizes differ by at most one element).
-
-- reduce-scatter, ``W-1`` rounds: in round ``s`` rank ``r`` sends chunk
-  ``r-s-1`` and receives chunk ``r-s-2``, combining it with its own. After the
-  last round rank ``r`` holds chunk ``r`` fully reduced.
-- all-gather, ``W-1`` rounds: in round ``s`` rank ``r`` sends chunk ``r-s``
-  (complete) and receives chunk ``r-s-1`` in place.
-
-Each rank sends ``2(W-1)/W`` of the buffer in total: bandwidth-optimal. Every
-chunk is reduced by one chain of ranks and then copied, so all ranks end with
-identical bits. Within a round a chunk travels as several *pieces*, all posted
-before any is waited on, so the receiver reduces piece ``k`` while piece
-``k+1`` is still in flight (see [Note: requests progress in wait_all]).
+Rank ``r`` sends to ``r+1`` and receives from ``r-1``; the buffer is cut into
+``W`` chunks (:func:`ops.chunk_bounds`). Reduce-scatter: in round ``s`` rank
+``r`` sends chunk ``r-s-1`` and receives and combines chunk ``r-s-2``, so after
+``W-1`` rounds it holds chunk ``r`` reduced; all-gather: in round ``s`` it sends
+chunk ``r-s`` and receives chunk ``r-s-1`` in place. Each rank sends ``2(W-1)/W``
+of the buffer (bandwidth-optimal), and every chunk is reduced by one chain and
+then copied, so all ranks end with identical bits. A chunk travels as
+*pieces*, all posted before any is waited on, so piece ``k`` is reduced while
+``k+1`` is in flight ([Note: requests progress in wait_all]).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Tree collectives over any point-to-point transport: latency over bandwidth.
 
-All-reduce uses a *double binary tree* (as NCCL does): the buffer is split in
-two halves and each half is reduced up one balanced binary tree and broadcast
-back down it. The second tree is the first with every rank shifted by one
-position, so most ranks that are leaves in one tree are inner nodes in the
-other and the two halves keep different links busy. Latency is
-``2·ceil(log2 W)`` message hops against ring's ``2(W-1)``.
-
-Inner nodes receive their children's halves into temporaries and reduce them
-in a fixed order (own, left child, right child), so results do not depend on
-arrival order; the root finishes AVG before broadcasting, so every rank gets
-the root's bits.
-
-Both trees advance together without deadlock because every node handles
-tree 0 before tree 1 in each phase, and a tree's messages only wait on that
-tree's parent/children (see [Note: requests progress in wait_all]).
+All-reduce is a *double binary tree* (NCCL's, docs/collectives.md): each half
+of the buffer is reduced up and broadcast down its own balanced tree, the
+second shifted by one rank; ``2·ceil(log2 W)`` hops against ring's ``2(W-1)``.
+Inner nodes reduce in a fixed order (own, left, right), not arrival order, and
+the root finishes AVG before broadcasting, so every rank gets the root's bits.
+Every node handles tree 0 before tree 1 in each phase, and a tree's messages
+wait only on that tree's neighbours, so the two advance together without
+deadlock ([Note: requests progress in wait_all]).
 """
 
 from __future__ import annotations

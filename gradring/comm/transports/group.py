@@ -40,8 +40,6 @@ class GroupTransports:
         self._made: dict[str, Transport | None] = {}
         # Why shm is unavailable (for the error when it is forced).
         self.shm_reason = ""
-        # Why the multi-host transports are unavailable.
-        self.hosts_reason = ""
         # Serialises creation between the engine thread and callers of empty().
         self._lock = threading.Lock()
 
@@ -80,9 +78,8 @@ class GroupTransports:
         flat = self.torch()
         with self._lock:
             if "hosts" not in self._made:
-                t, why = hosts_mod.connect(group_store(self.group), self.rank,
-                                           self.world_size, self.timeout, flat)
-                self._made["hosts"], self.hosts_reason = t, why
+                self._made["hosts"] = hosts_mod.connect(
+                    group_store(self.group), self.rank, self.world_size, self.timeout, flat)
             return self._made["hosts"]  # type: ignore[return-value]
 
     def existing_hosts(self) -> HostTransports | None:

@@ -1,20 +1,12 @@
 """The transports of a group spanning several hosts, and how they connect.
 
-A multi-host group with several ranks on every host gets two transports:
-shared memory among the ranks of each host (``shm/``), and the process
-group's point-to-point across hosts (``torchdist.py``). :class:`HostTransports`
-holds both; :class:`SubsetTransport` addresses the same-local-rank peers on
-the other hosts through the group's point-to-point. The hierarchical
-all-reduce (``algos/hierarchical.py``) runs on them. :func:`connect` learns
-which ranks share a host (``topology.py``) and connects each host's shared
-memory.
-
-A host whose /dev/shm runs out inside a collective (every rank of that host
-raises ``ShmExhausted`` in the same collective, ``shm/space.py``) drops its
-shared memory (:meth:`HostTransports.drop_local`): its intra-host phases run
-over the process group's point-to-point among its own ranks from then on. The
-inter-host messages are the same either way, so the other hosts need not know
-and every rank still runs the same collectives.
+:class:`HostTransports` holds shared memory among each host's ranks
+(``shm/``) and the process group's point-to-point across hosts
+(``torchdist.py``); :class:`SubsetTransport` addresses the same-local-rank
+peers on the other hosts. The hierarchical all-reduce runs on them;
+:func:`connect` learns which ranks share a host (``topology.py``). A host whose
+/dev/shm runs out drops its shared memory (:meth:`HostTransports.drop_local`,
+[Note: a host without room in /dev/shm] in ``algos/hierarchical.py``).
 """
 
 from __future__ import annotations
@@ -68,14 +60,10 @@ class SubsetTransport:
 
 
 class HostTransports:
-    """The transports of a multi-host group: shm inside the host, p2p across.
-
-    It is itself a point-to-point transport over the whole group (delegating
-    to ``flat``), so ring, tree and broadcast still run on it unchanged.
-    ``finish`` and ``mark_failed`` pass to the host's shared memory, so the
-    runner's closing agreement covers the intra-host phases (see [Note: sticky
-    failures] in ``shm/verdict.py``).
-    """
+    """The transports of a multi-host group: shm inside the host, p2p across. It is
+    itself a point-to-point transport over the whole group (delegating to ``flat``),
+    so ring, tree and broadcast run on it unchanged; ``finish`` and ``mark_failed``
+    pass to the host's shared memory (the closing agreement, [Note: sticky failures])."""
 
     name = "shm+torch"
 
@@ -86,8 +74,6 @@ class HostTransports:
         # Shared memory among this host's ranks (local ranks 0..L-1); None once the
         # host's /dev/shm ran out (``drop_local``): then ``intra`` carries those phases.
         self.local = local
-        # Why ``local`` was dropped ("" while it is in use).
-        self.local_reason = ""
         # Point-to-point among this host's ranks (local rank = index), over ``flat``.
         self.intra = SubsetTransport(flat, topology.local_ranks)
         # Point-to-point over the whole group (the process group's send/recv).
@@ -127,7 +113,6 @@ class HostTransports:
         release = getattr(local, "release_for_fallback", None)
         if release is not None:
             release()
-        self.local_reason = str(exc)
         topo = self.topology
         space.warn_once(space.advice(exc.needed, in_use, topo.local_size)
                         + f"; gradring now runs the intra-host phases on host "
@@ -160,31 +145,21 @@ class HostTransports:
 
 
 def connect(store: Any, rank: int, world_size: int, timeout: float,
-            flat: Transport) -> tuple[HostTransports | None, str]:
-    """Learn the topology and connect each host's shared memory; collective.
-
-    Returns ``(transports, "")`` when the group spans several hosts with the
-    same number (> 1) of ranks each and every host's shared memory connected,
-    else ``(None, reason)``. Every rank reaches the same verdict: the last
-    round agrees on the shm outcome of all hosts.
-    """
+            flat: Transport) -> HostTransports | None:
+    """Learn the topology and connect each host's shared memory; collective. The
+    transports when the group spans several hosts with the same number (> 1) of
+    ranks each and every host's shared memory connected, else None: every rank
+    reaches the same verdict (the last round agrees on all hosts' shm outcome)."""
     topo, prefix = exchange(store, rank, world_size, timeout)
-    if topo.num_hosts == 1:
-        return None, "all ranks are on one host"
-    if not topo.uniform:
-        return None, (f"hosts have different numbers of ranks "
-                      f"({[len(h) for h in topo.hosts]}): {topo.describe()}")
-    if topo.local_size == 1:
-        return None, f"one rank per host: {topo.describe()}"
+    if topo.num_hosts == 1 or not topo.uniform or topo.local_size == 1:
+        return None
     host_store = dist.PrefixStore(f"{prefix}host{topo.host_index}/", store)
     local, why = rendezvous.connect(host_store, topo.local_rank, topo.local_size, timeout)
     store.set(f"{prefix}shm/{rank}", json.dumps(why if local is None else ""))
     keys = [f"{prefix}shm/{p}" for p in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout))
-    verdicts = [json.loads(store.get(k)) for k in keys]
-    bad = [f"rank {p}: {v}" for p, v in enumerate(verdicts) if v]
-    if bad:
+    if any(json.loads(store.get(k)) for k in keys):  # some host's shared memory failed
         if local is not None:
             local.close()
-        return None, "shared memory inside a host failed: " + "; ".join(bad)
-    return HostTransports(topo, local, flat), ""  # type: ignore[arg-type]
+        return None
+    return HostTransports(topo, local, flat)  # type: ignore[arg-type]

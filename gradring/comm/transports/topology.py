@@ -1,23 +1,16 @@
 """Which ranks of a group share a host: identities exchanged through the store.
 
 [Note: what "the same host" means]
-Two ranks are on the same host for gradring when shared memory between them
-works: same kernel (boot id), same hostname, same pid namespace (the shm
-transport tells a dead peer from a slow one by pid), and the same ``/dev/shm``
-(the ``st_dev`` of the tmpfs: a container, or ``unshare --mount`` with a
-fresh tmpfs, gets its own). The network namespace inode is part of the key
-too: two network namespaces are separate hosts as far as traffic is
-concerned, even when everything else matches, so a test harness built from
-namespaces really exercises the cross-host path. This one definition serves
-everyone who asks: the topology below, the shm rendezvous (which, within one
-host, still has the final word: ``shm/rendezvous.py`` maps every peer's
-control segment and checks a cookie) and the peer board (``board.py``: a pid
-check means something only on the same host).
-
-Grouping is a pure function over the identities (:func:`group_by_host`), so
-it is unit-tested without processes. Hosts are ordered by their smallest
-rank and ranks within a host ascending, so every rank computes the same
-:class:`Topology` from the same data.
+Two ranks share a host for gradring when shared memory between them works:
+same kernel (boot id), hostname, pid namespace (pids tell a dead peer from a
+slow one) and ``/dev/shm`` (its tmpfs ``st_dev``). The network namespace is
+part of the key too, so a test harness built from namespaces exercises the
+cross-host path. This one definition serves the topology below, the shm
+rendezvous (which still has the final word: it maps every peer's control
+segment) and the peer board (a pid check means something only on the same
+host). Grouping is a pure function (:func:`group_by_host`): hosts ordered by
+their smallest rank, ranks ascending, so every rank computes the same
+:class:`Topology`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """Point-to-point over a torch.distributed process group (ranks on different hosts).
 
 ``isend``/``irecv`` map to ``torch.distributed.isend``/``irecv`` on the group
-(gloo for CPU tensors); gloo moves the bytes on its own threads, so a ring
-round's pieces overlap with the reductions done in ``wait_all``. Only the
-point-to-point interface is offered: ring and tree run here, direct does not.
-
-Every message of a collective carries a tag derived from its fingerprint
-(sequence number, kind, bytes, dtype; see [Note: desync checks]): messages
-of two different collectives never match, so a dtype or size mismatch
-cannot combine wrong bytes, nor make gloo abort the process on a message
-longer than its receive. It costs nothing: posting a gloo message costs
-~0.2 ms here, so an extra fingerprint message would double a small
-collective. With ``GRADRING_CHECK=1`` the sender does send its fingerprint
-ahead of the first message to each peer, and the receiver compares it
-before it consumes any data: the error then names both sides at once.
-
-A blocked gloo wait cannot be interrupted (a timed-out wait closes the pair),
-so each wait runs to gradring's deadline, marked as a wait nothing can wake
-(``threads.uninterruptible``: a process that exits meanwhile does not finalize
-beside it, see [Note: how a gradring process exits] in ``leaving.py``);
-failing the caller's future early, when a peer died elsewhere or left, is
-the watchdog's job (``watchdog.py``).
-After a failure the transport refuses further work: unmatched messages may
-still sit in gloo. Each transport instance of a group uses its own message
-tag, so a new one (after ``comm.shutdown()``) never receives them.
+(gloo for CPU tensors, its threads moving the bytes while ``wait_all``
+reduces). Only the point-to-point interface is offered: ring and tree run
+here, direct does not. Every message is tagged from the collective's
+fingerprint ([Note: desync checks]), so messages of two collectives never
+match (nor make gloo abort on a message longer than its receive); with
+``GRADRING_CHECK=1`` the fingerprint also goes ahead of the first message to
+each peer. A gloo wait cannot be interrupted, so it runs to gradring's
+deadline as a wait nothing can wake (``threads.uninterruptible``, [Note: how
+a gradring process exits] in ``leaving.py``); failing the caller's future
+early is the watchdog's job. After a failure the transport refuses further
+work, and each instance uses its own tag, so a new one never receives what an
+old one left in gloo.
 """
 
 from __future__ import annotations

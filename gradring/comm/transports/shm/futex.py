@@ -1,21 +1,17 @@
 """Linux futexes on shared mappings, through ctypes (which releases the GIL).
 
 [Note: spin, then block]
-A waiter first spins briefly in Python (a few tens of µs: a peer that is
-running arrives in ~1 µs), yields while that costs nothing (see [Note: yield
-only while it is free] in ``transport.py``), then sleeps in ``FUTEX_WAIT``
-in short slices so that it can check deadlines and peer liveness. Pure
-spinning collapses when the peer has been descheduled; blocking in the
-kernel gives the core to it. A word several ranks bump (a doorbell) goes up
-with ``FUTEX_WAKE_OP`` (``*w += 1`` and wake all waiters, atomically, in one
-system call); a word only its owner writes (the barrier word) is stored and
-then woken with ``FUTEX_WAKE``. No wake-up is lost either way: a waiter
-passes the value it saw, and the kernel refuses to sleep if the word has
-moved since.
-
-Shared-memory ordering relies on x86-64 (TSO): plain stores become visible
-in program order, so "write data, then bump the word" needs no fence. The
-shm transport is therefore only selected on x86-64.
+A waiter spins briefly in Python (a running peer arrives in ~1 µs), yields
+while that costs nothing ([Note: yield only while it is free] in
+``transport.py``), then sleeps in ``FUTEX_WAIT`` in short slices, to check
+deadlines and peer liveness: pure spinning collapses when the peer is
+descheduled, and blocking gives it the core. A word several ranks bump (a
+doorbell) goes up with ``FUTEX_WAKE_OP`` (add and wake, atomically, in one
+call); a word only its owner writes is stored, then woken with ``FUTEX_WAKE``.
+No wake-up is lost: the kernel refuses to sleep if the word moved since the
+waiter saw it. Ordering relies on x86-64 (TSO: plain stores become visible in
+program order, so "write data, then bump the word" needs no fence), so the shm
+transport is only selected there.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Where everything lives in a rank's control segment: every offset, once.
 
-Each rank owns a *control segment* that every peer maps:
-
-====================  ===================================================
-offset                contents
-====================  ===================================================
-0                     header: magic, pid, rank, world size, cookie
-32                    the rank's naming key (see [Note: segment names and
-                      leaks] in ``segments.py``)
-64                    barrier word: number of barriers this rank reached
-128                   doorbell: bumped by peers whenever a mailbox moved
-192                   status: the collective in flight and this rank's state
-                      (``status.py``)
-256, 320              two descriptor slots (alternating per exchange)
-384                   verdict (read in rank 0's segment only): the first rank
-                      that failed a collective of the group, and which one
-                      (``verdict.py``)
-392                   lock holder (rank 0's segment only): which rank holds
-                      the group lock (``verdict.py``)
-448                   retired-segment ring (segments peers may unmap)
-640                   why this rank failed, in words (``verdict.py``)
-1024 + 192·d          towards rank d: mailbox sent, acked, lengths; highest
-                      segno of d's segments mapped here (see ``close``)
-after the channels    two inline data slots of ``INLINE_BYTES`` (alternating
-                      per exchange, like the descriptors): small all-reduces
-                      carry their input here (``ShmTransport.exchange_inline``)
-page-aligned          mailbox slots: ``SLOTS`` × ``SLOT_BYTES`` per peer
-====================  ===================================================
-
-Offsets are in bytes; ``*_WORD`` names are indices into the segment's 32-bit
-word view (what the hot loops and the futexes use).
+Each rank owns a *control segment* that every peer maps. Below, in the order
+they lie in it: the header and naming key ([Note: segment names and leaks] in
+``segments.py``), the barrier word and doorbell, the status block
+(``status.py``), two descriptor slots, the verdict and lock holder (rank 0's
+segment only) and the reason in words (``verdict.py``), the retired-segment
+ring, one mailbox channel per peer, two inline data slots
+(``ShmTransport.exchange_inline``) and, page-aligned, the mailbox slots; the
+asserts at the end keep them apart. Offsets are in bytes; ``*_WORD`` names are
+indices into the segment's 32-bit word view (the hot loops' and the futexes').
 """
 
 from __future__ import annotations

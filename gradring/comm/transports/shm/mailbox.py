@@ -1,18 +1,13 @@
 """Point-to-point mailboxes of the shared-memory transport (for ring and tree).
 
-Each rank's control segment (offsets in ``layout.py``) holds, per receiving
-rank ``d``, a channel header (words: sent, acked, length of slot k) and
-``SLOTS`` slots of ``SLOT_BYTES`` in the page-aligned area after the headers.
-A sender copies fragments into free slots and bumps *sent*; the receiver
-copies (or reduces) them out and bumps *acked*; both ring the other's
-doorbell. The direct algorithms (``direct.py``) do not use any of this: they
-read exposed buffers.
-
-:class:`Mailboxes` is owned by the transport. It reads and writes the control
-segments it is given, and asks its owner, through three callables, for what
-only the transport knows: whether a sender is in the same collective
-(``check_sender``), the error when a message is malformed (``fail``) and how
-to wait for a word to change (``block``, with deadlines and liveness checks).
+Per receiving rank ``d``, each control segment holds a channel header (sent,
+acked, slot lengths) and ``SLOTS`` slots of ``SLOT_BYTES`` (``layout.py``). A
+sender copies fragments into free slots and bumps *sent*; the receiver copies
+(or reduces) them out and bumps *acked*; both ring the other's doorbell.
+:class:`Mailboxes`, owned by the transport, asks it through three callables
+for what only it knows: whether a sender is in the same collective
+(``check_sender``), the error for a malformed message (``fail``) and how to
+wait for a word (``block``).
 """
 
 from __future__ import annotations

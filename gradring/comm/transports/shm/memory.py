@@ -1,13 +1,10 @@
 """The shm transport's data memory: its own segments and the peers' it maps.
 
-:class:`SegmentBook` is owned by :class:`~gradring.comm.transports.shm.transport.ShmTransport`
-(``transport.memory``): ``comm.empty`` segments, the two staging sets, the
-address index that makes a tensor zero-copy, and the peers' segments mapped
-lazily by number -- with the retired-segment announcements that tell a peer
-when it may unmap one (see [Note: segment names and leaks] in
-``segments.py``). The transport hands it the control segments' word views
-(the mapped and retired words live there) and two ways to fail the
-collective; the book hands back buffers, views and descriptor fields.
+:class:`SegmentBook`, owned by the transport (``transport.memory``), holds the
+``comm.empty`` segments, the two staging sets, the address index that makes a
+tensor zero-copy, and the peers' segments mapped lazily by number, with the
+retired-segment announcements that say when a peer may unmap one. The
+transport hands it the control segments' word views and two ways to fail.
 """
 
 from __future__ import annotations
@@ -283,14 +280,10 @@ class SegmentBook:
             words[RETIRED_WORD] = self._retired_count & _MASK
 
     def _collect_retired(self, p: int) -> None:
-        """Unmap what rank ``p`` retired since we last looked.
-
-        The ring holds the last ``RETIRED_RING`` numbers only, and ``p`` may
-        overwrite slots while we read them (it can be one collective ahead). If
-        more were retired than the ring holds, the missed numbers are unknown:
-        then every mapping of ``p``'s ``comm.empty`` segments goes (live ones are
-        mapped again by name when next used), so nothing leaks however many
-        buckets are freed at once."""
+        """Unmap what rank ``p`` retired since we last looked. The ring holds the last
+        ``RETIRED_RING`` numbers, which ``p`` may overwrite as we read (it can be one
+        collective ahead); if more were retired, every mapping of ``p``'s
+        ``comm.empty`` segments goes (live ones are mapped again when next used)."""
         words = self._words[p]
         count = words[RETIRED_WORD]
         seen = self._peer_retired[p]

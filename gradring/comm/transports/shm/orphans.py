@@ -1,30 +1,18 @@
 """Workers whose launcher died: stop them, and leave nothing of the job in /dev/shm.
 
 [Note: orphaned workers]
-torchrun's agent starts the workers and, when one of them fails, ends the
-others with SIGTERM. When the agent itself dies (``kill -9``, the OOM killer)
-nobody does: the workers are reparented (to init or a subreaper) and go on
-training -- or wait for a store that is gone -- holding their segments in
-/dev/shm. So a worker started by torchrun (``TORCHELASTIC_RUN_ID`` is set)
-watches its parent from a daemon thread, started when its first group context
-is made: every ``POLL_S`` it compares ``os.getppid()`` with the parent it had
-then. Once the parent changed, the agent is gone, and the thread
-
-1. prints one line saying so (``gradring: pid P (rank R): the torchrun agent
-   that started this worker (pid A) is gone; ...``),
-2. unlinks the names of this process's segments and of its dead peers' (as
-   the SIGTERM handler does; mappings stay, so nothing running faults),
-3. sends the process SIGTERM: the handler (``sigterm.py``) prints what was
-   pending, and the process dies of SIGTERM as it would have under the agent.
-
-Every worker watches its own parent, so all of them stop within a poll or two,
-and each unlinks what it owns. Outside torchrun nothing is watched: a
-process started from a shell that exits afterwards is not an orphan to stop.
-
+torchrun's agent ends the other workers with SIGTERM when one fails; when the
+agent itself dies (``kill -9``, the OOM killer) nobody does, and the workers go
+on, reparented, holding their segments in /dev/shm. So a worker started by
+torchrun (``TORCHELASTIC_RUN_ID`` set) watches ``os.getppid()`` every
+``POLL_S`` from a daemon thread started with its first group context. Once the
+parent changed it prints one line, unlinks its own and its dead peers' segment
+names (as the SIGTERM handler does) and sends itself SIGTERM, so it dies as it
+would have under the agent (``sigterm.py``). Outside torchrun nothing is
+watched: a process whose shell exits is not an orphan to stop.
 ``prctl(PR_SET_PDEATHSIG)`` is not used: the kernel sends it when the *thread*
-that forked the worker ends, not the process, so a launcher that starts
-workers from a short-lived thread would kill healthy workers; and it would not
-unlink anything in a process whose main thread never installed the handler.
+that forked the worker ends, which would kill healthy workers of a launcher
+that forks from a short-lived thread, and it unlinks nothing.
 """
 
 from __future__ import annotations

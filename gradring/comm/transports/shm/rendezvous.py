@@ -1,29 +1,16 @@
 """Connecting a shared-memory group: the rendezvous through the process group's store.
 
-Three rounds of store keys, all under a prefix private to this instance of
-the group (``gradring/shm/<generation>/``; the generation comes from an
-atomic counter, so re-creating a group, or a fresh process group on an old
-store, never reads stale keys):
-
-1. ``info/<rank>``: the host identity (``topology.host_identity``: hostname,
-   boot id, network and pid namespaces, the ``/dev/shm`` device) and pid.
-   Nothing that names a future segment: each rank's naming key travels in its
-   control segment only (see [Note: segment names and leaks]). Shared memory
-   is used only if all ranks have the same host identity (and the CPU is
-   x86-64, see ``futex.py``). Every rank sees the same data, so every rank
-   reaches the same verdict and none waits for a transport the others
-   gave up on.
-2. ``ctl/<rank>``: the name of the rank's control segment (it exists by then)
-   and a random cookie written into it. A peer maps it only if the values are
-   well-formed and the header matches (pid, rank, cookie); then it reads the
-   naming key there. A forged entry makes every rank fall back, with a warning
-   naming the rank.
-3. ``ok/<rank>``: whether this rank could map every peer's control segment
-   and read the right cookie back -- the proof that /dev/shm really is shared
-   (two containers may share a hostname but not /dev/shm).
-
-Afterwards every control segment is unlinked: all peers hold a mapping, so a
-``kill -9`` cannot leak it.
+Three rounds of keys under ``gradring/shm/<generation>/`` (``store.instance_prefix``):
+``info/<rank>``, the host identity (``topology.host_identity``) and pid -- shm
+is used only if all ranks share it (and on x86-64, ``futex.py``), a verdict
+every rank reaches from the same data; ``ctl/<rank>``, the name of the rank's
+control segment and a random cookie written into it -- a peer maps it only if
+well-formed and the header matches, then reads the naming key there ([Note:
+segment names and leaks]), and a forged entry makes every rank fall back with
+a warning; ``ok/<rank>``, whether this rank mapped every peer's control segment
+and read the cookie back -- the proof that /dev/shm really is shared. Then
+every control segment is unlinked: all peers map it, so a ``kill -9`` cannot
+leak it.
 """
 
 from __future__ import annotations
@@ -109,14 +96,11 @@ def _unavailable(reason: str) -> tuple[None, str]:
 def connect(store: Any, rank: int, world_size: int, timeout: float,
             check_missing: Callable[[list[int]], None] | None = None) -> tuple[
         ShmTransport | None, str]:
-    """Rendezvous through ``store`` (a store private to the group); collective.
-
-    Returns ``(transport, "")``, or ``(None, reason)`` when the ranks do not
-    share a host (or a peer's announcement does not check out). At every
-    connect, segments left by dead processes are removed (see
-    [Note: a live job sweeps too] in ``segments.py``). ``check_missing(ranks)`` runs while it waits
-    for ranks that have not come yet, and may raise (one known to be gone).
-    """
+    """Rendezvous through ``store`` (private to the group); collective. ``(transport,
+    "")``, or ``(None, reason)`` when the ranks do not share a host (or a peer's entry
+    does not check out). Every connect sweeps dead processes' segments ([Note: a live
+    job sweeps too]); ``check_missing(ranks)`` may end the wait (a rank known gone).
+"""
     key = instance_prefix(store, "shm", world_size)  # one generation per group instance
     store.set(f"{key}info/{rank}", json.dumps(dict(host_identity(), pid=os.getpid())))
     infos = _gather(store, f"{key}info/", world_size, timeout, check_missing)

@@ -5,54 +5,34 @@ A segment is ``/dev/shm/gradring-<pid>-<pidns>-<transport>-<digest>``: the
 owner's pid and pid-namespace inode (so a later process can tell whether the
 owner still lives), a per-process transport counter, and a keyed hash of the
 segment's number under the owning rank's own *naming key*
-(:func:`segment_name`). Each rank draws its key and never publishes it: the
-key sits in the rank's control segment (``layout.KEY_OFF``; mode 0600, so
-only the job's user can read it), where peers read it once they have checked
-that segment's header. The store -- torch's TCPStore, which any local user
-can read -- carries only the control segment's own name, published after the
-segment exists. So neither the listing of /dev/shm nor the store tells an
-outsider a future name, and nobody can squat one; a name that exists anyway
-(``O_EXCL`` fails) is skipped for the next number, and after 16 taken names
-in a row (:class:`NamesTaken`) the rank treats it like a full /dev/shm: a
-warning, ordinary memory or the process group instead (``space.py``).
-Peers open segments
-with ``O_NOFOLLOW`` and refuse one that is not a regular file of their own
-user with mode 0600 (:meth:`Segment.open`), and names that arrive through the
-store must look like ours (:func:`check_name`: no path separator). Owners
-unlink their segments on close and at interpreter exit; control segments are
-unlinked as soon as every peer has mapped them.
-After a ``kill -9`` the dead rank's names are removed by its peers: a
-survivor that sees it dead (when a collective fails), and every rank when it
-closes its transport or gets SIGTERM, unlinks the names under the dead peer's
-prefix (:func:`remove_dead_owners`; the owner's pid is in the name and the
-host was checked at connect). Whatever still remains is removed by the next
-shm transport that connects, or by a live job's next sweep (see [Note: a live
-job sweeps too]): :func:`remove_stale_segments` deletes every ``gradring-*``
-segment of this pid namespace whose owner is dead.
+(:func:`segment_name`), which sits in its control segment (``layout.KEY_OFF``,
+mode 0600) and never in the store, so nobody can derive and squat a future
+name. A taken name (``O_EXCL``) is skipped; 16 in a row (:class:`NamesTaken`)
+count as a full /dev/shm (``space.py``). Peers open segments with
+``O_NOFOLLOW`` and refuse what is not a 0600 regular file of their user
+(:meth:`Segment.open`); names from the store must pass :func:`check_name`.
+Owners unlink on close and at exit; after a ``kill -9`` survivors unlink the
+dead owner's prefix (:func:`remove_dead_owners`), and what remains goes at the
+next connect or a live job's sweep (:func:`remove_stale_segments`, [Note: a
+live job sweeps too]). docs/reliability.md ("Hostile neighbours", "Leaks")
+tells the rest.
 
 [Note: whose segment is stale]
-Several jobs share one /dev/shm, and every process of every job sweeps it at
-its first connect, so a sweep must never take a live job's segment. The sweep
-trusts one fact only: the owner's pid and pid namespace in the name. Not the
-store, not the job, not the boot id (/dev/shm is emptied at boot). A name is
-stale when its namespace is this process's and no live (non-zombie) process
-has its pid. A live job's segments all carry a live owner's pid: the rank that
-created them, which holds them until it closes or dies. Two rules keep this
-true when pids are reused (``pid_max`` may be as low as 32768):
+Several jobs share one /dev/shm and every process sweeps it, so a sweep must
+never take a live job's segment. It trusts one fact only: the owner's pid and
+pid namespace in the name (not the store, the job or the boot id). A name is
+stale when its namespace is ours and no live (non-zombie) process has its pid.
+Two rules keep this true when pids are reused:
 
-- The directory is listed *before* the owner is judged dead. Every listed
-  name was created by a process with that pid before the listing; if no
-  process has the pid afterwards, that creator is gone. Judged first and
-  listed after, a process given the same pid in between (another job's rank,
-  whose first transport has the same ``<pid>-<ns>-0`` prefix) could lose
-  its fresh segments.
-- A live pid is never judged dead. A reused pid can make a dead owner look
-  alive; then its names stay (a leak until that pid ends), never the reverse.
+- The directory is listed *before* the owner is judged dead: every listed
+  name was created before the listing, so a pid absent afterwards means its
+  creator is gone. In the other order, a process given the same pid in
+  between could lose its fresh segments.
+- A live pid is never judged dead: a reused pid can make a dead owner look
+  alive (a leak until that pid ends), never the reverse.
 
-A process whose pid namespace cannot be read (0) sweeps nothing: it cannot
-tell its own pids from another namespace's that shares /dev/shm.
-``tests/jobs/test_concurrent_jobs.py`` runs jobs that start, crash and end among
-each other while the test process sweeps in a loop.
+A process whose pid namespace cannot be read (0) sweeps nothing.
+``tests/jobs/test_concurrent_jobs.py`` sweeps in a loop beside crashing jobs.
 """
 
 from __future__ import annotations
@@ -99,12 +79,7 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
+    return pid_state(pid) not in ("Z", "X")  # "" (unreadable) counts as alive
 
 
 def pid_state(pid: int) -> str:
@@ -201,14 +176,11 @@ def sweep_if_due(now: float, *, force: bool = False) -> None:
     seconds before ``now`` (``time.monotonic()``) or more, or ``force``.
 
     [Note: a live job sweeps too]
-    A job whose ranks were all killed -9 leaves segments that no peer removes
-    (none is left). The first connect of a later process removes them, but a
-    job that runs beside them for days would not start another. So every
-    connect sweeps, and so does a rank whose shm wait has slept a whole slice
-    (``ShmTransport._wait``), at most once per ``SWEEP_S``: a sleeping wait is
-    idle time, so the sweep (a listing of /dev/shm and one liveness check per
-    owner pid, well under a millisecond for a few hundred names) costs the hot
-    path nothing: a collective whose peers are there never sleeps."""
+    A job whose ranks were all killed -9 leaves segments nobody removes, and a
+    job running beside them for days connects no more. So a rank whose shm wait
+    slept a whole slice sweeps too, at most once per ``SWEEP_S``: a sleeping
+    wait is idle time (a collective whose peers are there never sleeps), and a
+    sweep takes well under a millisecond for a few hundred names."""
     global _last_sweep
     if force or now - _last_sweep >= SWEEP_S:
         _last_sweep = now
@@ -438,18 +410,14 @@ def map_shared(fd: int, size: int, name: str = "") -> memoryview:
     bytes of the mapping as a memoryview, unmapped once nothing views them.
 
     [Note: a mapping holds no descriptor]
-    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as the
-    mapping lives, so each segment held one open file: a model with one bucket
-    per parameter ran out of ``ulimit -n`` (64 in some containers) at the
-    bucket rebuild, while torch's DDP trains it. The kernel needs no descriptor
-    to keep a mapping, so gradring maps with ``mmap(2)`` itself and the caller
-    closes its descriptor at once: the process's open files stay flat however
-    many buckets, peers' buffers and staging sets it maps. The memoryview
-    (``Segment.mm``) exports the bytes of a ctypes array over the mapping;
-    ``munmap`` runs when that array dies, which is when the last tensor, numpy
-    array or view on it has gone (each holds it through the buffer protocol),
-    so nothing can read an unmapped page. Not at interpreter exit: the mapping
-    goes with the process then, and a thread still reading it must not fault.
+    ``mmap.mmap`` keeps a duplicate descriptor per mapping, so a model with one
+    bucket per parameter ran out of ``ulimit -n`` (64 in some containers) where
+    torch's DDP trains it. The kernel needs no descriptor to keep a mapping, so
+    gradring calls ``mmap(2)`` itself and the caller closes its descriptor at
+    once. The memoryview (``Segment.mm``) exports a ctypes array over the
+    mapping; ``munmap`` runs when that array dies, after the last tensor or view
+    on it (each holds it through the buffer protocol), so nothing reads an
+    unmapped page; not at interpreter exit, where a reading thread must not fault.
     """
     addr = _mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:

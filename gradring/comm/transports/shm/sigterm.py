@@ -1,37 +1,22 @@
 """SIGTERM: release this process's shared memory, say what was pending, then go on dying.
 
-Launchers end the survivors of a failed job with SIGTERM (torchrun does,
-right after one rank died) -- often before gradring noticed the dead peer and
-printed its error, and the default action kills the process without running
-exit hooks, so its named segments would stay in /dev/shm (RAM) until the next
-gradring job removes them. The handler (installed as described below):
-
-1. unlinks the names of every segment this process owns, and those a
-   ``kill -9``'d peer of its groups left, and marks its control segments
-   closed (peers still waiting stop at their next slice);
-   mappings stay until the process ends, so code it interrupted cannot fault;
-2. prints the collective error that is pending, if any: a failure not yet
-   raised, or the collective in flight and what each peer is doing;
-3. defers to what was there before: the previous Python handler is called,
-   ``SIG_IGN`` ignores, and the default is restored and the signal sent
-   again, so the process still dies of SIGTERM (exit status -15 / 143).
+Launchers end a failed job's survivors with SIGTERM, whose default action runs
+no exit hook, so named segments would stay in /dev/shm. The handler unlinks
+this process's segment names and those a ``kill -9``'d peer left, marks its
+control segments closed (mappings stay, so interrupted code cannot fault),
+prints the pending collective error, then defers to the previous handler (the
+default is restored and the signal sent again: the process still dies of
+SIGTERM). docs/reliability.md ("Leaks") has the user's view.
 
 [Note: installing the SIGTERM handler from the main thread]
-Python lets only the main thread call ``signal.signal``, and the first shm
-connect runs in whichever thread issues the group's first collective
-(``GroupContext.connect_shm`` connects; asynchronous collectives too, before
-the engine thread takes them): a training loop or a model built in a thread of
-the user's connects there. So the handler is installed at the first of these
-that runs on the main thread: the creation of a group's context
-(``comm.context``: DDP's construction, any collective or ``comm.empty``), the
-first connect, or -- when both of those ran on other threads -- the next time
-the main thread enters gradring (``context`` calls :func:`install_deferred`,
-one global read when nothing is pending). A
-process whose main thread never enters gradring gets no handler: nothing in
-Python can catch SIGTERM without the main thread. Its segments are then removed
-by its peers (a survivor whose collective fails on it, or that closes or gets
-SIGTERM itself, unlinks a dead peer's names) or by the next gradring job on the
-host (``segments.remove_stale_segments``).
+Only the main thread may call ``signal.signal``, and the first shm connect runs
+in whichever thread issues the group's first collective. So the handler is
+installed at the first of these that runs on the main thread: the creation of
+a group's context (``comm.context``), the first connect, or the next time the
+main thread enters gradring (:func:`install_deferred`, one global read when
+nothing is pending). A process whose main thread never enters gradring gets
+no handler; its segments are then removed by its peers or by the next job's
+sweep (``segments.remove_stale_segments``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """When /dev/shm is too small: one collective decision, one warning, a fallback.
 
-Segments are reserved whole when they are created (see [Note: reserving
-shared memory] in ``segments.py``), so a full /dev/shm shows up as
-:class:`~gradring.comm.transports.shm.segments.ShmFull` at creation, never
-as a SIGBUS later. What happens then:
-
-- the control segments (at connect): every rank publishes its error in the
-  rendezvous, so all ranks give up shared memory together (``rendezvous.py``);
-- ``comm.empty``: the tensor is ordinary memory instead (collectives on it
-  are staged); purely local, nobody needs to agree;
-- a staging buffer (inside a collective): the rank flags "no room" in its
-  descriptor and every rank reads every descriptor after the start barrier,
-  so all ranks see the flag in the same collective and raise
-  :class:`ShmExhausted` together. The runner then drops the shm transport on
-  every rank and re-runs the collective (and all later ones) over the process
-  group -- or, with ``GRADRING_TRANSPORT=shm``, fails it on every rank. In a
-  multi-host (hierarchical) group only that host's ranks raise it: they drop
-  the host's shared memory and run its intra-host phases over the process
-  group (``HostTransports.drop_local``; see [Note: a host without room in
-  /dev/shm] in ``algos/hierarchical.py``).
-
-The user is told once per process how much the job needs, the same figure on every
-rank, and whether to raise the mount's size or free it (see [Note: one figure, two
-causes]).
+Segments are reserved whole when created ([Note: reserving shared memory] in
+``segments.py``), so a full /dev/shm is :class:`~gradring.comm.transports.shm.segments.ShmFull`
+at creation, never a SIGBUS later. For control segments every rank gives up
+shared memory at the rendezvous (``rendezvous.py``); ``comm.empty`` falls back
+to ordinary memory; a staging buffer is flagged "no room" in the descriptor,
+so every rank raises :class:`ShmExhausted` in the same collective and the
+runner re-runs it (and all later ones) over the process group, or fails it
+with ``GRADRING_TRANSPORT=shm`` (one host of a multi-host group: [Note: a host
+without room in /dev/shm] in ``algos/hierarchical.py``). The user is told once
+per process how much the job needs, the same figure on every rank ([Note: one
+figure, two causes]); docs/reliability.md ("Shared memory under pressure") has
+the messages.
 """
 
 from __future__ import annotations
@@ -67,16 +56,13 @@ def cause(need: int, free: int, total: int) -> str:
     ``need`` (or unknown: 0), else :data:`TAKEN`.
 
     [Note: one figure, two causes]
-    Raising ``--shm-size`` is the answer only when the mount is smaller than
-    what the job needs; when it is large enough, others hold its free space
-    (another job, files a crashed job left) and raising it only hides that.
-    The need is computed from figures every rank shares (the rendezvous
-    publishes each rank's shortfall; a collective that runs out compares the
-    largest staging buffer and the largest holding of the ranks), so every
-    rank prints the same figure. ``comm.empty`` running out is one rank's own
-    event (the ranks race for the free space and stop at different buffers),
-    so there only rank 0 gives the job's figure; the others say what did not
-    fit.
+    Raising ``--shm-size`` is the answer only when the mount is smaller than the
+    job's need; when it is large enough, others hold its space (another job, a
+    crashed job's files) and raising it only hides that. The need comes from
+    figures every rank shares (the rendezvous publishes each rank's shortfall; a
+    collective that runs out compares the ranks' largest staging buffer and
+    holding), so every rank prints the same figure; ``comm.empty`` running out
+    is one rank's own event, so there only rank 0 gives the job's figure.
     """
     if total <= 0 or total < need:
         return TOO_SMALL

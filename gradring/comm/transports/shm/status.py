@@ -1,17 +1,11 @@
 """What a shared-memory rank tells its peers about itself: the status block.
 
-Bytes 192-255 of every control segment (fields and offsets in ``layout.py``)
-hold the collective the rank started last and the rank's state. The owner
-writes them; peers only read them, to fail fast and to say in an error what a
-missing rank is doing (see [Note: how a stuck collective ends] in
-``watchdog.py``).
-
-The owner updates the block while peers may read it, and ``struct.pack_into``
-zero-fills before it writes, so a plain read can see a half-written block
-(seq 0 next to the new byte size). The version word makes it a seqlock: the
-owner bumps it before and after writing (stores stay in order on x86-64, see
-``futex.py``), and a reader retries until it saw the same even version
-before and after its read.
+The collective the rank started last and its state (fields in ``layout.py``),
+written by the owner and read by peers, to fail fast and to say what a
+missing rank is doing. ``struct.pack_into`` zero-fills before it writes, so a
+plain read could see a half-written block: the version word makes it a
+seqlock (bumped before and after each write, stores in order on x86-64; a
+reader retries until it saw the same even version before and after).
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from gradring.comm import exits
+from gradring.comm import peers
 from gradring.comm.transport import Collective, Kind
 from gradring.comm.transports.shm.layout import STATUS as _STRUCT
 from gradring.comm.transports.shm.layout import STATUS_OFF as OFFSET
@@ -92,7 +86,7 @@ def describe(rank: int, pid: int, status: Status, *, alive: bool, seq: int,
     who, last = f"rank {rank} (pid {pid})", status.last()
     skipped = f", so it skipped #{seq}" if status.seq < seq else ""
     if not alive:
-        return f"{who} has exited (last started {last}{skipped}): {exits.how_it_ended(pid)}"
+        return f"{who} has exited (last started {last}{skipped}): {peers.how_it_ended(pid)}"
     if status.state == CLOSED:
         return f"{who} left: it shut gradring down after starting {last}{skipped}"
     if status.state == FAILED:

@@ -1,26 +1,15 @@
 """Shared-memory transport for ranks on one host (the default for CPU tensors there).
 
-Each rank owns a *control segment* that every peer maps; ``layout.py``
-holds its every offset (header, barrier word, doorbell, status block,
-descriptors, retired-segment ring, mailbox channels and slots).
-
-Words written by one rank only (barrier, sent, acked) are plain stores;
-words several ranks bump (the doorbell) use the kernel's atomic add, see
-[Note: spin, then block] in ``futex.py``. Data buffers -- staging buffers and
-``comm.empty`` tensors -- live in further segments that peers map lazily by
-name (``memory.py``, an object the transport owns: ``transport.memory``), see
-[Note: segment names and leaks] in ``segments.py``.
-
-A waiting rank reads its peers' status (``status.py``): a dead pid, or a
-peer that shut gradring down or failed, ends the wait at the next 50 ms slice.
-Descriptors and statuses also carry what the desync check compares, see
-[Note: desync checks] in ``desync.py``.
-
-Point-to-point messages (for ring and tree) go through the mailboxes
-(``mailbox.py``, an object the transport owns): a sender copies fragments
-into slots, the receiver copies (or reduces) them out.
-The direct algorithms (``direct.py``) skip all that and read exposed buffers.
-Ranks find each other through the store: ``rendezvous.connect``.
+Each rank owns a *control segment* that every peer maps (every offset in
+``layout.py``). Words one rank writes (barrier, sent, acked) are plain stores;
+words several ranks bump (the doorbell) use the kernel's atomic add ([Note:
+spin, then block] in ``futex.py``). Data buffers live in further segments that
+peers map lazily by name (``memory.py``, owned as ``transport.memory``). A
+waiting rank reads its peers' status (``status.py``): a dead pid, or a peer
+that shut gradring down or failed, ends the wait at the next 50 ms slice.
+Ring and tree messages go through the mailboxes (``mailbox.py``); the direct
+algorithms read exposed buffers. Ranks find each other through
+``rendezvous.connect``.
 """
 
 from __future__ import annotations
@@ -277,15 +266,12 @@ class ShmTransport:
         """``(rank, words)`` of the first peer whose process is gone, or ``(-1, "")``.
 
         [Note: the original cause]
-        When a rank dies, every survivor must name *it*, whichever survivor
-        noticed first: a survivor that finds the group's verdict already set
-        (another survivor failed first) would otherwise name that survivor.
-        So every failure looks for a dead peer first (its pid, the collective
-        it last started), puts it at the head of the error, and writes it as
-        the rank's reason in its control segment. A dead peer that had marked
-        itself failed is a survivor that exited after its own error, so dead
-        peers that never failed come first. Only the failure path pays for the
-        pid checks."""
+        When a rank dies every survivor must name *it*, whichever noticed first:
+        one that finds the verdict set by another survivor would name that one.
+        So every failure looks for a dead peer first (dead peers that never
+        failed first: one that had failed is a survivor that exited after its
+        error), puts it at the head of the error and writes it as its reason.
+        Only the failure path pays for the pid checks."""
         if not self._ctls:
             return -1, ""
         mine = self._info.seq if self._info else 0
@@ -466,23 +452,15 @@ class ShmTransport:
               waiting_for: Sequence[int]) -> None:
         """[Note: yield only while it is free]
         The yield window helps only while this rank has a core to itself: a
-        ``sched_yield`` then returns at once, and the GIL goes to the other
-        threads of the process (the backward's hooks) meanwhile. When other
-        processes want the core, a yield hands it to them for their whole time
-        slice, milliseconds, while sleeping in the kernel would have been woken
-        (and preferred by the scheduler) the moment the peer arrived. So a yield
-        that returns late (``_LOST_CORE_S``) ends the window, and a second one
-        within ``_CONFIRM_S`` marks the core as contended: for ``_CONTENDED_S``
-        the waits spin a few polls and then sleep at once. One late yield is
-        not enough: a VM's hiccup of a few hundred µs, quiet otherwise, turned
-        whole blocks of 8-byte calls into sleeping waits (80 µs a call, not 17).
-        With 4 processes spinning on 2 cores this took an 8-byte all-reduce from
-        ~2x gloo's time to about gloo's, and a 1 MiB one from 1.8x to at or below
-        (``python benchmarks/small_collectives.py --load 4``); on a free core
-        nothing changes. Only waits on the main thread judge: the comm thread's
-        yields (DDP's buckets) hand the core to the process's own training
-        thread, so a late one says nothing about other processes, and judging
-        there made the 12 x Linear(1024) step ~10 ms slower quiet.
+        ``sched_yield`` then returns at once, handing the GIL to the process's
+        other threads meanwhile. When other processes want the core, a yield
+        hands it to them for a whole time slice, while a sleeping waiter would
+        have been woken the moment the peer arrived. So a yield that returns
+        late (``_LOST_CORE_S``) ends the window, and a second within
+        ``_CONFIRM_S`` (one is as often a VM's hiccup) makes the waits sleep
+        at once for ``_CONTENDED_S``. Only the main thread's waits judge: the
+        comm thread's yields hand the core to the process's own training
+        thread. The measurements are in docs/collectives.md ("Async engine").
         """
         words = self._words[p]
         clock = time.perf_counter
@@ -625,19 +603,14 @@ class ShmTransport:
         ``INLINE_BYTES``), in rank order, after one barrier.
 
         [Note: inline exchange]
-        The input travels in the control segment itself, in the inline slot of
-        this exchange (slots alternate per exchange, like the descriptors), so a
-        small collective maps nothing, stages nothing and needs one barrier:
-
-        - a rank writes slot ``k`` only for an exchange two exchanges after the
-          last one that used it, and it got there through the barrier of the
-          exchange in between, which every peer reached after it had read slot
-          ``k`` -- so no slot is overwritten while a peer reads it;
-        - after the barrier nothing can fail: the peers' control segments were
-          mapped at connect, and what is left is comparing descriptors (every
-          rank sees a mismatch any pair has, so all raise it) and a local
-          reduction. So no closing agreement is needed (see [Note: sticky
-          failures] in ``verdict.py``): a rank that passed the barrier completes.
+        The input travels in this exchange's inline slot of the control segment
+        (slots alternate per exchange, like the descriptors), so a small
+        collective maps and stages nothing and needs one barrier: a rank writes
+        slot ``k`` again only after the barrier of the exchange in between, which
+        every peer reached after reading slot ``k``; and after the barrier
+        nothing can fail (control segments were mapped at connect; what is left
+        is comparing descriptors, which every rank does alike, and a local sum),
+        so no closing agreement is needed ([Note: sticky failures]).
         """
         nbytes, dtype = info.nbytes, flat.dtype
         if nbytes > INLINE_BYTES:
@@ -701,15 +674,13 @@ class ShmTransport:
         the arguments differ.
 
         [Note: different arguments, same collective]
-        When the ranks issued the same collective (sequence number and kind) with
-        different arguments -- sizes, dtypes or shapes -- and the descriptors show
-        it after the start barrier, no byte has moved yet and every rank sees
-        the difference (each compares itself with every peer), so every rank
-        raises the DesyncError there, in the same exchange, with its counters in
-        step: the group stays usable, as a call refused for its arguments leaves
-        it (see [Note: arguments are checked before the collective is issued] in
-        ``api.py``). Ranks in different collectives, or a difference found once
-        messages flow (``_check_sender``), fail the group for good as before."""
+        Ranks in the same collective (sequence number and kind) with different
+        sizes, dtypes or shapes see it in the descriptors after the start
+        barrier, before any byte moved, and every rank sees it: all raise the
+        DesyncError in the same exchange with their counters in step, and the
+        group stays usable, as after a call refused for its arguments ([Note:
+        arguments are checked before the collective is issued] in ``api.py``).
+        Other desyncs fail the group for good."""
         info = self._info
         assert info is not None
         err = desync.mismatch(info, self.rank, p, theirs,

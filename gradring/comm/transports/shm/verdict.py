@@ -1,31 +1,21 @@
 """A group's failure is sticky: the verdict word and the lock that guards it.
 
 [Note: sticky failures]
-A rank that gives up on a collective (deadline, dead or departed peer,
-desync, any exception on the collective path) must not leave a peer that
-completes it: the peer would return success for a collective the first rank
-failed, or -- on the zero-copy path -- keep writing into the tensor of a rank
-that has already returned. So the group keeps one *verdict*: two words in
-rank 0's control segment (``layout.VERDICT_WORD``), "rank r failed #k first",
-set once and never cleared while the transport lives.
-
-Arriving at a barrier and deciding to fail are made mutually exclusive with a
-file lock (``flock``) on rank 0's control segment, which every rank keeps
-open. A rank arrives (bumps its barrier word) only under the lock and only if
-no verdict is set; a rank fails only under the lock, and a rank failing at a
-barrier first re-checks, under the lock, whether everybody has arrived after
-all (then it does not fail). Hence nobody passes a barrier after someone
-gave up on it, and once everybody passed, nobody fails it. Every direct
-collective ends with such a barrier (the closing agreement, see
-``ShmTransport.finish``), so ranks never disagree about whether it succeeded.
-The kernel drops a dead holder's lock; a lock held past the deadline (a
-holder stopped inside the few instructions it holds it for) counts as a
-timeout. The holder writes its rank next to the verdict
-(``layout.LOCK_HOLDER_WORD``), so that timeout names it, and says whether its
-process is stopped (SIGSTOP, a debugger), from ``/proc/<pid>/stat``.
-
-The failing rank also writes its reason in words into its own control segment
-(``layout.REASON_OFF``), so peers can name the exception that stopped it.
+A rank that gives up on a collective must not leave a peer that completes it:
+the peer would return success for a collective the first rank failed, or (zero
+copy) keep writing into the tensor of a rank that returned. So the group keeps
+one *verdict* in rank 0's control segment (``layout.VERDICT_WORD``), "rank r
+failed #k first", set once and never cleared. Arriving at a barrier and
+deciding to fail exclude each other under a file lock (``flock``) on rank 0's
+control segment: a rank arrives only under the lock and only with no verdict
+set; a rank fails only under the lock, after re-checking that not everybody
+arrived after all. So nobody passes a barrier someone gave up on, and once
+everybody passed nobody fails it; every direct collective ends with such a
+barrier (the closing agreement, ``ShmTransport.finish``). The kernel drops a
+dead holder's lock; a lock held past the deadline counts as a timeout that
+names the holder (``layout.LOCK_HOLDER_WORD``) and whether it is stopped. The
+failing rank writes its reason in words into its own segment
+(``layout.REASON_OFF``) for the peers' errors.
 """
 
 from __future__ import annotations

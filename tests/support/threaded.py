@@ -1,4 +1,5 @@
-"""An in-process transport: every rank is a thread. For fast tests of the algorithms.
+"""An in-process transport: every rank is a thread. For fast tests of the algorithms
+(it serves only the tests, so it lives with them, outside the package).
 
 It offers both interfaces of :mod:`gradring.comm.transport`: point-to-point
 messages through per-pair queues (``isend`` copies, so it completes at once)
