@@ -11,7 +11,9 @@ compiled autograd), every packed slot but its bucket's last gets a builtin
 as its hook: ``arrived.append``, a list's own method, which autograd calls
 with the parameter and which runs no Python frame. The bucket's last slot
 (the last to arrive in the recorded order) keeps the reducer's hook: when it
-fires, the bucket is full if the list holds all the counted slots.
+fires, the bucket is full if the list holds all the counted slots. So does
+the first slot of bucket 0, the backward's first gradient, which marks the
+start of the backward for ``overlap_stats()`` and DDP's logging data.
 
 If the arrival order changes, a bucket's last slot can fire before the
 counted ones; the bucket is then completed by the next Python hook that
@@ -129,6 +131,9 @@ def _counted_slots(bucket: Bucket, ctx: SlotContext) -> frozenset[int]:
     if countable is None:
         return frozenset()
     last = len(bucket.kinds) - 1
+    # The first gradient of the backward (bucket 0's first slot) keeps its hook
+    # too: it marks where the backward starts, for overlap_stats and logging data.
+    first = 0 if bucket.index == 0 else -1
     return frozenset(s for s, kind in enumerate(bucket.kinds)
-                     if kind is SlotKind.PACKED and s != last
+                     if kind is SlotKind.PACKED and s != last and s != first
                      and countable[bucket.param_indices[s]])

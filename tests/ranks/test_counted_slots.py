@@ -75,6 +75,9 @@ def _train(rank: int, world_size: int, scenario: str) -> dict:
                 r = ddp.reducer
                 out["counted"].append(sum(b.n_counted for b in r.buckets)
                                       if r._counting.on else 0)
+                # the backward's first gradient keeps its hook: it marks backward_start
+                out.setdefault("first_counted", []).append(
+                    any(0 in path.counted for path in r.buckets[0].counting))
         out[name] = grads
     return out
 
@@ -86,6 +89,7 @@ def test_counted_slots_match_torch(pools, scenario: str) -> None:
         for step, (g, t) in enumerate(zip(r["gradring"], r["torch"])):
             for i, (a, b) in enumerate(zip(g, t)):
                 assert torch.equal(a, b), (scenario, step, i, (a - b).abs().max().item())
+        assert not any(r["first_counted"]), r["first_counted"]
         # Counting starts with the rebuilt buckets, and most slots are counted.
         assert r["counted"][0] == 0, r["counted"]
         assert r["counted"][2] >= 20, r["counted"]
@@ -121,13 +125,16 @@ def _only_counted_fire(rank: int, world_size: int) -> dict:
         if name == "gradring":
             out["counted"] = sum(b.n_counted for b in ddp.reducer.buckets)
             out["closer"] = ddp.reducer.buckets[0].param_indices[-1]
+            out["first"] = ddp.reducer.buckets[0].param_indices[0]
     return out
 
 
 def test_a_backward_of_counted_slots_alone_is_an_unfinished_reduction(pools) -> None:
     for r in pools.run(2, _only_counted_fire):
-        # vecs.1-5 and big.bias; vecs.0 (arrives last) and big.weight (large) keep their hooks
-        assert r["counted"] == 6, r
+        # vecs.1-5; vecs.0 (arrives last), big.bias (arrives first: it marks the
+        # backward's start) and big.weight (large) keep their hooks
+        assert r["counted"] == 5, r
+        assert r["first"] == 7, r  # big.bias
         assert r["closer"] == 0, r
         assert r["torch"] is not None and r["torch"][0] == 5, r["torch"]
         assert r["gradring"] is not None and r["gradring"][0] == 5, r["gradring"]
