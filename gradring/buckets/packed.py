@@ -124,16 +124,14 @@ class PackedPath:
 
 
 def _counted_slots(bucket: Bucket, ctx: SlotContext) -> frozenset[int]:
-    """The packed slots counted without a Python hook: none while counting is
-    off; else every packed slot whose hook sits on its tensor, but the last slot
-    (the last to arrive: the rebuild walks the arrival order)."""
+    """The packed slots counted without a Python hook: none while counting is off;
+    else every packed slot whose hook sits on its tensor, but the last (the last to
+    arrive: the rebuild walks the arrival order) and bucket 0's first."""
     countable = ctx.countable
     if countable is None:
         return frozenset()
     last = len(bucket.kinds) - 1
-    # The first gradient of the backward (bucket 0's first slot) keeps its hook
-    # too: it marks where the backward starts, for overlap_stats and logging data.
-    first = 0 if bucket.index == 0 else -1
+    first = 0 if bucket.index == 0 else -1  # the backward's first gradient: it marks the start
     return frozenset(s for s, kind in enumerate(bucket.kinds)
-                     if kind is SlotKind.PACKED and s != last and s != first
+                     if kind is SlotKind.PACKED and s not in (first, last)
                      and countable[bucket.param_indices[s]])
