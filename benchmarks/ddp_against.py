@@ -108,17 +108,18 @@ def compare_rank(bench: ModuleType, rank: int, world: int, store_path: str,
     return out
 
 
-def _job(tree: str, models: list[str], steps: int, nproc: int) -> dict[str, Any]:
-    """One round in one tree: nproc rank processes; per model and set-up, the
-    median over steps of each step's slowest rank (ms)."""
+def run_ranks(tree: str, script: str, args: list[str], nproc: int, what: str
+              ) -> list[dict[str, Any]]:
+    """Run ``script`` (a JOB_TEMPLATE job) as ``nproc`` rank processes with gradring
+    from ``tree``, each given ``args`` then its rank, ``nproc`` and a store path;
+    every rank's RESULT. ``what`` names the job in an error."""
     env = dict(os.environ)
     env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="gradring-against-store-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gradring-bench-store-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [subprocess.Popen(
-            [sys.executable, "-c", _JOB, tree, str(BENCH), str(Path(__file__).resolve()),
-             ",".join(models), str(steps), str(rank), str(nproc), store],
+            [sys.executable, "-c", script, tree, str(BENCH), *args, str(rank), str(nproc), store],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank in range(nproc)]
         outs = [p.communicate(timeout=1800) for p in procs]
@@ -126,9 +127,17 @@ def _job(tree: str, models: list[str], steps: int, nproc: int) -> dict[str, Any]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         if p.returncode != 0 or not lines:
-            raise RuntimeError(f"the bench job for {tree} failed on rank {rank} "
+            raise RuntimeError(f"the {what} job for {tree} failed on rank {rank} "
                                f"(exit {p.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
         per_rank.append(json.loads(lines[-1][len("RESULT "):]))
+    return per_rank
+
+
+def _job(tree: str, models: list[str], steps: int, nproc: int) -> dict[str, Any]:
+    """One round in one tree: nproc rank processes; per model and set-up, the
+    median over steps of each step's slowest rank (ms)."""
+    per_rank = run_ranks(tree, _JOB, [str(Path(__file__).resolve()), ",".join(models),
+                                      str(steps)], nproc, "bench")
     merged: dict[str, Any] = {}
     for model, setups in per_rank[0].items():
         merged[model] = {k: statistics.median(max(col) for col in

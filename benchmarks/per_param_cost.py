@@ -41,12 +41,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -159,25 +157,11 @@ def _job(tree: str, sizes: list[int], steps: int, paths: bool, nproc: int = 2
          ) -> dict[str, dict[str, float]]:
     """One round in one tree: per parameter count and set-up, the median over
     steps of each step's slowest rank (ms)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="gradring-per-param-store-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [subprocess.Popen(
-            [sys.executable, "-c", _job_script(), tree, str(BENCH), str(Path(__file__).resolve()),
-             ",".join(map(str, sizes)), str(steps), "1" if paths else "0", str(rank),
-             str(nproc), store],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for rank in range(nproc)]
-        outs = [p.communicate(timeout=1800) for p in procs]
-    per_rank = []
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode != 0 or not lines:
-            raise RuntimeError(f"the per-parameter job for {tree} failed on rank {rank} "
-                               f"(exit {p.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
-        per_rank.append(json.loads(lines[-1][len("RESULT "):]))
+    from benchmarks.ddp_against import run_ranks
+
+    per_rank = run_ranks(tree, _job_script(), [str(Path(__file__).resolve()),
+                                               ",".join(map(str, sizes)), str(steps),
+                                               "1" if paths else "0"], nproc, "per-parameter")
     return {n: {k: statistics.median(max(col) for col in zip(*(r[n][k] for r in per_rank)))
                 for k in setups}
             for n, setups in per_rank[0].items()}
