@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -132,6 +133,7 @@ class DistributedDataParallel(TorchDDP):
         # Each step owns one concern and sets the attributes of that concern;
         # an error in a step is raised before any later step has run.
         _check_supported(batched_grad_copy=batched_grad_copy)
+        self.batched_grad_copy = batched_grad_copy  # torch's flag (False is all gradring takes)
         self._init_records()
         self._check_argument_pairs(delay_all_reduce_named_params, param_to_hook_all_reduce)
         self._use_group(process_group, device_mesh, device_ids, check_reduction=check_reduction)
@@ -148,7 +150,8 @@ class DistributedDataParallel(TorchDDP):
                                                  device_ids)
             if self._delay_all_reduce_all_params:
                 # Nothing for the buckets: no reducer, no other sync (as torch means
-                # it to; docs/ddp-differences.md).
+                # it to; docs/ddp-differences.md). The caps stay readable here.
+                self._unowned_caps, self.mixed_precision = caps, mixed_precision
                 return
         if init_sync:
             self._verify_same_model(self._module_parameters)
@@ -230,6 +233,11 @@ class DistributedDataParallel(TorchDDP):
         # The single device every parameter lives on, and its type (torch's names).
         self.device = (named[0][1] if named else self._delay_all_reduce_params[0]).device
         self.device_type = self.device.type
+        # torch's flags: one device per module here; copies of inputs on a side
+        # stream (read from torch's variable; gradring moves no inputs on streams).
+        self.is_multi_device_module = False
+        self.use_side_stream_for_tensor_copies = (
+            os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
         if device_ids is not None and self.device.type == "cpu":
             devices = {str(p.device) for _, p in named or
                        [("", p) for p in self._delay_all_reduce_params]}
@@ -377,7 +385,8 @@ class DistributedDataParallel(TorchDDP):
     @property
     def static_graph(self) -> bool:
         """Whether the graph is declared the same every iteration (stored by the reducer)."""
-        return self.reducer.static_graph
+        reducer = self.__dict__.get("reducer")
+        return reducer is not None and reducer.static_graph
 
     @property
     def _has_rebuilt_buckets(self) -> bool:
@@ -386,17 +395,31 @@ class DistributedDataParallel(TorchDDP):
         never with find_unused_parameters), True from then on. torch's ZeRO overlap
         hooks (``hook_with_zero_step``) read it in every bucket's hook to know the
         bucket layout is final (docs/torch-reads.md)."""
-        return self.reducer.has_rebuilt
+        reducer = self.__dict__.get("reducer")
+        return reducer is not None and reducer.has_rebuilt
+
+    @property
+    def _caps(self) -> BucketCaps:
+        """The caps in force: the reducer's; with every parameter delayed (no
+        reducer), the constructor's."""
+        reducer = self.__dict__.get("reducer")
+        return self._unowned_caps if reducer is None else reducer.caps
 
     @property
     def bucket_bytes_cap(self) -> int:
         """The bucket cap in bytes (what bucket_cap_mb="auto" chose, once it has)."""
-        return self.reducer.bucket_cap_bytes
+        return self._caps.cap
 
     @property
     def bucket_bytes_cap_list(self) -> list[int]:
         """bucket_cap_mb_list in bytes (torch's attribute; empty without it)."""
-        return list(self.reducer.caps.per_bucket)
+        return list(self._caps.per_bucket)
+
+    @property
+    def bucket_bytes_cap_default(self) -> bool:
+        """torch's flag: whether the first bucket has a smaller cap than the rest
+        (bucket_cap_mb left to its default)."""
+        return self._caps.first < self._caps.cap
 
     def _set_static_graph(self) -> None:
         """Declare that the graph is the same every iteration (docs/design.md)."""
@@ -885,7 +908,7 @@ class DistributedDataParallel(TorchDDP):
             state.pop(key, None)
         # What the reducer knew and a new one needs.
         state["_static_at_init"] = self.static_graph
-        state["_caps_in_force"] = self.reducer.caps
+        state["_caps_in_force"] = self._caps
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -898,11 +921,13 @@ class DistributedDataParallel(TorchDDP):
         self._buffer_sync.refresh(self.module)
         static = self.__dict__.pop("_static_at_init", False)
         self._static_at_init = static
-        self.reducer = self._build_reducer(self.__dict__.pop("_caps_in_force"),
-                                           static_graph=static)
-        self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
-        self._torch_logger = logging_data.TorchLogger()
         self._delayed = None  # as torch's: the delayed all-reduce's hook is not pickled
+        self._torch_logger = logging_data.TorchLogger()
+        caps = self.__dict__.pop("_caps_in_force")
+        if self._delay_all_reduce_all_params:
+            return  # no reducer, as at construction
+        self.reducer = self._build_reducer(caps, static_graph=static)
+        self._consumers = ConsumerSlot(self.reducer, self._log_and_throw)
         if static:
             self.reducer.set_static_graph()
 

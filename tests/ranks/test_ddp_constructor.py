@@ -136,7 +136,9 @@ def _attributes(rank: int, world: int) -> dict:
         for kw in ({}, {"bucket_cap_mb": 5}, {"bucket_cap_mb_list": [1, 4]}):
             ddp = cls(Net(rank), **kw)
             res[str(kw)] = (ddp.bucket_bytes_cap, list(ddp.bucket_bytes_cap_list),
-                            ddp.broadcast_bucket_size, ddp.process_group is dist.group.WORLD)
+                            ddp.bucket_bytes_cap_default, ddp.broadcast_bucket_size,
+                            ddp.process_group is dist.group.WORLD, ddp.is_multi_device_module,
+                            ddp.use_side_stream_for_tensor_copies, ddp.batched_grad_copy)
         for kw in ({}, {"broadcast_buffers": False}, {"forward_sync_buffers": False},
                    {"broadcast_buffers": True, "forward_sync_buffers": False}):
             with warnings.catch_warnings(record=True) as seen:

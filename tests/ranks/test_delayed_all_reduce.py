@@ -166,7 +166,14 @@ def _all_delayed(rank: int, world: int) -> list[str]:
     delayed = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
     ours = gradring.DistributedDataParallel(m, delay_all_reduce_named_params=delayed,
                                             param_to_hook_all_reduce=m[2].weight)
-    wrong = []
+    # What torch's constructor sets before it would leave the buckets out stays
+    # readable (torch's values for a DDP built with no cap arguments).
+    wrong = [f"{name} = {value!r}" for name, value, want in (
+        ("bucket_bytes_cap", ours.bucket_bytes_cap, 25 * 1024 * 1024),
+        ("bucket_bytes_cap_list", ours.bucket_bytes_cap_list, []),
+        ("bucket_bytes_cap_default", ours.bucket_bytes_cap_default, True),
+        ("static_graph", ours.static_graph, False),
+        ("mixed_precision", ours.mixed_precision, None)) if value != want]
     for step in range(3):
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step + 7 * rank))
         for model in (ours, plain):

@@ -32,7 +32,7 @@ BUDGET = {
     "buckets": 1020,
     "comm": 8300,
     "compile": 540,
-    "ddp": 1970,
+    "ddp": 1985,
     "hooks": 1070,
     "nn": 370,
     "observe": 830,
