@@ -5,6 +5,7 @@
     python benchmarks/per_param_cost.py --paths                # each fast path's share
     python benchmarks/per_param_cost.py --params 400 --rounds 7 --steps 40
     python benchmarks/per_param_cost.py --load 2               # beside 2 spinning processes
+    python benchmarks/per_param_cost.py --keep-loss            # loss kept until the next step
 
 The model is N x ``nn.Linear(16, 16)`` applied side by side to one batch and
 summed (2 parameters each: ``--params 400`` is 200 layers), world 2 on gloo, one
@@ -25,6 +26,12 @@ round (the two ran side by side), and the table gives its median over the
 rounds with the min-max. With ``--against REV`` the rounds alternate between
 this tree and REV's (a temporary git worktree, as ``ddp_against.py`` makes
 one), each running this tree's measuring code with its own gradring.
+
+Each step's loss dies with the step (``model(x)...backward()``). With
+``--keep-loss`` each model's loss is kept until its next step, as a loop that
+writes ``loss = ...`` keeps it: the last graph is alive while the next forward
+runs, so that forward reuses the parameters' gradient accumulators (which is
+where a hook once left on an accumulator kept costing).
 
 ``--paths`` builds one gradring DDP per ``GRADRING_FAST_PATHS`` setting (the
 core ``none``, each path alone, ``all``) beside torch's, and gives each one's
@@ -66,12 +73,13 @@ def _job_script() -> str:
     from benchmarks.ddp_against import JOB_TEMPLATE
 
     return JOB_TEMPLATE.format(
-        args="tree, bench, here, sizes, steps, paths, rank, world, store = sys.argv[1], "
+        args="tree, bench, here, sizes, steps, flags, rank, world, store = sys.argv[1], "
              "sys.argv[2], sys.argv[3], [int(v) for v in sys.argv[4].split(',')], "
-             "int(sys.argv[5]), sys.argv[6] == '1', int(sys.argv[7]), int(sys.argv[8]), "
+             "int(sys.argv[5]), sys.argv[6], int(sys.argv[7]), int(sys.argv[8]), "
              "sys.argv[9]",
         name="_gr_per_param_cost",
-        call="job.measure_rank(step, rank, world, store, sizes, steps, paths)")
+        call="job.measure_rank(step, rank, world, store, sizes, steps, 'p' in flags, "
+             "keep_loss='k' in flags)")
 
 #: The DDP set-ups of a plain run (pair is the model without DDP).
 PLAIN = ("pair", "torch", "gradring")
@@ -114,8 +122,25 @@ def path_settings() -> list[str]:
     return ["none", *NAMES, "all"]
 
 
+def _keeping_loss(bench: ModuleType) -> None:
+    """Make ``bench``'s training step keep each model's loss until that model's
+    next step, as a loop that writes ``loss = ...`` does: the last graph is
+    still alive while the next forward runs (and reuses its accumulators)."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        kept[id(model)] = loss
+
+    bench.train_step = train_step
+
+
 def measure_rank(bench: ModuleType, rank: int, world: int, store_path: str, sizes: list[int],
-                 steps: int, paths: bool) -> dict[str, dict[str, list[float]]]:
+                 steps: int, paths: bool, keep_loss: bool = False
+                 ) -> dict[str, dict[str, list[float]]]:
     """One rank of a job: per parameter count, each set-up's wall ms of every step
     (``bench``'s ``interleaved_round``). Only gradring's public API is used, so that
     any commit's gradring can run it."""
@@ -125,6 +150,8 @@ def measure_rank(bench: ModuleType, rank: int, world: int, store_path: str, size
     import gradring
 
     torch.set_num_threads(1)
+    if keep_loss:
+        _keeping_loss(bench)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     out: dict[str, dict[str, list[float]]] = {}
@@ -153,15 +180,16 @@ def measure_rank(bench: ModuleType, rank: int, world: int, store_path: str, size
     return out
 
 
-def _job(tree: str, sizes: list[int], steps: int, paths: bool, nproc: int = 2
-         ) -> dict[str, dict[str, float]]:
+def _job(tree: str, sizes: list[int], steps: int, paths: bool, keep_loss: bool = False,
+         nproc: int = 2) -> dict[str, dict[str, float]]:
     """One round in one tree: per parameter count and set-up, the median over
     steps of each step's slowest rank (ms)."""
     from benchmarks.ddp_against import run_ranks
 
     per_rank = run_ranks(tree, _job_script(), [str(Path(__file__).resolve()),
                                                ",".join(map(str, sizes)), str(steps),
-                                               "1" if paths else "0"], nproc, "per-parameter")
+                                               "p" * paths + "k" * keep_loss + "-"],
+                        nproc, "per-parameter")
     return {n: {k: statistics.median(max(col) for col in zip(*(r[n][k] for r in per_rank)))
                 for k in setups}
             for n, setups in per_rank[0].items()}
@@ -230,7 +258,7 @@ def paths_report(rounds: list[dict[str, dict[str, float]]]) -> str:
 
 
 def run(sizes: list[int], rounds: int, steps: int, *, paths: bool = False,
-        against: str | None = None, load: int = 0) -> str:
+        against: str | None = None, load: int = 0, keep_loss: bool = False) -> str:
     """Run the rounds (alternating with REV's tree round by round when ``against``)
     and return the table."""
     if HERE.as_posix() not in sys.path:
@@ -250,7 +278,7 @@ def run(sizes: list[int], rounds: int, steps: int, *, paths: bool = False,
                 order.reverse()
             for tag, tree in order:
                 with competing_load(load):
-                    result = _job(tree, sizes, steps, paths)
+                    result = _job(tree, sizes, steps, paths, keep_loss)
                 (new_runs if tag == "new" else old_runs).append(result)
                 print(f"round {r + 1}/{rounds} {tag}: " + ", ".join(
                     f"{n}: " + " ".join(f"{k} {v:.2f}" for k, v in res.items())
@@ -279,13 +307,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="N CPU-spinning processes beside the ranks (a loaded host)")
     ap.add_argument("--paths", action="store_true",
                     help="one gradring DDP per GRADRING_FAST_PATHS setting (each path's share)")
+    ap.add_argument("--keep-loss", action="store_true",
+                    help="keep each loss until the model's next step (a `loss = ...` loop)")
     a = ap.parse_args(argv)
     bad = [n for n in a.params if n < 2 or n % 2]
     if bad:
         ap.error(f"--params must be even and at least 2 (two per Linear(16, 16)), got {bad}")
     if a.rounds < 1 or a.steps < 1:
         ap.error("--rounds and --steps must be at least 1")
-    print(run(a.params, a.rounds, a.steps, paths=a.paths, against=a.against, load=a.load))
+    print(run(a.params, a.rounds, a.steps, paths=a.paths, against=a.against, load=a.load,
+              keep_loss=a.keep_loss))
     return 0
 
 

@@ -2,32 +2,24 @@
 
 [Note: where the hooks sit]
 The reducer hears of a gradient through a hook that autograd runs once the
-gradient is accumulated into ``.grad``. There are two places for it:
+gradient is accumulated into ``.grad``: a ``register_post_accumulate_grad_hook``
+on the parameter itself. Under torch's DDP the C++ reducer hooks the
+parameter's ``AccumulateGrad`` node instead, whose hooks run after the
+tensor's own; so a user's post-accumulate hook registered after wrapping
+still changes what is reduced there. Here the hooks start *provisional*:
+before each backward, ``follow`` puts the reducer's hook last among the
+parameter's hooks again, until ``settle`` once the bucket order is final
+(or after two synchronised backwards where it never becomes final), which
+covers registering hooks right after wrapping.
 
-- the parameter's gradient accumulator, the ``AccumulateGrad`` node autograd
-  makes for a leaf (torch's own C++ reducer hooks there). Its hooks run
-  after the tensor's own post-accumulate hooks, so a user's hook registered
-  after wrapping still changes what is reduced, as under torch's DDP. The
-  tensor keeps only a weak reference to that node, so this object holds it;
-- the parameter itself (``register_post_accumulate_grad_hook``), about 1 us
-  cheaper per call (autograd builds no argument tuples), and kept through
-  what replaces an accumulator.
-
-The hooks start *provisional*, on the accumulators, and ``settle`` moves
-every one to the tensor once the bucket order is final (or after two
-synchronised backwards where it never becomes final). A user's
-post-accumulate hook registered before that point still runs before the
-reducer's, which covers registering hooks right after wrapping.
-
-Changing a parameter's dtype or device through ``.data`` makes autograd
-drop its accumulator, and a provisional hook with it; DDP's own mixed
-precision does that at every forward. So after each forward, while hooks
-are provisional, ``follow`` checks every parameter's accumulator and moves
-the hook of one that changed to the tensor (about 1 us per parameter, for
-the first two iterations or so). A parameter frozen since the reducer was
-built (``requires_grad_(False)``) cannot take a tensor hook: it keeps its
-accumulator and the hook on it, as under torch's DDP, so that it is heard
-from again once unfrozen.
+The hooks were once on the accumulators while provisional. A node keeps
+the C++ wrapper of a removed Python hook, which builds its argument tuples
+on every call (about 1 us a parameter a backward, measured), and a node
+lives as long as a graph holds it: in a loop that keeps ``loss`` until the
+next forward, that forward reuses the node, so the first node and its dead
+wrapper lived for the whole run. Tensor hooks survive what replaces an
+accumulator (a ``.data`` of another dtype or device, as DDP's own mixed
+precision does at every forward) and a parameter frozen and unfrozen.
 """
 
 from __future__ import annotations
@@ -37,38 +29,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
-# What autograd calls: a tensor hook with the parameter, an accumulator's hook
-# with its argument tuples; the reducer's callback ignores both.
+# What autograd calls with the parameter.
 Hook = Callable[..., Any]
 
 
 class GradHooks:
-    """The reducer's hook on each parameter: provisional on the accumulator
-    until ``settle``, then on the tensor."""
+    """The reducer's hook on each parameter, kept last among the parameter's
+    hooks until ``settle``."""
 
     def __init__(self, params: Sequence[torch.Tensor], on_grad: Hook) -> None:
         self._params = list(params)
         # on_grad(i, *what_autograd_passes) for parameter i.
         self._on_grad = on_grad
-        # Per parameter: the hook's handle, or None while it has none.
-        self._handles: list[Any] = []
-        # Per parameter: the accumulator a provisional hook sits on (held, so
-        # that the hook lives across forwards), or None.
-        self._nodes: list[Any] = []
+        # Per parameter: the hook's handle, or None once remove_all() ran.
+        self._handles: list[Any] = [p.register_post_accumulate_grad_hook(self._hook(i))
+                                    for i, p in enumerate(self._params)]
+        # Whether the hooks are still moved behind the user's (see the Note).
+        self._provisional = True
         # Whether remove_all() ran: no hooks for good.
         self.removed = False
-        with torch.enable_grad():
-            for i, p in enumerate(self._params):
-                node = _accumulator(p)
-                hook = self._hook(i)
-                if node is None:
-                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
-                else:
-                    self._handles.append(node.register_hook(hook))
-                self._nodes.append(node)
-        self._provisional = any(n is not None for n in self._nodes)
         # Per parameter: the builtin that counts its arrival instead of the
         # reducer's hook, or None ([Note: counted slots] in buckets/packed.py).
         self._counters: list[Any] = [None] * len(self._params)
@@ -80,63 +60,48 @@ class GradHooks:
     @property
     def provisional(self) -> bool:
         """Whether the hooks are still provisional (neither ``settle`` nor
-        ``remove_all`` ran, and some hook sits on an accumulator)."""
+        ``remove_all`` ran)."""
         return self._provisional
 
     def follow(self) -> None:
-        """After a forward, while some hooks are provisional: move the hook of
-        each parameter whose accumulator was replaced (its ``.data`` changed
-        dtype or device, as mixed precision's forward does) to the tensor,
-        which keeps it through such changes."""
+        """Before a backward, while the hooks are provisional: make the
+        reducer's hook the last of each parameter's post-accumulate hooks, so
+        that a user's hook registered since runs before it, as under torch's
+        DDP. Autograd calls them in the dict's insertion order, which a pop
+        and a new insertion sets."""
         if not self._provisional:
             return
-        handles, nodes = self._handles, self._nodes
-        with torch.enable_grad():
-            for i, p in enumerate(self._params):
-                node = nodes[i]
-                if node is not None and p.requires_grad and _accumulator(p) is not node:
-                    handles[i].remove()
-                    nodes[i] = None
-                    handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
-        self._provisional = any(n is not None for n in nodes)
+        for p, handle in zip(self._params, self._handles):
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None and len(hooks) > 1 and next(reversed(hooks)) != handle.id:
+                hooks[handle.id] = hooks.pop(handle.id)
 
     def settle(self) -> None:
-        """Move every hook to its tensor and drop the accumulators (see [Note:
-        where the hooks sit])."""
+        """The hooks stay where they are from now on (see [Note: where the hooks sit])."""
         if self.removed or not self._provisional:
             return
-        handles, nodes = self._handles, self._nodes
-        for i, p in enumerate(self._params):
-            if not p.requires_grad:
-                # Frozen since the reducer was built: a tensor takes no hook
-                # then. Its hook stays where it is (on the accumulator, which
-                # is kept, as torch keeps it), for when it is unfrozen.
-                continue
-            if nodes[i] is not None:
-                handles[i].remove()
-                nodes[i] = None
-                handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
+        self.follow()
         self._provisional = False
 
     def on_tensor(self) -> list[bool]:
         """Per parameter, whether its hook sits on the tensor (a builtin can
-        take it: autograd calls it with the parameter alone)."""
-        if self.removed:
-            return [False] * len(self._params)
-        return [h is not None and n is None for h, n in zip(self._handles, self._nodes)]
+        take it: autograd calls it with the parameter alone): all of them,
+        until remove_all()."""
+        return [not self.removed] * len(self._params)
 
     def count_with(self, counters: Sequence[Any]) -> None:
         """Make parameter ``i``'s hook ``counters[i]`` where that is not None,
-        else the reducer's; only hooks that sit on tensors change."""
+        else the reducer's. The function is replaced under the hook's own key,
+        so it keeps its place among the parameter's hooks (and a parameter
+        frozen since, which takes no new hook, changes too)."""
         if self.removed:
             return
-        handles, nodes, now = self._handles, self._nodes, self._counters
+        handles, now = self._handles, self._counters
         for i, p in enumerate(self._params):
             want = counters[i]
-            if nodes[i] is not None or handles[i] is None or want == now[i]:
+            if want == now[i]:
                 continue
-            handles[i].remove()
-            handles[i] = p.register_post_accumulate_grad_hook(
+            p._post_accumulate_grad_hooks[handles[i].id] = (
                 want if want is not None else self._hook(i))
             now[i] = want
 
@@ -146,16 +111,7 @@ class GradHooks:
             if h is not None:
                 h.remove()
         self._handles.clear()
-        self._nodes = [None] * len(self._params)
         self._counters = [None] * len(self._params)
         self._provisional = False
         self.removed = True
 
-
-def _accumulator(p: torch.Tensor) -> Any:
-    """``p``'s gradient accumulator (made now if it has none), or None where
-    ``p`` has none (it does not require a gradient, or is not a leaf)."""
-    if not p.requires_grad or p.grad_fn is not None:
-        return None
-    node = get_gradient_edge(p).node
-    return node if type(node).__name__ == "AccumulateGrad" else None
