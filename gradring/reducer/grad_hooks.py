@@ -20,6 +20,10 @@ next forward, that forward reuses the node, so the first node and its dead
 wrapper lived for the whole run. Tensor hooks survive what replaces an
 accumulator (a ``.data`` of another dtype or device, as DDP's own mixed
 precision does at every forward) and a parameter frozen and unfrozen.
+
+The accumulators are still held, with nothing on them, as torch's reducer
+holds its own: each forward reuses them, where a plain model makes one per
+parameter per step and frees it with the graph.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 # What autograd calls with the parameter.
 Hook = Callable[..., Any]
@@ -52,6 +57,11 @@ class GradHooks:
         # Per parameter: the builtin that counts its arrival instead of the
         # reducer's hook, or None ([Note: counted slots] in buckets/packed.py).
         self._counters: list[Any] = [None] * len(self._params)
+        # Each parameter's gradient accumulator, held (as torch's reducer holds
+        # them) so that each forward reuses it instead of making a new one that
+        # the end of the step frees. Nothing is hooked on them.
+        with torch.enable_grad():
+            self._accumulators = [get_gradient_edge(p).node for p in self._params]
 
     def _hook(self, i: int) -> Hook:
         # A partial of a partial is one partial: still no Python frame of its own.
@@ -111,6 +121,7 @@ class GradHooks:
             if h is not None:
                 h.remove()
         self._handles.clear()
+        self._accumulators.clear()
         self._counters = [None] * len(self._params)
         self._provisional = False
         self.removed = True
